@@ -1,0 +1,44 @@
+"""Ember's bundled models.
+
+``tiny`` is a small llama target and ``tiny-draft`` a 1-layer drafter for it.
+Both share one tokenizer and are trained by ``python -m engine.models.train``
+(see docs/models.md). They ship as package data in mlx-lm's standard layout,
+so ``mlx_lm.load(resolve_model("tiny"))`` works.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+_HERE = pathlib.Path(__file__).resolve().parent
+
+BUNDLED: dict[str, pathlib.Path] = {
+    "tiny": _HERE / "tiny",
+    "tiny-draft": _HERE / "tiny-draft",
+}
+
+
+def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
+    """Map a bundled model name to its directory; anything else is a path.
+
+    Raises FileNotFoundError when the resulting directory does not exist.
+    """
+    key = str(name_or_path)
+    if key in BUNDLED:
+        path = BUNDLED[key]
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"bundled model {key!r} is missing at {path}; rebuild it with "
+                "`python -m engine.models.train` (see docs/models.md)"
+            )
+        return path
+    path = pathlib.Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {key!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}) "
+            f"nor an existing directory"
+        )
+    return path
+
+
+__all__ = ["BUNDLED", "resolve_model"]
