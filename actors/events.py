@@ -1,0 +1,26 @@
+"""Facts the Scheduler publishes to every subscriber.
+
+"Idle" is an event, not a poll: anything that must not compete with serving
+(tensor writes, idle demotion) advances only between an ``EngineIdle`` and the
+next ``EngineBusy``. Subscribers (ColdTier, DurabilityCoordinator, …) accept
+these in their own inbox unions.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineBusy(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Scheduler → subscribers: the first work arrived after an idle period."""
+
+    at: float
+
+
+class EngineIdle(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Scheduler → subscribers: the last row left and nothing is queued."""
+
+    at: float
+
+
+IdleBusy = EngineBusy | EngineIdle

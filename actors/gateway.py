@@ -1,0 +1,199 @@
+"""Gateway: the engine's front door.
+
+Validates requests, applies backpressure (a bounded number of requests in
+flight; over it a clear ``EngineOverloaded``, never an unbounded queue),
+streams each request's deltas back on that request's own stream, turns a
+caller that goes away into an ``Abort``, and reports a request's failure on
+its stream only. While draining it admits nothing new.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
+from actors.scheduler import Abort, Admit, RowDelta
+from engine.errors import EngineDead, EngineDraining, EngineOverloaded, InvalidRequest, RequestFailed
+from engine.ports import ModelInfo
+from engine.types import Delta, SamplingParams
+
+log = logging.getLogger("ember.gateway")
+
+
+# ---------------------------------------------------------------------------
+# Messages the Gateway accepts.
+
+
+class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Caller → Gateway (ask): admit a request; the reply is ``(rid, stream)``
+    or an error (``InvalidRequest``, ``EngineOverloaded``, ``EngineDraining``)."""
+
+    tokens: list[int]
+    params: SamplingParams
+    ns: str = ""
+
+
+class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Caller → Gateway: the caller stopped reading ``rid``'s stream."""
+
+    rid: int
+
+
+class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Scheduler → Gateway: the deltas one step produced, for routing."""
+
+    deltas: list[RowDelta]
+
+
+class Drain(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Engine → Gateway (ask): stop admitting; reply once no request is in flight."""
+
+
+Inbox = Submit | Cancel | StepOutput | Drain
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_batch: int = 8
+    max_queue: int = 64
+
+
+class Gateway(Actor[Inbox]):
+    name = "gateway"
+    inbox_size = 1024
+
+    def __init__(self, cfg: GatewayConfig, info: ModelInfo, scheduler: ActorRef[Any]):
+        super().__init__()
+        self.cfg = cfg
+        self.info = info
+        self.scheduler = scheduler
+        self.streams: dict[int, MemoryObjectSendStream[Any]] = {}
+        self.next_rid = 1
+        self.draining = False
+        self._drain_waiters: list[Envelope[Any]] = []
+        self.rejected = {"overloaded": 0, "invalid": 0, "draining": 0}
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.cfg.max_batch + self.cfg.max_queue
+
+    def validate(self, msg: Submit) -> None:
+        if not msg.tokens:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        p = msg.params
+        if p.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+        if len(msg.tokens) + p.max_tokens > self.info.context_length:
+            raise InvalidRequest(
+                f"prompt ({len(msg.tokens)} tokens) plus max_tokens ({p.max_tokens}) exceeds "
+                f"the model's context of {self.info.context_length} tokens",
+                "max_tokens" if len(msg.tokens) < self.info.context_length else "prompt",
+            )
+        if any(t < 0 or t >= self.info.vocab_size for t in msg.tokens):
+            raise InvalidRequest("a prompt token id is outside the vocabulary", "prompt")
+        if p.temperature < 0 or not math.isfinite(p.temperature):
+            raise InvalidRequest("temperature must be a finite number >= 0", "temperature")
+        if not (0.0 < p.top_p <= 1.0):
+            raise InvalidRequest("top_p must be in (0, 1]", "top_p")
+        if p.top_k < 0:
+            raise InvalidRequest("top_k must be >= 0", "top_k")
+        if not (0.0 <= p.min_p <= 1.0):
+            raise InvalidRequest("min_p must be in [0, 1]", "min_p")
+
+    async def receive(self, msg: Inbox) -> Any:
+        match msg:
+            case Submit():
+                return self._submit(msg)
+            case Cancel():
+                if self.streams.pop(msg.rid, None) is not None:
+                    self._abort(msg.rid)
+                    self._maybe_drained()
+            case StepOutput():
+                self._route(msg.deltas)
+            case Drain():
+                self.draining = True
+                self._drain_waiters.append(self.current)
+                self._maybe_drained()
+                return DEFER
+        return None
+
+    def _submit(self, msg: Submit) -> tuple[int, MemoryObjectReceiveStream[Any]]:
+        if self.draining:
+            self.rejected["draining"] += 1
+            raise EngineDraining("the engine is shutting down")
+        try:
+            self.validate(msg)
+        except InvalidRequest:
+            self.rejected["invalid"] += 1
+            raise
+        if len(self.streams) >= self.max_in_flight:
+            self.rejected["overloaded"] += 1
+            raise EngineOverloaded(f"{len(self.streams)} requests in flight (max {self.max_in_flight})")
+        rid = self.next_rid
+        self.next_rid += 1
+        # Unbounded per-request buffer: a request emits at most max_tokens deltas,
+        # and a slow reader must never stall routing for everyone else.
+        send, recv = anyio.create_memory_object_stream[Any](math.inf)
+        self.streams[rid] = send
+        self.scheduler.tell_nowait(Admit(rid=rid, tokens=msg.tokens, params=msg.params, ns=msg.ns))
+        return rid, recv
+
+    def _abort(self, rid: int) -> None:
+        try:
+            self.scheduler.tell_nowait(Abort(rid=rid))
+        except EngineDead:
+            pass
+
+    def _route(self, deltas: list[RowDelta]) -> None:
+        for d in deltas:
+            send = self.streams.get(d.rid)
+            if send is None:
+                continue
+            item: Any
+            if d.error is not None:
+                item = Failure(RequestFailed(d.error))
+            else:
+                item = Delta(rid=d.rid, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason, usage=d.usage)
+            try:
+                send.send_nowait(item)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                # The caller is gone: its row leaves at the next step.
+                self.streams.pop(d.rid, None)
+                if d.finish_reason is None:
+                    self._abort(d.rid)
+                continue
+            if d.finish_reason is not None or d.error is not None:
+                self.streams.pop(d.rid).close()
+        self._maybe_drained()
+
+    def _maybe_drained(self) -> None:
+        if self._drain_waiters and not self.streams:
+            waiters, self._drain_waiters = self._drain_waiters, []
+            for env in waiters:
+                env.answer(None)
+
+    async def stopping(self, reason: BaseException | None) -> None:
+        dead = EngineDead("engine stopped" + (f": {reason!r}" if reason else ""))
+        for send in self.streams.values():
+            try:
+                send.send_nowait(Failure(dead))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+            send.close()
+        self.streams.clear()
+        for env in self._drain_waiters:
+            env.answer(Failure(dead))
+        self._drain_waiters = []
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "in_flight": len(self.streams),
+            "max_in_flight": self.max_in_flight,
+            "draining": self.draining,
+            "rejected": dict(self.rejected),
+        }

@@ -1,0 +1,197 @@
+"""The actor runtime: bounded inboxes, tell/ask envelopes, supervised shutdown.
+
+An actor is a plain object with a bounded anyio memory-object inbox and one
+task that feeds each message to ``receive``. Senders hold an ``ActorRef``:
+
+* ``tell_nowait`` never blocks (admission, abort and snapshot paths use it);
+  a full inbox raises ``InboxFull`` instead of making the sender a waiter.
+* ``tell`` awaits space (backpressure for paths that may wait).
+* ``ask`` is tell plus a one-shot reply stream carried in the envelope.
+
+Failures travel back to the asker as values (``Failure``), never as a raw
+exception crossing an actor boundary. When an actor stops (clean stop or a
+crash) it fails every ask still queued in its inbox with ``EngineDead``, so no
+caller hangs on a reply that will never come.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from engine.errors import EngineDead, EngineError
+
+log = logging.getLogger("ember.actors")
+
+M = TypeVar("M")
+
+
+class InboxFull(EngineError):
+    """A ``tell_nowait`` found the receiver's bounded inbox full."""
+
+
+DEFER = object()
+"""Returned by ``receive`` to answer an ask later via ``Actor.current.answer``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """An error travelling back to an asker (or down a request stream) as a value."""
+
+    exc: BaseException
+
+
+@dataclass(slots=True)
+class Envelope(Generic[M]):
+    """A message plus the optional one-shot reply stream of an ``ask``."""
+
+    msg: M
+    reply: MemoryObjectSendStream[Any] | None = None
+
+    def answer(self, value: Any) -> None:
+        """Send the reply (a value or a ``Failure``) and close the reply stream."""
+        if self.reply is None:
+            return
+        try:
+            self.reply.send_nowait(value)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the asker went away; nobody to tell
+        finally:
+            self.reply.close()
+
+
+class ActorRef(Generic[M]):
+    """The sending side of an actor's inbox."""
+
+    def __init__(self, name: str, send: MemoryObjectSendStream[Envelope[M]]):
+        self.name = name
+        self._send = send
+
+    def tell_nowait(self, msg: M) -> None:
+        try:
+            self._send.send_nowait(Envelope(msg))
+        except anyio.WouldBlock:
+            raise InboxFull(f"{self.name} inbox is full") from None
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise EngineDead(f"{self.name} has stopped") from None
+
+    async def tell(self, msg: M) -> None:
+        try:
+            await self._send.send(Envelope(msg))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise EngineDead(f"{self.name} has stopped") from None
+
+    async def ask(self, msg: M, *, nowait: bool = False) -> Any:
+        reply_send, reply_recv = anyio.create_memory_object_stream[Any](1)
+        env = Envelope(msg, reply_send)
+        with reply_recv:
+            try:
+                if nowait:
+                    self._send.send_nowait(env)
+                else:
+                    await self._send.send(env)
+            except anyio.WouldBlock:
+                reply_send.close()
+                raise InboxFull(f"{self.name} inbox is full") from None
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                reply_send.close()
+                raise EngineDead(f"{self.name} has stopped") from None
+            try:
+                value = await reply_recv.receive()
+            except anyio.EndOfStream:
+                raise EngineDead(f"{self.name} stopped before answering") from None
+        if isinstance(value, Failure):
+            raise value.exc
+        return value
+
+    def statistics(self):
+        """anyio stream statistics of the inbox (tests assert nothing waits on send)."""
+        return self._send.statistics()
+
+
+class Actor(Generic[M]):
+    """Base class: subclasses set ``name`` and implement ``receive``.
+
+    ``receive`` returns the reply for an ask (ignored for a tell). Raising an
+    ``EngineError`` subclass answers that ask with the error and keeps the
+    actor alive (a per-request failure); any other exception is a bug and
+    crashes the actor, which the engine's supervisor turns into ``EngineDead``
+    for every waiter.
+    """
+
+    name = "actor"
+    inbox_size = 64
+
+    def __init__(self) -> None:
+        size = math.inf if self.inbox_size is None else self.inbox_size
+        self._inbox_send, self._inbox_recv = anyio.create_memory_object_stream[Envelope[M]](size)
+        self.ref: ActorRef[M] = ActorRef(self.name, self._inbox_send)
+        self.stopped = anyio.Event()
+        self.current: Envelope[M] | None = None  # the envelope being handled
+
+    async def started(self) -> None:
+        """Hook run inside the actor task before the first message."""
+
+    async def stopping(self, reason: BaseException | None) -> None:
+        """Hook run when the actor stops; ``reason`` is the crash, if any."""
+
+    async def receive(self, msg: M) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        reason: BaseException | None = None
+        try:
+            await self.started()
+            task_status.started()
+            await self.main()
+        except BaseException as exc:  # noqa: BLE001 - we re-raise after failing waiters
+            reason = exc
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                self._fail_queued(reason)
+                try:
+                    await self.stopping(reason)
+                finally:
+                    self.stopped.set()
+
+    async def main(self) -> None:
+        """The actor's loop: one message at a time until the inbox closes."""
+        async with self._inbox_recv:
+            async for env in self._inbox_recv:
+                await self._dispatch(env)
+
+    async def _dispatch(self, env: Envelope[M]) -> None:
+        self.current = env
+        try:
+            value = await self.receive(env.msg)
+        except EngineError as exc:
+            env.answer(Failure(exc))
+            return
+        except BaseException as exc:
+            env.answer(Failure(EngineDead(f"{self.name} crashed: {exc!r}")))
+            raise
+        if value is not DEFER:
+            env.answer(value)
+
+    def _fail_queued(self, reason: BaseException | None) -> None:
+        """Close the inbox and fail every ask still queued in it."""
+        self._inbox_send.close()
+        dead = EngineDead(f"{self.name} stopped" + (f": {reason!r}" if reason else ""))
+        while True:
+            try:
+                env = self._inbox_recv.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            env.answer(Failure(dead))
+        self._inbox_recv.close()
+
+    def stop(self) -> None:
+        """Ask the actor to finish: it handles what is queued, then stops."""
+        self._inbox_send.close()

@@ -1,0 +1,442 @@
+"""Scheduler: continuous batching with chunked prefill.
+
+Owns the running batch, the step loop and the idle/busy state. A request that
+arrives while a batch runs joins at the next step; finished or aborted rows
+leave at the next step. Prefill is chunked (``prefill_chunk`` tokens per step
+across all prefilling rows) so a long prompt cannot starve the decode of the
+others. The logic is the sync ``SchedulerCore``; the actor is a thin loop that
+feeds it messages, runs its plans on the device and sends what it returns.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import anyio
+import msgspec
+
+from actors.events import EngineBusy, EngineIdle
+from actors.runtime import Actor, ActorRef, Envelope
+from engine.errors import EngineDead
+from engine.eventlog import EventLog
+from engine.ports import Backend, Clock, DecodeRow, Device, OpenRow, PrefillChunk, StepPlan, StepResult
+from engine.textstream import StopMatcher
+from engine.types import SamplingParams, Usage
+
+log = logging.getLogger("ember.scheduler")
+
+
+# ---------------------------------------------------------------------------
+# Messages the Scheduler accepts.
+
+
+class Admit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → Scheduler: a validated request joins the queue (sent with
+    ``tell_nowait``; the Gateway has already applied the queue bound)."""
+
+    rid: int
+    tokens: list[int]
+    params: SamplingParams
+    ns: str = ""
+
+
+class Abort(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → Scheduler: the caller went away; the row leaves at the next step."""
+
+    rid: int
+    reason: str = "abort"
+
+
+class Shutdown(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Engine → Scheduler: stop after the current step."""
+
+
+Inbox = Admit | Abort | Shutdown
+
+
+# ---------------------------------------------------------------------------
+# Row lifecycle: an enum plus a transition table; an illegal move raises.
+
+
+class RowState(enum.Enum):
+    QUEUED = "queued"
+    RESTORING = "restoring"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+ROW_TRANSITIONS: dict[RowState, frozenset[RowState]] = {
+    RowState.QUEUED: frozenset({RowState.RESTORING, RowState.PREFILL, RowState.DECODE, RowState.FINISHED}),
+    RowState.RESTORING: frozenset({RowState.QUEUED, RowState.FINISHED}),
+    RowState.PREFILL: frozenset({RowState.DECODE, RowState.FINISHED}),
+    RowState.DECODE: frozenset({RowState.FINISHED}),
+    RowState.FINISHED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class RowDelta(msgspec.Struct, frozen=True, kw_only=True):
+    rid: int
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+
+class PrefixCache(Protocol):
+    """The RAM prompt-cache tier as the Scheduler uses it (see engine.prompt_cache)."""
+
+    def take(self, tokens: list[int], ns: str) -> tuple[Any, int]: ...
+
+    def put(self, tokens: list[int], ns: str, cache: Any) -> None: ...
+
+
+@dataclass(slots=True)
+class Row:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    ns: str
+    admitted_at: float
+    state: RowState = RowState.QUEUED
+    generated: list[int] = field(default_factory=list)
+    cached: int = 0  # prompt tokens served from the prompt cache
+    in_cache: int = 0  # tokens fed into the row's KV cache so far
+    next_input: int = -1  # token to feed at the next decode
+    detok: Any = None
+    stop: StopMatcher | None = None
+    finish_reason: str | None = None
+    opened: bool = False
+
+    def move(self, to: RowState) -> None:
+        if to not in ROW_TRANSITIONS[self.state]:
+            raise IllegalTransition(f"row {self.rid}: {self.state.value} -> {to.value}")
+        self.state = to
+
+    @property
+    def prefill_total(self) -> int:
+        return len(self.prompt) - 1  # the last prompt token is the first decode input
+
+    def cached_tokens(self) -> list[int]:
+        return (self.prompt + self.generated)[: self.in_cache]
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_batch: int = 8
+    prefill_chunk: int = 512
+
+
+class SchedulerCore:
+    """The scheduling logic, with no awaits: plan a step, apply its result."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        cfg: SchedulerConfig,
+        clock: Clock,
+        events: EventLog,
+        prefix_cache: PrefixCache | None = None,
+    ):
+        self.backend = backend
+        self.cfg = cfg
+        self.clock = clock
+        self.events = events
+        self.prefix_cache = prefix_cache
+        self.rows: dict[int, Row] = {}
+        self.queue: deque[int] = deque()
+        self.active: list[int] = []  # admission order
+        self._closing: list[int] = []
+        self._keep: set[int] = set()
+        self.outbox: list[RowDelta] = []
+        self.steps = 0
+        self.counters = {"admitted": 0, "finished": 0, "aborted": 0, "failed": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
+
+    # ---- messages ----------------------------------------------------------
+    def admit(self, msg: Admit) -> None:
+        now = self.clock.now()
+        row = Row(msg.rid, list(msg.tokens), msg.params, msg.ns, now)
+        row.stop = StopMatcher(msg.params.stop)
+        self.rows[msg.rid] = row
+        self.queue.append(msg.rid)
+        self.counters["admitted"] += 1
+        self.counters["prompt_tokens"] += len(row.prompt)
+        self.events.record("admit", now, rid=msg.rid, prompt=len(row.prompt), max_tokens=msg.params.max_tokens)
+
+    def abort(self, rid: int, reason: str = "abort") -> None:
+        row = self.rows.get(rid)
+        if row is None or row.state is RowState.FINISHED:
+            return
+        self.counters["aborted"] += 1
+        self._finish(row, reason, keep_cache=row.opened)
+        self.events.record("abort", self.clock.now(), rid=rid)
+
+    # ---- state -------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.queue or self.active or self._closing)
+
+    def _finish(self, row: Row, reason: str, *, keep_cache: bool, error: str | None = None) -> None:
+        was_queued = row.state in (RowState.QUEUED, RowState.RESTORING)
+        row.move(RowState.FINISHED)
+        row.finish_reason = reason
+        tail = ""
+        if row.detok is not None and error is None:
+            row.detok.finalize()
+            tail = row.stop.feed(row.detok.last_segment) + row.stop.flush()
+        usage = Usage(prompt_tokens=len(row.prompt), completion_tokens=len(row.generated), cached_tokens=row.cached)
+        self.outbox.append(RowDelta(rid=row.rid, text=tail, finish_reason=reason, usage=usage, error=error))
+        if was_queued:
+            try:
+                self.queue.remove(row.rid)
+            except ValueError:
+                pass
+            del self.rows[row.rid]
+            return
+        self.active.remove(row.rid)
+        self._closing.append(row.rid)
+        if keep_cache and self.prefix_cache is not None and error is None:
+            self._keep.add(row.rid)
+
+    # ---- planning ----------------------------------------------------------
+    def _open(self, row: Row, plan: StepPlan) -> None:
+        cache, cached = None, 0
+        if self.prefix_cache is not None:
+            cache, cached = self.prefix_cache.take(row.prompt, row.ns)
+            cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
+        row.cached = row.in_cache = cached
+        self.counters["cached_tokens"] += cached
+        row.detok = self.backend.tokenizer.detokenizer()
+        row.next_input = row.prompt[-1]
+        row.opened = True
+        plan.open.append(OpenRow(row.rid, row.params, cache, cached))
+        row.move(RowState.PREFILL if cached < row.prefill_total else RowState.DECODE)
+        self.active.append(row.rid)
+        self.events.record("open", self.clock.now(), rid=row.rid, cached=cached)
+
+    def plan(self) -> StepPlan:
+        plan = StepPlan(close=self._closing, keep_cache=self._keep)
+        self._closing, self._keep = [], set()
+        while self.queue and len(self.active) < self.cfg.max_batch:
+            self._open(self.rows[self.queue.popleft()], plan)
+        budget = self.cfg.prefill_chunk
+        for rid in self.active:
+            row = self.rows[rid]
+            if row.state is not RowState.PREFILL or budget <= 0:
+                continue
+            n = min(budget, row.prefill_total - row.in_cache)
+            plan.prefill.append(PrefillChunk(rid, row.prompt[row.in_cache : row.in_cache + n]))
+            row.in_cache += n
+            budget -= n
+            if row.in_cache == row.prefill_total:
+                row.move(RowState.DECODE)  # its last prompt token decodes in this same step
+        for rid in self.active:
+            row = self.rows[rid]
+            if row.state is RowState.DECODE:
+                plan.decode.append(DecodeRow(rid, row.next_input))
+        self.steps += 1
+        self.events.record(
+            "step",
+            self.clock.now(),
+            n=self.steps,
+            open=[o.rid for o in plan.open],
+            close=list(plan.close),
+            prefill=[(c.rid, len(c.tokens)) for c in plan.prefill],
+            decode=[d.rid for d in plan.decode],
+        )
+        return plan
+
+    # ---- applying ----------------------------------------------------------
+    def apply(self, plan: StepPlan, result: StepResult) -> None:
+        for rid, cache in result.closed.items():
+            row = self.rows.pop(rid, None)
+            if row is not None and self.prefix_cache is not None:
+                self.prefix_cache.put(row.cached_tokens(), row.ns, cache)
+        for rid in plan.close:
+            self.rows.pop(rid, None)
+        for rid, err in result.errors.items():
+            self._fail(rid, err)
+        for rid, token in result.tokens.items():
+            row = self.rows.get(rid)
+            if row is None or row.state is not RowState.DECODE:
+                continue  # aborted while the step ran
+            row.in_cache += 1
+            self._emit(row, [token])
+
+    def fail_step(self, plan: StepPlan, error: str) -> None:
+        """A step raised a per-request error: fail every row it touched."""
+        touched = {o.rid for o in plan.open} | {c.rid for c in plan.prefill} | {d.rid for d in plan.decode}
+        touched |= {v.rid for v in plan.verify}
+        for rid in plan.close:
+            self.rows.pop(rid, None)
+        for rid in sorted(touched):
+            self._fail(rid, error)
+
+    def _fail(self, rid: int, error: str) -> None:
+        row = self.rows.get(rid)
+        if row is None or row.state is RowState.FINISHED:
+            return
+        self.counters["failed"] += 1
+        self.events.record("fail", self.clock.now(), rid=rid)
+        self._finish(row, "error", keep_cache=False, error=error)
+
+    def _emit(self, row: Row, tokens: list[int]) -> None:
+        """Append sampled tokens to a row; finish it on EOS, a stop string or length."""
+        eos = self.backend.tokenizer.eos_token_ids
+        text_parts: list[str] = []
+        out_ids: list[int] = []
+        reason = None
+        for tok in tokens:
+            if tok in eos and not row.params.ignore_eos:
+                reason = "stop"
+                break
+            row.generated.append(tok)
+            out_ids.append(tok)
+            self.counters["generated_tokens"] += 1
+            row.detok.add_token(tok)
+            text_parts.append(row.stop.feed(row.detok.last_segment))
+            if row.stop.stopped:
+                reason = "stop"
+                break
+            if len(row.generated) >= row.params.max_tokens:
+                reason = "length"
+                break
+        row.next_input = row.generated[-1] if row.generated else row.next_input
+        if reason is None:
+            self.outbox.append(RowDelta(rid=row.rid, text="".join(text_parts), token_ids=out_ids))
+            return
+        if out_ids or text_parts:
+            self.outbox.append(RowDelta(rid=row.rid, text="".join(text_parts), token_ids=out_ids))
+        self.counters["finished"] += 1
+        self.events.record("finish", self.clock.now(), rid=row.rid, reason=reason, n=len(row.generated))
+        self._finish(row, reason, keep_cache=True)
+
+    def take_outbox(self) -> list[RowDelta]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ---- stats -------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        prefill = [
+            {"rid": r.rid, "done": r.in_cache, "total": r.prefill_total}
+            for r in (self.rows[rid] for rid in self.active)
+            if r.state is RowState.PREFILL
+        ]
+        return {
+            "steps": self.steps,
+            "queued": len(self.queue),
+            "active_rows": len(self.active),
+            "max_batch": self.cfg.max_batch,
+            "prefill": prefill,
+            **self.counters,
+        }
+
+
+class Scheduler(Actor[Inbox]):
+    name = "scheduler"
+    inbox_size = 4096  # Admit/Abort arrive with send_nowait; the Gateway bounds in-flight work
+
+    def __init__(
+        self,
+        core: SchedulerCore,
+        device: Device,
+        output: Callable[[list[RowDelta]], Any],
+        subscribers: list[ActorRef[Any]] | None = None,
+        step_timeout_s: float | None = None,
+    ):
+        super().__init__()
+        self.core = core
+        self.device = device
+        self.output = output
+        self.subscribers = list(subscribers or [])
+        self.step_timeout_s = step_timeout_s
+        self.is_busy = False
+
+    def subscribe(self, ref: ActorRef[Any]) -> None:
+        self.subscribers.append(ref)
+
+    def _publish(self, busy: bool) -> None:
+        if busy == self.is_busy:
+            return
+        self.is_busy = busy
+        now = self.core.clock.now()
+        event = EngineBusy(at=now) if busy else EngineIdle(at=now)
+        self.core.events.record("busy" if busy else "idle", now)
+        for ref in self.subscribers:
+            try:
+                ref.tell_nowait(event)
+            except Exception:  # a subscriber that cannot keep up loses an edge, never blocks us
+                log.warning("[scheduler] subscriber %s missed %s", ref.name, type(event).__name__)
+
+    def _handle(self, env: Envelope[Inbox]) -> bool:
+        msg = env.msg
+        match msg:
+            case Admit():
+                self.core.admit(msg)
+            case Abort():
+                self.core.abort(msg.rid, msg.reason)
+            case Shutdown():
+                env.answer(None)
+                return False
+        env.answer(None)
+        return True
+
+    async def main(self) -> None:
+        async with self._inbox_recv:
+            while True:
+                # Everything already queued is handled between steps, in O(1) each.
+                while True:
+                    try:
+                        env = self._inbox_recv.receive_nowait()
+                    except anyio.WouldBlock:
+                        break
+                    except anyio.EndOfStream:
+                        return
+                    if not self._handle(env):
+                        return
+                if not self.core.has_work():
+                    self._publish(False)
+                    try:
+                        env = await self._inbox_recv.receive()
+                    except anyio.EndOfStream:
+                        return
+                    if not self._handle(env):
+                        return
+                    continue
+                self._publish(True)
+                await self._step()
+
+    async def _step(self) -> None:
+        core = self.core
+        plan = core.plan()
+        cost = core.backend.step_cost_s(plan)
+        try:
+            with anyio.fail_after(self.step_timeout_s) if self.step_timeout_s else _nullcontext():
+                result = await self.device.run(core.backend.step, plan, cost_s=cost)
+        except TimeoutError:
+            raise EngineDead(f"GPU step {core.steps} hung past {self.step_timeout_s}s") from None
+        except MemoryError as exc:
+            log.warning("[scheduler] step %d failed: %r", core.steps, exc)
+            core.fail_step(plan, f"{type(exc).__name__}: {exc}")
+            result = None
+        if result is not None:
+            core.apply(plan, result)
+        core.events.record("step_end", core.clock.now(), n=core.steps)
+        deltas = core.take_outbox()
+        if deltas:
+            await self.output(deltas)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,312 @@
+"""The embedded API: ``Engine.open`` (async) and ``Engine.start`` (sync facade).
+
+    async with Engine.open(EngineConfig(backend="fake")) as engine:
+        async for delta in engine.agenerate("hello", SamplingParams(max_tokens=8)):
+            print(delta.text, end="")
+
+    engine = Engine.start(EngineConfig())
+    for delta in engine.generate("def main():"):
+        ...
+    engine.stop()
+
+The actors start in one task group in dependency order; shutdown is the
+nesting order. An actor that crashes takes the engine down: every waiter gets
+``EngineDead`` and the engine refuses new work.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Iterator
+
+import anyio
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from actors.gateway import Cancel, Drain, Gateway, GatewayConfig, StepOutput, Submit
+from actors.runtime import Actor, Failure
+from actors.scheduler import RowDelta, Scheduler, SchedulerConfig, SchedulerCore, Shutdown
+from engine.config import EngineConfig
+from engine.errors import EngineDead, EngineError
+from engine.eventlog import EventLog
+from engine.ports import Backend, Clock, Device, InlineDevice, LoopClock
+from engine.types import Delta, SamplingParams, Usage
+
+log = logging.getLogger("ember.engine")
+
+
+def build_backend(config: EngineConfig, clock: Clock) -> tuple[Backend, Device]:
+    """Make the backend named by the config and the device its calls run on."""
+    if config.backend == "fake":
+        from engine.fake_gpu import FakeBackend
+
+        return FakeBackend(config.fake), InlineDevice(clock)
+    from engine.mlx_backend import load_mlx_backend
+
+    return load_mlx_backend(config)
+
+
+class Completion:
+    """The collected result of one request."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.token_ids.extend(d.token_ids)
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+            self.usage = d.usage
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        backend: Backend,
+        device: Device,
+        clock: Clock,
+        events: EventLog,
+    ):
+        self.config = config
+        self.backend = backend
+        self.device = device
+        self.clock = clock
+        self.events = events
+        self.tokenizer = backend.tokenizer
+        self.info = backend.info
+        self.dead: BaseException | None = None
+        self.ready = False
+        self._portal: BlockingPortal | None = None
+        self._portal_cm: Any = None
+        self._open_cm: Any = None
+        self.prefix_cache = self._make_prefix_cache()
+        self.core = SchedulerCore(
+            backend,
+            SchedulerConfig(max_batch=config.max_batch, prefill_chunk=config.prefill_chunk),
+            clock,
+            events,
+            self.prefix_cache,
+        )
+        self.scheduler = Scheduler(self.core, device, self._deliver, step_timeout_s=config.step_timeout_s)
+        self.gateway = Gateway(
+            GatewayConfig(max_batch=config.max_batch, max_queue=config.max_queue),
+            backend.info,
+            self.scheduler.ref,
+        )
+        self.actors: list[Actor[Any]] = [self.scheduler, self.gateway]
+        self._actor_scope: anyio.CancelScope | None = None
+
+    def _make_prefix_cache(self) -> Any:
+        """The RAM prompt-cache tier (None when disabled or not built yet)."""
+        return None
+
+    async def _deliver(self, deltas: list[RowDelta]) -> None:
+        await self.gateway.ref.tell(StepOutput(deltas=deltas))
+
+    # ---- lifecycle -------------------------------------------------------
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        config: EngineConfig | None = None,
+        *,
+        backend: Backend | None = None,
+        device: Device | None = None,
+        clock: Clock | None = None,
+        events: EventLog | None = None,
+    ) -> AsyncIterator["Engine"]:
+        config = (config or EngineConfig()).validate()
+        clock = clock or LoopClock()
+        if backend is None:
+            backend, device = build_backend(config, clock)
+        engine = cls(config, backend, device or InlineDevice(clock), clock, events or EventLog())
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(engine._run_actors)
+                engine.ready = True
+                try:
+                    yield engine
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await engine._shutdown()
+                    tg.cancel_scope.cancel()
+        finally:
+            engine.device.close()
+
+    async def _run_actors(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._actor_scope = tg.cancel_scope
+            for actor in self.actors:  # dependency order
+                await tg.start(self._supervise, actor)
+            task_status.started()
+
+    async def _supervise(self, actor: Actor[Any], *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        try:
+            await actor.run(task_status=task_status)
+        except Exception as exc:  # an actor crashed: the engine is dead, waiters get EngineDead
+            if self.dead is None:
+                self.dead = exc
+                log.error("[engine] actor %s crashed: %r", actor.name, exc, exc_info=exc)
+            self.ready = False
+            if self._actor_scope is not None:
+                self._actor_scope.cancel()
+
+    async def _shutdown(self) -> None:
+        """Graceful stop: no new admissions, let active requests finish, stop actors."""
+        self.ready = False
+        if self.dead is None:
+            with anyio.move_on_after(self.config.shutdown_timeout_s) as scope:
+                try:
+                    await self.gateway.ref.ask(Drain())
+                    await self.before_stop()
+                except EngineDead:
+                    pass
+            if scope.cancelled_caught:
+                log.error("[engine] shutdown deadline of %ss passed with work pending", self.config.shutdown_timeout_s)
+        for actor in reversed(self.actors):
+            actor.stop()
+        if self._actor_scope is not None:
+            with anyio.move_on_after(5):
+                for actor in self.actors:
+                    await actor.stopped.wait()
+            self._actor_scope.cancel()
+
+    async def before_stop(self) -> None:
+        """Hook between draining and stopping the actors (the durability flush)."""
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDead(f"the engine died: {self.dead!r}")
+
+    # ---- requests --------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    async def agenerate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        ns: str = "",
+    ) -> AsyncIterator[Delta]:
+        """Stream a request's deltas; the last carries ``finish_reason`` and ``usage``."""
+        self._check_alive()
+        tokens = self.encode(prompt)
+        rid, stream = await self.gateway.ref.ask(Submit(tokens=tokens, params=params or SamplingParams(), ns=ns), nowait=True)
+        finished = False
+        try:
+            async with stream:
+                async for item in stream:
+                    if isinstance(item, Failure):
+                        finished = True
+                        raise item.exc
+                    yield item
+                    if item.finish_reason is not None:
+                        finished = True
+                        return
+            finished = True
+            raise EngineDead("the request stream ended without a finish")
+        finally:
+            if not finished:
+                try:
+                    self.gateway.ref.tell_nowait(Cancel(rid=rid))
+                except EngineError:
+                    pass
+
+    async def achat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *, ns: str = "") -> AsyncIterator[Delta]:
+        async for d in self.agenerate(self.tokenizer.apply_chat_template(messages), params, ns=ns):
+            yield d
+
+    async def acomplete(self, prompt: str | list[int], params: SamplingParams | None = None, *, ns: str = "") -> Completion:
+        out = Completion()
+        async for d in self.agenerate(prompt, params, ns=ns):
+            out.add(d)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "model": self.info.model_id,
+            "ready": self.ready,
+            "dead": repr(self.dead) if self.dead else None,
+            "scheduler": self.core.stats(),
+            "gateway": self.gateway.stats(),
+        }
+
+    # ---- sync facade -------------------------------------------------------
+    @classmethod
+    def start(cls, config: EngineConfig | None = None, **kw: Any) -> "Engine":
+        """Start an engine on a background event-loop thread (blocking portal)."""
+        portal_cm = start_blocking_portal()
+        portal = portal_cm.__enter__()
+        try:
+            open_cm = portal.wrap_async_context_manager(cls.open(config, **kw))
+            engine = open_cm.__enter__()
+        except BaseException:
+            portal_cm.__exit__(None, None, None)
+            raise
+        engine._portal, engine._portal_cm, engine._open_cm = portal, portal_cm, open_cm
+        return engine
+
+    def stop(self) -> None:
+        if self._portal is None:
+            raise RuntimeError("stop() is for engines made by Engine.start(); use `async with Engine.open()`")
+        open_cm, portal_cm = self._open_cm, self._portal_cm
+        self._portal = self._open_cm = self._portal_cm = None
+        try:
+            open_cm.__exit__(None, None, None)
+        finally:
+            portal_cm.__exit__(None, None, None)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, ns: str = "") -> Iterator[Delta]:
+        """Sync twin of ``agenerate`` (engines made by ``Engine.start``)."""
+        portal = self._portal
+        if portal is None:
+            raise RuntimeError("generate() is the sync facade; use agenerate() inside the event loop")
+        q: queue.Queue[Any] = queue.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for d in self.agenerate(prompt, params, ns=ns):
+                    q.put(d)
+            except BaseException as exc:  # noqa: BLE001 - handed to the sync caller
+                q.put(Failure(exc))
+            finally:
+                q.put(done)
+
+        fut = portal.start_task_soon(pump)
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    return
+                if isinstance(item, Failure):
+                    raise item.exc
+                yield item
+        finally:
+            if not fut.done():
+                fut.cancel()
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001 - cancellation of the pump
+                    pass
+
+    def complete(self, prompt: str | list[int], params: SamplingParams | None = None, *, ns: str = "") -> Completion:
+        out = Completion()
+        for d in self.generate(prompt, params, ns=ns):
+            out.add(d)
+        return out
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run an async engine method from the sync facade's caller thread."""
+        if self._portal is None:
+            raise RuntimeError("call() is for engines made by Engine.start()")
+        return self._portal.call(fn, *args)

@@ -1,0 +1,54 @@
+"""Engine configuration: one frozen struct, validated once at startup."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.fake_gpu import FakeGPUConfig
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # backend: "fake" (deterministic fake GPU) or "mlx" (mlx-lm models)
+    backend: str = "mlx"
+    model: str = "tiny"  # bundled name or an mlx-lm model directory
+    fake: FakeGPUConfig = FakeGPUConfig()
+    # batching
+    max_batch: int = 8
+    max_queue: int = 64
+    prefill_chunk: int = 512
+    step_timeout_s: float | None = None
+    # tiered prompt cache
+    prompt_cache_gib: float = 2.0  # RAM tier cap; 0 disables
+    ssd_cache_dir: str | None = None
+    ssd_cache_max_gib: float = 32.0
+    ssd_cache_verify: bool = False
+    ssd_demote_idle_s: float | None = None  # None: 300 when the SSD tier is on
+    # durability
+    writebehind: bool = True
+    writebehind_debounce_s: float = 1.0
+    writebehind_busy_retry_s: float = 5.0
+    spill_queue_gib: float = 2.0
+    shutdown_timeout_s: float = 120.0
+    # speculative decoding
+    draft_model: str | None = None  # path, "tiny-draft" or "ngram"
+    num_draft_tokens: int | None = None  # None: adaptive
+    # misc
+    seed: int = 0
+    model_name: str | None = None  # the name served in /v1/models
+
+    def validate(self) -> "EngineConfig":
+        from engine.errors import InvalidRequest
+
+        if self.backend not in ("fake", "mlx"):
+            raise InvalidRequest(f"unknown backend {self.backend!r} (fake or mlx)", "backend")
+        if self.max_batch < 1:
+            raise InvalidRequest("max_batch must be >= 1", "max_batch")
+        if self.max_queue < 0:
+            raise InvalidRequest("max_queue must be >= 0", "max_queue")
+        if self.prefill_chunk < 1:
+            raise InvalidRequest("prefill_chunk must be >= 1", "prefill_chunk")
+        if self.prompt_cache_gib < 0:
+            raise InvalidRequest("prompt_cache_gib must be >= 0", "prompt_cache_gib")
+        if self.ssd_cache_dir and self.prompt_cache_gib == 0:
+            raise InvalidRequest("the SSD cache needs the RAM tier: --prompt-cache 0 with --ssd-cache", "prompt_cache_gib")
+        return self

@@ -1,0 +1,354 @@
+"""A deterministic fake GPU that implements the same ``Backend`` port as MLX.
+
+The next token is a pure function of the context tokens: each layer's cache
+stores, per position, the token and a running hash of the whole prefix, and
+the logits are drawn from a generator seeded by (model seed, running hash at
+the last position). So any test knows the exact expected output
+(``expected_tokens``) without running the engine, and a cache that was
+restored, trimmed or reused wrongly yields different tokens.
+
+Caches are real arrays with the shape and trim semantics of mlx-lm's
+``KVCache`` (numpy, ``(1, heads, capacity, head_dim)``, capacity in steps of
+256), so the cold tier persists and restores them like MLX caches.
+Time is a cost model (prefill ``a + b·tokens``, decode ``c + d·rows``, verify
+per window token) slept in virtual time by ``InlineDevice``; faults (slow
+step, hung step, out-of-memory) are seeded knobs.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import math
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from engine.ports import ModelInfo, StepPlan, StepResult
+from engine.types import SamplingParams
+
+HASH_MOD = 16_777_213  # prime below 2**24: a running hash stays exact in float32
+HASH_MUL = 1_000_003
+
+
+class FakeGPUConfig(msgspec.Struct, frozen=True, kw_only=True):
+    seed: int = 0
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 4
+    context_length: int = 32_768
+    eos_bias: float = 0.0  # added to the EOS logit; >0 makes EOS appear
+    # cost model, seconds
+    prefill_a: float = 0.004
+    prefill_b: float = 0.00005
+    decode_c: float = 0.010
+    decode_d: float = 0.0005
+    verify_b: float = 0.0006
+    # faults
+    fault_seed: int = 0
+    slow_step_prob: float = 0.0
+    slow_step_factor: float = 20.0
+    hang_step_prob: float = 0.0
+    oom_step_prob: float = 0.0
+
+
+# --------------------------------------------------------------------------
+# Tokenizer: bytes are tokens 0..255, EOS is 256.
+
+
+class ByteDetokenizer:
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._segment = ""
+
+    def add_token(self, token: int) -> None:
+        self._segment = self._dec.decode(bytes([token])) if token < 256 else ""
+
+    def finalize(self) -> None:
+        self._segment = self._dec.decode(b"", final=True)
+
+    @property
+    def last_segment(self) -> str:
+        seg, self._segment = self._segment, ""
+        return seg
+
+
+class ByteTokenizer:
+    EOS = 256
+    vocab_size = 260
+
+    def __init__(self) -> None:
+        self.eos_token_ids = {self.EOS}
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens: list[int]) -> str:
+        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+    def detokenizer(self) -> ByteDetokenizer:
+        return ByteDetokenizer()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages)
+        return self.encode(text + "<|assistant|>")
+
+
+# --------------------------------------------------------------------------
+# Cache: numpy mirror of mlx_lm.models.cache.KVCache.
+
+
+class FakeKVCache:
+    step = 256
+
+    def __init__(self) -> None:
+        self.keys: np.ndarray | None = None
+        self.values: np.ndarray | None = None
+        self.offset = 0
+
+    def update(self, keys: np.ndarray, values: np.ndarray) -> None:
+        prev, n = self.offset, keys.shape[2]
+        if self.keys is None or prev + n > self.keys.shape[2]:
+            steps = (self.step + n - 1) // self.step
+            shape_k = (1, keys.shape[1], steps * self.step, keys.shape[3])
+            shape_v = (1, values.shape[1], steps * self.step, values.shape[3])
+            new_k = np.zeros(shape_k, keys.dtype)
+            new_v = np.zeros(shape_v, values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = np.concatenate([self.keys[..., :prev, :], new_k], axis=2)
+                self.values = np.concatenate([self.values[..., :prev, :], new_v], axis=2)
+        self.keys[..., prev : prev + n, :] = keys
+        self.values[..., prev : prev + n, :] = values
+        self.offset += n
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset
+
+    @state.setter
+    def state(self, v) -> None:
+        self.keys, self.values, self.offset = v
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in use (tokens up to ``offset``), not the step-padded capacity."""
+        if self.keys is None:
+            return 0
+        per_token = self.keys[..., :1, :].nbytes + self.values[..., :1, :].nbytes
+        return per_token * self.offset
+
+    def copy(self) -> "FakeKVCache":
+        c = FakeKVCache()
+        if self.keys is not None:
+            c.keys = self.keys[..., : self.offset, :].copy()
+            c.values = self.values[..., : self.offset, :].copy()
+        c.offset = self.offset
+        return c
+
+
+# --------------------------------------------------------------------------
+# The deterministic "model".
+
+
+def _initial_hash(seed: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"ember-fake-{seed}".encode(), digest_size=4).digest()) % HASH_MOD
+
+
+def _advance(h: int, token: int) -> int:
+    return (h * HASH_MUL + token + 1) % HASH_MOD
+
+
+def fake_logits(seed: int, h: int, vocab: int, eos_bias: float = 0.0) -> np.ndarray:
+    """Logits after a context whose running hash is ``h``."""
+    rng = np.random.Generator(np.random.PCG64([seed, h]))
+    logits = rng.standard_normal(vocab).astype(np.float32) * 3.0
+    logits[ByteTokenizer.EOS] += eos_bias - 4.0
+    logits[ByteTokenizer.EOS + 1 :] = -np.inf  # spare ids never appear
+    return logits
+
+
+def sample_token(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; else temperature, top-k, top-p, min-p, then a draw."""
+    if sp.temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / sp.temperature
+    z = z - np.max(z)
+    p = np.exp(z)
+    p /= p.sum()
+    keep = np.ones_like(p, dtype=bool)
+    if sp.top_k and sp.top_k > 0:
+        kth = np.sort(p)[-min(sp.top_k, p.size)]
+        keep &= p >= kth
+    if sp.top_p < 1.0:
+        order = np.argsort(-p)
+        csum = np.cumsum(p[order])
+        cut = np.searchsorted(csum, sp.top_p) + 1
+        mask = np.zeros_like(keep)
+        mask[order[:cut]] = True
+        keep &= mask
+    if sp.min_p > 0:
+        keep &= p >= sp.min_p * p.max()
+    p = np.where(keep, p, 0.0)
+    p /= p.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+def expected_tokens(
+    prompt: list[int],
+    n: int,
+    cfg: FakeGPUConfig = FakeGPUConfig(),
+    *,
+    stop_at_eos: bool = True,
+) -> list[int]:
+    """The reference greedy continuation, computed without any cache."""
+    h = _initial_hash(cfg.seed)
+    for t in prompt:
+        h = _advance(h, t)
+    out: list[int] = []
+    for _ in range(n):
+        tok = int(np.argmax(fake_logits(cfg.seed, h, ByteTokenizer.vocab_size, cfg.eos_bias)))
+        out.append(tok)
+        if stop_at_eos and tok == ByteTokenizer.EOS:
+            break
+        h = _advance(h, tok)
+    return out
+
+
+class _Row:
+    __slots__ = ("cache", "sampling", "rng")
+
+    def __init__(self, cache: list[FakeKVCache], sampling: SamplingParams, rng: np.random.Generator):
+        self.cache = cache
+        self.sampling = sampling
+        self.rng = rng
+
+
+class FakeBackend:
+    """Implements ``engine.ports.Backend`` on numpy."""
+
+    def __init__(self, cfg: FakeGPUConfig = FakeGPUConfig()):
+        self.cfg = cfg
+        self.tokenizer = ByteTokenizer()
+        fp = hashlib.blake2b(msgspec.json.encode(cfg), digest_size=8).hexdigest()
+        self.info = ModelInfo(
+            model_id=f"fake-gpu-{cfg.seed}",
+            vocab_size=ByteTokenizer.vocab_size,
+            context_length=cfg.context_length,
+            config_fingerprint=fp,
+            tokenizer_hash="bytes-v1",
+            num_layers=cfg.num_layers,
+        )
+        self._h0 = _initial_hash(cfg.seed)
+        self._rows: dict[int, _Row] = {}
+        self._fault_rng = np.random.Generator(np.random.PCG64(cfg.fault_seed))
+        self.steps = 0
+
+    # ---- caches --------------------------------------------------------
+    def make_cache(self) -> list[FakeKVCache]:
+        return [FakeKVCache() for _ in range(self.cfg.num_layers)]
+
+    def cache_nbytes(self, cache: list[FakeKVCache]) -> int:
+        return sum(c.nbytes for c in cache)
+
+    def clone_cache(self, cache: list[FakeKVCache]) -> list[FakeKVCache]:
+        return [c.copy() for c in cache]
+
+    def trim_cache(self, cache: list[FakeKVCache], n: int) -> int:
+        return min(c.trim(n) for c in cache) if cache else 0
+
+    def cache_trimmable(self, cache: list[FakeKVCache]) -> bool:
+        return all(c.is_trimmable() for c in cache)
+
+    def _feed(self, cache: list[FakeKVCache], tokens: list[int]) -> int:
+        """Append tokens to every layer; return the running hash after them."""
+        last = cache[-1]
+        if last.offset:
+            h = int(last.values[0, 0, last.offset - 1, 0])
+        else:
+            h = self._h0
+        H, D = self.cfg.num_kv_heads, self.cfg.head_dim
+        n = len(tokens)
+        hashes = np.empty(n, np.float32)
+        pos = np.arange(last.offset, last.offset + n, dtype=np.float32)
+        for i, t in enumerate(tokens):
+            h = _advance(h, t)
+            hashes[i] = h
+        toks = np.asarray(tokens, np.float32)
+        keys = np.zeros((1, H, n, D), np.float32)
+        keys[..., 0] = toks
+        keys[..., 1] = pos
+        values = np.zeros((1, H, n, D), np.float32)
+        values[..., 0] = hashes
+        values[..., 1] = toks
+        for c in cache:
+            c.update(keys, values)
+        return h
+
+    def _next(self, row: _Row, h: int) -> int:
+        logits = fake_logits(self.cfg.seed, h, ByteTokenizer.vocab_size, self.cfg.eos_bias)
+        return sample_token(logits, row.sampling, row.rng)
+
+    # ---- the port --------------------------------------------------------
+    def step_cost_s(self, plan: StepPlan) -> float:
+        cfg = self.cfg
+        cost = 0.0
+        if plan.prefill:
+            cost += cfg.prefill_a + cfg.prefill_b * sum(len(c.tokens) for c in plan.prefill)
+        if plan.decode:
+            cost += cfg.decode_c + cfg.decode_d * len(plan.decode)
+        if plan.verify:
+            cost += cfg.decode_c + cfg.verify_b * sum(len(v.tokens) for v in plan.verify)
+        if cost and cfg.slow_step_prob and self._fault_rng.random() < cfg.slow_step_prob:
+            cost *= cfg.slow_step_factor
+        if cost and cfg.hang_step_prob and self._fault_rng.random() < cfg.hang_step_prob:
+            cost = math.inf
+        return cost
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.steps += 1
+        res = StepResult()
+        for rid in plan.close:
+            row = self._rows.pop(rid, None)
+            if row is not None and rid in plan.keep_cache:
+                res.closed[rid] = row.cache
+        for o in plan.open:
+            seed = o.sampling.seed if o.sampling.seed is not None else (self.cfg.seed << 20) + o.rid
+            cache = o.cache if o.cache is not None else self.make_cache()
+            self._rows[o.rid] = _Row(cache, o.sampling, np.random.Generator(np.random.PCG64(seed)))
+        for rid, n in plan.trim:
+            self.trim_cache(self._rows[rid].cache, n)
+        if self.cfg.oom_step_prob and (plan.prefill or plan.decode or plan.verify):
+            if self._fault_rng.random() < self.cfg.oom_step_prob:
+                raise MemoryError("fake GPU: out of memory")
+        for c in plan.prefill:
+            self._feed(self._rows[c.rid].cache, c.tokens)
+        for d in plan.decode:
+            row = self._rows[d.rid]
+            res.tokens[d.rid] = self._next(row, self._feed(row.cache, [d.token]))
+        for v in plan.verify:
+            row = self._rows[v.rid]
+            out = []
+            for t in v.tokens:
+                out.append(self._next(row, self._feed(row.cache, [t])))
+            res.verified[v.rid] = out
+        return res
+
+    def row_cache(self, rid: int) -> list[FakeKVCache]:
+        return self._rows[rid].cache

@@ -1,0 +1,185 @@
+"""Ports: how the outside world (time, the GPU/model, the disk) reaches the actors.
+
+Actors never call ``time.time()``, MLX or ``open()`` directly; they are handed
+objects implementing these protocols. The MLX backend and the deterministic
+fake GPU implement the same ``Backend``; ``Device`` says where backend calls
+run (a dedicated MLX thread, or inline after a virtual-time sleep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, TypeVar
+
+import anyio
+
+from engine.types import SamplingParams
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class LoopClock:
+    """Time of the running event loop: wall time in production, virtual time
+    under ``async_solipsism`` (tests, sims)."""
+
+    def now(self) -> float:
+        return anyio.current_time()
+
+    async def sleep(self, seconds: float) -> None:
+        await anyio.sleep(seconds)
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: set[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: list[int]) -> str: ...
+
+    def detokenizer(self) -> "Detokenizer": ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+
+class Detokenizer(Protocol):
+    """Streaming detokenizer: feed tokens, read the text that became final."""
+
+    def add_token(self, token: int) -> None: ...
+
+    def finalize(self) -> None: ...
+
+    @property
+    def last_segment(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model_id: str
+    vocab_size: int
+    context_length: int
+    config_fingerprint: str
+    tokenizer_hash: str
+    num_layers: int
+
+
+@dataclass(slots=True)
+class OpenRow:
+    """Start a row: its sampling settings and an optional prefix cache (already a
+    private copy, trimmed to ``cached`` tokens) to continue from."""
+
+    rid: int
+    sampling: SamplingParams
+    cache: Any = None
+    cached: int = 0
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """Feed ``tokens`` into the row's cache; no token is sampled."""
+
+    rid: int
+    tokens: list[int]
+
+
+@dataclass(slots=True)
+class DecodeRow:
+    """Feed ``token`` and sample the next one."""
+
+    rid: int
+    token: int
+
+
+@dataclass(slots=True)
+class VerifyRow:
+    """Feed the window ``[last, d1..dk]`` in one forward and return the target's
+    token at each of the k+1 positions (argmax, or sampled with the row's sampler)."""
+
+    rid: int
+    tokens: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One batched GPU step, in application order: close, open, trim, prefill,
+    decode and verify."""
+
+    close: list[int] = field(default_factory=list)
+    keep_cache: set[int] = field(default_factory=set)
+    open: list[OpenRow] = field(default_factory=list)
+    trim: list[tuple[int, int]] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[DecodeRow] = field(default_factory=list)
+    verify: list[VerifyRow] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.close or self.open or self.trim or self.prefill or self.decode or self.verify)
+
+    @property
+    def gpu_tokens(self) -> int:
+        return (
+            sum(len(c.tokens) for c in self.prefill)
+            + len(self.decode)
+            + sum(len(v.tokens) for v in self.verify)
+        )
+
+
+@dataclass(slots=True)
+class StepResult:
+    tokens: dict[int, int] = field(default_factory=dict)
+    verified: dict[int, list[int]] = field(default_factory=dict)
+    closed: dict[int, Any] = field(default_factory=dict)  # rid -> cache (when kept)
+    errors: dict[int, str] = field(default_factory=dict)  # rid -> per-row failure
+
+
+class Backend(Protocol):
+    """The GPU/model port. Every method runs on the ``Device``, never on the loop."""
+
+    info: ModelInfo
+    tokenizer: Tokenizer
+
+    def step(self, plan: StepPlan) -> StepResult: ...
+
+    def cache_nbytes(self, cache: Any) -> int: ...
+
+    def clone_cache(self, cache: Any) -> Any: ...
+
+    def trim_cache(self, cache: Any, n: int) -> int: ...
+
+    def cache_trimmable(self, cache: Any) -> bool: ...
+
+    def step_cost_s(self, plan: StepPlan) -> float:
+        """Virtual-time cost of a step (the fake GPU's cost model); 0 for real hardware."""
+        ...
+
+
+class Device(Protocol):
+    """Where backend calls run."""
+
+    async def run(self, fn: Callable[..., T], *args: Any, cost_s: float = 0.0) -> T: ...
+
+    def close(self) -> None: ...
+
+
+class InlineDevice:
+    """Runs calls inline on the loop after sleeping their cost in (virtual) time.
+
+    Used with the fake GPU: the sleep is the modelled GPU time, the call itself
+    is cheap numpy work.
+    """
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+
+    async def run(self, fn: Callable[..., T], *args: Any, cost_s: float = 0.0) -> T:
+        if cost_s > 0:
+            await self.clock.sleep(cost_s)
+        return fn(*args)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,51 @@
+"""Plain data shared by the engine, the actors and the transports."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-request generation settings (greedy when ``temperature == 0``)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    ignore_eos: bool = False
+    # Speculation overrides (None = the engine default).
+    num_draft_tokens: int | None = None
+    speculate: bool | None = None
+
+
+class SpecUsage(msgspec.Struct, kw_only=True):
+    drafted: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    acceptance_rate: float = 0.0
+    mean_accept_len: float = 0.0
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    speculation: SpecUsage | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Delta(msgspec.Struct, kw_only=True):
+    """One piece of a request's output stream. The last one has a ``finish_reason``
+    (``stop``, ``length`` or ``abort``) and the ``usage``."""
+
+    rid: int
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    usage: Usage | None = None
