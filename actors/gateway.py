@@ -110,7 +110,9 @@ class Gateway(Actor[Inbox]):
             case Submit():
                 return self._submit(msg)
             case Cancel():
-                if self.streams.pop(msg.rid, None) is not None:
+                send = self.streams.pop(msg.rid, None)
+                if send is not None:
+                    send.close()
                     self._abort(msg.rid)
                     self._maybe_drained()
             case StepOutput():
@@ -163,7 +165,7 @@ class Gateway(Actor[Inbox]):
                 send.send_nowait(item)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 # The caller is gone: its row leaves at the next step.
-                self.streams.pop(d.rid, None)
+                self.streams.pop(d.rid).close()
                 if d.finish_reason is None:
                     self._abort(d.rid)
                 continue

@@ -163,9 +163,10 @@ class Actor(Generic[M]):
 
     async def main(self) -> None:
         """The actor's loop: one message at a time until the inbox closes."""
-        async with self._inbox_recv:
-            async for env in self._inbox_recv:
-                await self._dispatch(env)
+        # The inbox is closed by ``_fail_queued`` (not an ``async with``), so the
+        # asks still buffered at a crash are answered instead of dropped.
+        async for env in self._inbox_recv:
+            await self._dispatch(env)
 
     async def _dispatch(self, env: Envelope[M]) -> None:
         self.current = env

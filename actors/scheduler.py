@@ -389,29 +389,29 @@ class Scheduler(Actor[Inbox]):
         return True
 
     async def main(self) -> None:
-        async with self._inbox_recv:
+        # The inbox is closed by Actor._fail_queued, which answers what is left.
+        while True:
+            # Everything already queued is handled between steps, in O(1) each.
             while True:
-                # Everything already queued is handled between steps, in O(1) each.
-                while True:
-                    try:
-                        env = self._inbox_recv.receive_nowait()
-                    except anyio.WouldBlock:
-                        break
-                    except anyio.EndOfStream:
-                        return
-                    if not self._handle(env):
-                        return
-                if not self.core.has_work():
-                    self._publish(False)
-                    try:
-                        env = await self._inbox_recv.receive()
-                    except anyio.EndOfStream:
-                        return
-                    if not self._handle(env):
-                        return
-                    continue
-                self._publish(True)
-                await self._step()
+                try:
+                    env = self._inbox_recv.receive_nowait()
+                except anyio.WouldBlock:
+                    break
+                except anyio.EndOfStream:
+                    return
+                if not self._handle(env):
+                    return
+            if not self.core.has_work():
+                self._publish(False)
+                try:
+                    env = await self._inbox_recv.receive()
+                except anyio.EndOfStream:
+                    return
+                if not self._handle(env):
+                    return
+                continue
+            self._publish(True)
+            await self._step()
 
     async def _step(self) -> None:
         core = self.core

@@ -1,6 +1,5 @@
 """Ember: an LLM inference engine on MLX built as asyncio actors."""
 
-from engine.api import Completion, Engine
 from engine.config import EngineConfig
 from engine.errors import (
     EngineBusy,
@@ -30,3 +29,13 @@ __all__ = [
     "SamplingParams",
     "Usage",
 ]
+
+
+def __getattr__(name: str):
+    # Engine lives above the actors (which import engine.errors/types), so it is
+    # imported lazily to keep `import engine.x` free of import cycles.
+    if name in ("Engine", "Completion"):
+        from engine import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

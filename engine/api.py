@@ -125,7 +125,9 @@ class Engine:
         clock = clock or LoopClock()
         if backend is None:
             backend, device = build_backend(config, clock)
-        engine = cls(config, backend, device or InlineDevice(clock), clock, events or EventLog())
+        events = events if events is not None else EventLog()
+        events.start(clock.now())
+        engine = cls(config, backend, device or InlineDevice(clock), clock, events)
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(engine._run_actors)

@@ -21,9 +21,14 @@ class EventLog:
         self._hash = hashlib.blake2b(digest_size=16)
         self._enc = msgspec.msgpack.Encoder()
         self.count = 0
+        self.origin: float | None = None  # times are recorded relative to this
+
+    def start(self, now: float) -> None:
+        if self.origin is None:
+            self.origin = now
 
     def record(self, kind: str, t: float, **fields: Any) -> None:
-        t = round(t, 9)
+        t = round(t - (self.origin or 0.0), 9)
         self._hash.update(self._enc.encode((kind, t, fields)))
         self.count += 1
         if self.keep:

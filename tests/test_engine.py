@@ -1,0 +1,237 @@
+"""The engine end to end on the deterministic fake GPU, in virtual time."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import anyio
+import pytest
+
+from engine import Engine, EngineConfig, EngineDead, EngineOverloaded, FakeGPUConfig, InvalidRequest, SamplingParams
+from engine.eventlog import EventLog
+from engine.fake_gpu import ByteTokenizer, FakeBackend, expected_tokens
+
+pytestmark = pytest.mark.anyio
+
+FAKE = EngineConfig(backend="fake", max_batch=8, max_queue=128, prefill_chunk=64)
+
+
+def steps_with(log: EventLog, key: str, rid: int) -> list[int]:
+    return [f["n"] for _, f in log.of("step") if rid in (f[key] if key != "prefill" else [r for r, _ in f[key]])]
+
+
+async def run_workload(seed: int, n: int = 100) -> tuple[str, dict[int, list[int]], dict[int, list[int]]]:
+    rng = random.Random(seed)
+    log = EventLog()
+    got: dict[int, list[int]] = {}
+    want: dict[int, list[int]] = {}
+    async with Engine.open(FAKE, events=log) as engine:
+
+        async def client(i: int, delay: float, prompt: list[int], max_tokens: int) -> None:
+            await anyio.sleep(delay)
+            c = await engine.acomplete(prompt, SamplingParams(max_tokens=max_tokens))
+            got[i] = c.token_ids
+            assert c.usage is not None and c.usage.completion_tokens == len(c.token_ids)
+
+        async with anyio.create_task_group() as tg:
+            t = 0.0
+            for i in range(n):
+                t += rng.expovariate(20.0)
+                prompt = [rng.randrange(256) for _ in range(rng.randint(1, 300))]
+                max_tokens = rng.randint(1, 40)
+                want[i] = expected_tokens(prompt, max_tokens)
+                tg.start_soon(client, i, t, prompt, max_tokens)
+    return log.digest(), got, want
+
+
+async def test_100_seeded_requests_finish_with_exact_tokens_and_stable_digest():
+    digest1, got, want = await run_workload(seed=1234)
+    assert len(got) == 100
+    assert got == want
+    digest2, got2, _ = await run_workload(seed=1234)
+    assert digest1 == digest2
+    assert got2 == got
+    digest3, _, _ = await run_workload(seed=99)
+    assert digest3 != digest1
+
+
+async def test_request_admitted_mid_batch_joins_at_next_step():
+    log = EventLog()
+    async with Engine.open(FAKE, events=log) as engine:
+        first_tokens = anyio.Event()
+        results = {}
+
+        async def long_request():
+            n = 0
+            async for d in engine.agenerate([1, 2, 3], SamplingParams(max_tokens=50)):
+                n += len(d.token_ids)
+                if n >= 5:
+                    first_tokens.set()
+            results["a"] = n
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long_request)
+            await first_tokens.wait()
+            steps_before = engine.core.steps
+            c = await engine.acomplete([9, 9, 9, 9], SamplingParams(max_tokens=3))
+            results["b"] = c.token_ids
+        assert results["b"] == expected_tokens([9, 9, 9, 9], 3)
+        # rid 2 is opened, prefilled and decoded in the very next step, while rid 1 is mid-batch.
+        assert steps_with(log, "open", 2) == [steps_before + 1]
+        assert steps_with(log, "decode", 2)[0] == steps_before + 1
+        assert steps_before + 1 in steps_with(log, "decode", 1)
+        assert results["a"] == 50
+
+
+async def test_abort_frees_the_row_at_the_next_step():
+    log = EventLog()
+    async with Engine.open(FAKE, events=log) as engine:
+        got = []
+        async for d in engine.agenerate([5, 6, 7], SamplingParams(max_tokens=1000)):
+            got.extend(d.token_ids)
+            if len(got) >= 4:
+                break  # the caller goes away
+        await anyio.sleep(1)
+        abort_t = log.of("abort")[0][0]
+        steps_after = [f for t, f in log.of("step") if t >= abort_t]
+        assert steps_after[0]["close"] == [1]
+        assert all(1 not in f["decode"] for f in steps_after)
+        stats = engine.stats()["scheduler"]
+        assert stats["aborted"] == 1 and stats["active_rows"] == 0
+        # no more tokens were generated for it after the step that noticed the abort
+        assert stats["generated_tokens"] <= len(got) + 1
+
+
+async def test_overload_answers_engine_overloaded():
+    cfg = EngineConfig(backend="fake", max_batch=1, max_queue=1)
+    async with Engine.open(cfg) as engine:
+        running = engine.agenerate([1], SamplingParams(max_tokens=100))
+        await running.__anext__()  # in the batch
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.acomplete, [2], SamplingParams(max_tokens=1))  # queued
+            await anyio.wait_all_tasks_blocked()
+            assert engine.stats()["gateway"]["in_flight"] == 2
+            with pytest.raises(EngineOverloaded):
+                await engine.acomplete([3], SamplingParams(max_tokens=1))
+            assert engine.stats()["gateway"]["rejected"]["overloaded"] == 1
+            # nothing waits on the admission path: the rejection was immediate
+            assert engine.scheduler.ref.statistics().tasks_waiting_send == 0
+            await running.aclose()
+
+
+async def test_invalid_requests_are_rejected_without_harming_others():
+    async with Engine.open(FAKE) as engine:
+        with pytest.raises(InvalidRequest):
+            await engine.acomplete([], SamplingParams(max_tokens=4))
+        with pytest.raises(InvalidRequest) as e:
+            await engine.acomplete([1], SamplingParams(max_tokens=0))
+        assert e.value.param == "max_tokens"
+        with pytest.raises(InvalidRequest):
+            await engine.acomplete([1] * 40_000, SamplingParams(max_tokens=4))
+        c = await engine.acomplete([1, 2], SamplingParams(max_tokens=4))
+        assert c.token_ids == expected_tokens([1, 2], 4)
+
+
+class CrashingBackend(FakeBackend):
+    def __init__(self, crash_at: int):
+        super().__init__(FakeGPUConfig())
+        self.crash_at = crash_at
+
+    def step(self, plan):
+        if self.steps + 1 == self.crash_at:
+            raise RuntimeError("GPU driver bug")
+        return super().step(plan)
+
+
+async def test_a_crashing_actor_gives_engine_dead_to_every_waiter():
+    outcomes: list[object] = []
+    async with Engine.open(FAKE, backend=CrashingBackend(crash_at=6)) as engine:
+
+        async def client(i):
+            try:
+                await engine.acomplete([i + 1] * 10, SamplingParams(max_tokens=100))
+                outcomes.append("finished")
+            except EngineDead:
+                outcomes.append("dead")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(client, i)
+        assert outcomes == ["dead"] * 5
+        assert engine.dead is not None and "GPU driver bug" in repr(engine.dead)
+        with pytest.raises(EngineDead):
+            await engine.acomplete([1], SamplingParams(max_tokens=1))
+
+
+async def test_out_of_memory_fails_only_that_step_and_engine_survives():
+    backend = FakeBackend(FakeGPUConfig(oom_step_prob=0.3, fault_seed=3))
+    ok = failed = 0
+    async with Engine.open(FAKE, backend=backend) as engine:
+        for i in range(10):
+            try:
+                c = await engine.acomplete([i, i + 1], SamplingParams(max_tokens=5))
+                assert c.token_ids == expected_tokens([i, i + 1], 5)
+                ok += 1
+            except Exception as exc:  # noqa: BLE001
+                assert type(exc).__name__ == "RequestFailed"
+                failed += 1
+        assert engine.dead is None
+    assert ok > 0 and failed > 0
+
+
+async def test_stop_strings_across_token_boundaries_and_eos():
+    prompt = list(b"the prompt")
+    full = expected_tokens(prompt, 30)
+    text = ByteTokenizer().decode(full)
+    stop = text[10:13]  # three bytes: spans three tokens
+    async with Engine.open(FAKE) as engine:
+        c = await engine.acomplete(prompt, SamplingParams(max_tokens=30, stop=[stop]))
+        assert c.finish_reason == "stop"
+        assert c.text == text[: text.index(stop)]
+        c2 = await engine.acomplete(prompt, SamplingParams(max_tokens=30))
+        assert c2.finish_reason == "length" and c2.text == text
+    eos_cfg = FakeGPUConfig(eos_bias=12.0)
+    async with Engine.open(EngineConfig(backend="fake", fake=eos_cfg)) as engine:
+        c = await engine.acomplete(prompt, SamplingParams(max_tokens=50))
+        want = expected_tokens(prompt, 50, eos_cfg)
+        assert want[-1] == ByteTokenizer.EOS and len(want) < 50
+        assert c.finish_reason == "stop" and c.token_ids == want[:-1]
+
+
+async def test_seeded_sampling_is_reproducible():
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=42)
+    async with Engine.open(FAKE) as engine:
+        a = await engine.acomplete([1, 2, 3], params)
+        b = await engine.acomplete([1, 2, 3], params)
+        c = await engine.acomplete([1, 2, 3], SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=43))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+async def test_long_prompt_is_chunked_and_does_not_starve_decode():
+    log = EventLog()
+    async with Engine.open(FAKE, events=log) as engine:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.acomplete, [1, 2], SamplingParams(max_tokens=30))
+            await anyio.sleep(0.05)
+            tg.start_soon(engine.acomplete, [7] * 1000, SamplingParams(max_tokens=2))
+        chunks = [n for _, f in log.of("step") for r, n in f["prefill"] if r == 2]
+        assert sum(chunks) == 999 and max(chunks) <= FAKE.prefill_chunk
+        prefill_steps = steps_with(log, "prefill", 2)
+        # while rid 2 prefills, rid 1 keeps decoding every step
+        decode_1 = set(steps_with(log, "decode", 1))
+        assert [s for s in prefill_steps if s <= max(decode_1)] == [s for s in prefill_steps if s in decode_1]
+
+
+def test_start_stop_leaves_no_thread_behind():
+    before = threading.active_count()
+    engine = Engine.start(FAKE)
+    c = engine.complete("hello", SamplingParams(max_tokens=5))
+    assert c.token_ids == expected_tokens(list(b"hello"), 5)
+    deltas = list(engine.generate("hello", SamplingParams(max_tokens=5)))
+    assert [t for d in deltas for t in d.token_ids] == c.token_ids
+    assert deltas[-1].finish_reason == "length"
+    engine.stop()
+    assert threading.active_count() == before
