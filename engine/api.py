@@ -64,6 +64,55 @@ class Completion:
             self.usage = d.usage
 
 
+class RequestStream:
+    """One admitted request's deltas, from ``Engine.asubmit``.
+
+    Receiving is cancel-safe (a timeout around ``__anext__`` loses no delta),
+    so a server can wait for a token with a deadline and send a keep-alive
+    instead. Closing the stream before the last delta cancels the request: the
+    Gateway aborts its row at the next step.
+    """
+
+    def __init__(self, gateway: Any, rid: int, recv: Any):
+        self.rid = rid
+        self._gateway = gateway
+        self._recv = recv
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._recv.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self.finished = True
+            raise EngineDead("the request stream ended without a finish") from None
+        if isinstance(item, Failure):
+            self.finished = True
+            raise item.exc
+        if item.finish_reason is not None:
+            self.finished = True
+        return item
+
+    async def aclose(self) -> None:
+        self._recv.close()
+        if not self.finished:
+            self.finished = True
+            try:
+                self._gateway.tell_nowait(Cancel(rid=self.rid))
+            except EngineError:
+                pass
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
 class Engine:
     def __init__(
         self,
@@ -192,6 +241,25 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
+    async def asubmit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        ns: str = "",
+    ) -> "RequestStream":
+        """Admit a request now and return its stream of deltas.
+
+        Admission errors (``InvalidRequest``, ``EngineOverloaded``,
+        ``EngineDraining``) raise here, before any token: an HTTP server must
+        pick its status code before it can start a stream, and must not wait
+        for the first token (a long prefill) to learn it.
+        """
+        self._check_alive()
+        tokens = self.encode(prompt)
+        rid, stream = await self.gateway.ref.ask(Submit(tokens=tokens, params=params or SamplingParams(), ns=ns), nowait=True)
+        return RequestStream(self.gateway.ref, rid, stream)
+
     async def agenerate(
         self,
         prompt: str | list[int],
@@ -200,31 +268,16 @@ class Engine:
         ns: str = "",
     ) -> AsyncIterator[Delta]:
         """Stream a request's deltas; the last carries ``finish_reason`` and ``usage``."""
-        self._check_alive()
-        tokens = self.encode(prompt)
-        rid, stream = await self.gateway.ref.ask(Submit(tokens=tokens, params=params or SamplingParams(), ns=ns), nowait=True)
-        finished = False
-        try:
-            async with stream:
-                async for item in stream:
-                    if isinstance(item, Failure):
-                        finished = True
-                        raise item.exc
-                    yield item
-                    if item.finish_reason is not None:
-                        finished = True
-                        return
-            finished = True
-            raise EngineDead("the request stream ended without a finish")
-        finally:
-            if not finished:
-                try:
-                    self.gateway.ref.tell_nowait(Cancel(rid=rid))
-                except EngineError:
-                    pass
+        async with await self.asubmit(prompt, params, ns=ns) as stream:
+            async for d in stream:
+                yield d
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt tokens of a chat: the tokenizer's chat template."""
+        return self.tokenizer.apply_chat_template(messages)
 
     async def achat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *, ns: str = "") -> AsyncIterator[Delta]:
-        async for d in self.agenerate(self.tokenizer.apply_chat_template(messages), params, ns=ns):
+        async for d in self.agenerate(self.chat_prompt(messages), params, ns=ns):
             yield d
 
     async def acomplete(self, prompt: str | list[int], params: SamplingParams | None = None, *, ns: str = "") -> Completion:
