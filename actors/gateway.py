@@ -104,6 +104,10 @@ class Gateway(Actor[Inbox]):
             raise InvalidRequest("top_k must be >= 0", "top_k")
         if not (0.0 <= p.min_p <= 1.0):
             raise InvalidRequest("min_p must be in [0, 1]", "min_p")
+        if p.seed is not None and not (0 <= p.seed < 2**64):
+            # numpy and MLX both refuse other seeds, and inside a GPU step that
+            # error would take the whole engine down.
+            raise InvalidRequest("seed must be in [0, 2**64)", "seed")
 
     async def receive(self, msg: Inbox) -> Any:
         match msg:
