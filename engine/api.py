@@ -231,6 +231,15 @@ class Engine:
     async def before_stop(self) -> None:
         """Hook between draining and stopping the actors (the durability flush)."""
 
+    @property
+    def status(self) -> str:
+        """"ready", "draining" (admits nothing new) or "dead": what /health reports."""
+        if self.dead is not None:
+            return "dead"
+        if not self.ready or self.gateway.draining:
+            return "draining"
+        return "ready"
+
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise EngineDead(f"the engine died: {self.dead!r}")
