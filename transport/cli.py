@@ -1,4 +1,215 @@
-"""The ``ember`` command (placeholder until the CLI lands)."""
+"""The ``ember`` command.
 
-def main() -> int:
-    raise SystemExit("ember: the CLI is not built yet")
+    ember serve [--model PATH|tiny] [--port 8000] [--fake-gpu] ...   OpenAI-compatible server
+    ember generate --prompt TEXT [--max-tokens N] ...                stream one completion to stdout
+
+Bad flags, an invalid combination, or a model that does not load exit with
+status 2 and one line saying why. ``serve`` prints its URL once the model is
+loaded and serves until SIGINT/SIGTERM; both shut down gracefully (uvicorn
+stops accepting, open requests finish, the engine drains) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from engine.errors import EngineError, InvalidRequest
+
+log = logging.getLogger("ember.cli")
+
+
+def _maybe_reexec_with_openblas() -> None:
+    try:
+        from engine.blas import maybe_reexec_with_openblas
+    except ModuleNotFoundError as exc:
+        if exc.name != "engine.blas":
+            raise
+        return  # engine.blas has not landed yet: run with whatever BLAS MLX finds
+    maybe_reexec_with_openblas(sys.argv)
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="bundled model name (tiny) or an mlx-lm model directory")
+    p.add_argument("--draft-model", help="speculative decoding drafter: a model directory, tiny-draft, or ngram")
+    p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
+    p.add_argument("--fake-gpu", action="store_true", help="serve the deterministic fake GPU instead of a model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="Ember: an LLM inference engine on MLX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _engine_flags(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port (the printed URL has it)")
+    s.add_argument("--served-model-name", help="the name /v1/models reports (default: the model's id)")
+    s.add_argument("--batch", type=int, help="rows in the running batch")
+    s.add_argument("--max-queue", type=int, help="requests waiting beyond the batch before 429")
+    s.add_argument("--prompt-cache", type=float, metavar="GIB", help="RAM prompt-cache cap (0 disables)")
+    s.add_argument("--ssd-cache", metavar="DIR", help="directory of the SSD prompt-cache tier")
+    s.add_argument("--ssd-cache-max", type=float, metavar="GIB", help="byte cap of the SSD tier")
+    s.add_argument("--ssd-cache-verify", action="store_true", help="checksum tensors when restoring from SSD")
+    s.add_argument("--ssd-demote-idle", type=float, metavar="SECONDS", help="demote RAM entries idle this long to SSD")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(run=serve, parser=s)
+
+    g = sub.add_parser("generate", help="stream one completion to stdout")
+    _engine_flags(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.set_defaults(run=generate, parser=g)
+    return parser
+
+
+def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """Flags → a validated ``EngineConfig``; a problem is ``parser.error`` (exit 2)."""
+    from engine.config import EngineConfig
+
+    mapping = {
+        "batch": "max_batch",
+        "max_queue": "max_queue",
+        "prompt_cache": "prompt_cache_gib",
+        "ssd_cache": "ssd_cache_dir",
+        "ssd_cache_max": "ssd_cache_max_gib",
+        "ssd_demote_idle": "ssd_demote_idle_s",
+        "draft_model": "draft_model",
+        "num_draft_tokens": "num_draft_tokens",
+        "served_model_name": "model_name",
+    }
+    fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": args.model}
+    for flag, field in mapping.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            fields[field] = value
+    if getattr(args, "ssd_cache_verify", False):
+        fields["ssd_cache_verify"] = True
+    try:
+        config = EngineConfig(**fields).validate()
+    except InvalidRequest as exc:
+        parser.error(f"{exc} ({exc.param})" if exc.param else str(exc))
+    if not args.fake_gpu:
+        from engine.models import resolve_model
+
+        try:
+            resolve_model(config.model)
+            if config.draft_model and config.draft_model != "ngram":
+                resolve_model(config.draft_model)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
+    return config
+
+
+# ---------------------------------------------------------------------------
+# serve
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import uvicorn
+
+    from transport.http import build_app
+
+    config = engine_config(args, parser)
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        parser.error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    app = build_app(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            lifespan="on",
+            log_level=args.log_level,
+            timeout_graceful_shutdown=int(config.shutdown_timeout_s),
+        )
+    )
+    # uvicorn re-raises the signal that stopped it once it has shut down; with
+    # these no-op handlers in place that re-raise is a no-op and we exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    return asyncio.run(_serve(server, sock, app.state.ember, url))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before loading the model: a busy port is a startup error, and port 0 resolves now."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _serve(server: Any, sock: socket.socket, state: Any, url: str) -> int:
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    # uvicorn has no "listening" event, and the engine loads in the background:
+    # wait for both (or for either to fail).
+    while not task.done() and (state.phase == "starting" or not server.started):
+        await asyncio.sleep(0.05)
+    if state.phase == "failed":
+        print(f"ember: error: the engine did not start: {state.error!r}", file=sys.stderr, flush=True)
+        server.should_exit = True
+        await task
+        return 2
+    if server.started:
+        print(f"ember: serving {state.model_name} at {url} (OpenAI API: {url}/v1)", flush=True)
+    await task
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# generate
+
+
+def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from engine.api import Engine
+    from engine.types import SamplingParams
+
+    config = engine_config(args, parser)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    try:
+        engine = Engine.start(config)
+    except Exception as exc:  # a model that does not load is a startup error, like a bad flag
+        print(f"ember: error: could not load {config.model!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        for d in engine.generate(args.prompt, params):
+            sys.stdout.write(d.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    except InvalidRequest as exc:
+        print(f"\nember: error: {exc}", file=sys.stderr)
+        return 2
+    except EngineError as exc:
+        print(f"\nember: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    _maybe_reexec_with_openblas()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")  # model output is text, whatever the terminal's encoding
+    return args.run(args, args.parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP adapter: a Starlette app over one ``Engine``.
+
+    app = build_app(EngineConfig(backend="fake"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+The lifespan opens the engine in the background, so ``/health`` answers 503
+while a model loads (and while draining) instead of refusing connections; a
+request that arrives before the engine is ready gets 503 too. Shutting the
+lifespan down closes ``Engine.open``, which drains: no new admissions, the
+running requests finish, then the actors stop. Routes and error shapes are in
+docs/http.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.api import Completion, Engine, RequestStream, build_backend
+from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.eventlog import EventLog
+from engine.ports import LoopClock
+from transport.errors import ApiError, error_body, from_engine_error
+from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
+from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
+from transport.render import ChatRenderer, CompletionRenderer
+from transport.sse import Disconnect, EventStream
+
+log = logging.getLogger("ember.http")
+
+DEFAULT_MAX_TOKENS = 512  # when a request sets none (mlx_lm.server's default), clamped to the context left
+MAX_BODY_BYTES = 8 << 20
+
+
+class ServerState:
+    """What the routes see: the phase, and the engine once it is open."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_kw: dict[str, Any],
+        *,
+        keepalive_s: float,
+        default_max_tokens: int,
+        max_body_bytes: int,
+    ):
+        self.config = config
+        self.engine_kw = engine_kw
+        self.keepalive_s = keepalive_s
+        self.default_max_tokens = default_max_tokens
+        self.max_body_bytes = max_body_bytes
+        self.engine: Engine | None = None
+        self.phase = "starting"  # starting → ready → draining → stopped, or starting → failed
+        self.error: BaseException | None = None
+        self.created = int(time.time())
+        self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.settled: anyio.Event | None = None  # set once ready or failed (made on the serving loop)
+        self._stop: anyio.Event | None = None
+
+    # ---- lifecycle -------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self.settled, self._stop = anyio.Event(), anyio.Event()
+        task_status.started()
+        try:
+            kw = dict(self.engine_kw)
+            # A long-running server must not keep every engine event in memory.
+            kw.setdefault("events", EventLog(keep=False))
+            if "backend" not in kw and self.config.backend != "fake":
+                # Loading a model blocks for seconds: do it off the loop so /health answers meanwhile.
+                clock = kw.setdefault("clock", LoopClock())
+                kw["backend"], kw["device"] = await anyio.to_thread.run_sync(
+                    build_backend, self.config, clock, abandon_on_cancel=True
+                )
+            async with Engine.open(self.config, **kw) as engine:
+                self.engine = engine
+                self.phase = "ready"
+                self.settled.set()
+                log.info("[http] ready model=%s", self.model_name)
+                await self._stop.wait()
+                self.phase = "draining"
+                log.info("[http] draining in_flight=%s", engine.stats()["gateway"]["in_flight"])
+            self.phase = "stopped"
+        except Exception as exc:
+            self.error = exc
+            self.phase = "failed"
+            log.error("[http] the engine failed to start: %r", exc)
+            log.debug("[http] start failure", exc_info=exc)
+        finally:
+            self.settled.set()
+
+    def stop(self, scope: anyio.CancelScope) -> None:
+        if self.phase == "starting":
+            scope.cancel()  # nothing to drain yet: abandon the load
+        if self._stop is not None:
+            self._stop.set()
+
+    # ---- what routes need ------------------------------------------------
+    def health(self) -> tuple[str, int]:
+        if self.phase == "ready" and self.engine is not None:
+            status = self.engine.status
+            return status, 200 if status == "ready" else 503
+        return self.phase, 503
+
+    def require_engine(self) -> Engine:
+        engine = self.engine
+        if engine is None or self.phase != "ready":
+            code = "engine_starting" if self.phase == "starting" else "engine_draining"
+            if self.phase == "failed":
+                code = "engine_dead"
+            raise ApiError(503, f"the server is {self.phase}", "server_error", code=code, headers={"retry-after": "1"})
+        return engine
+
+    @property
+    def model_name(self) -> str:
+        if self.config.model_name:
+            return self.config.model_name
+        return self.engine.info.model_id if self.engine is not None else self.config.model
+
+    def check_model(self, requested: str | None) -> str:
+        """The served name; a request may also use the name it was started with (``--model``)."""
+        name = self.model_name
+        if requested is None or requested in (name, self.config.model):
+            return name
+        raise ApiError(404, f"the model {requested!r} does not exist (this server serves {name!r})", param="model", code="model_not_found")
+
+
+# ---------------------------------------------------------------------------
+# Routes.
+
+Handler = Callable[[Request, ServerState], Awaitable[Response]]
+
+
+def _endpoint(route: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """Maps errors to OpenAI's shape and counts every answer by status."""
+
+    async def endpoint(request: Request) -> Response:
+        host: ServerState = request.app.state.ember
+        try:
+            response = await handler(request, host)
+        except ApiError as exc:
+            response = exc.response()
+        except EngineError as exc:
+            response = from_engine_error(exc).response()
+        except ClientDisconnect:
+            response = Response(status_code=400)  # nobody is left to read it
+        host.metrics.http_requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    return endpoint
+
+
+async def read_body(request: Request, cap: int) -> bytes:
+    too_large = ApiError(413, f"the request body is larger than {cap} bytes", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > cap:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > cap:
+            raise too_large
+    return bytes(body)
+
+
+async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Completion | None:
+    """A non-streaming request's whole output, or None if the client left (then it is aborted)."""
+    out = Completion()
+    disconnect = Disconnect(receive)
+    failed: EngineError | None = None
+    async with stream:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
+            try:
+                async for d in stream:
+                    timer.tokens(len(d.token_ids))
+                    out.add(d)
+            except EngineError as exc:
+                failed = exc
+            tg.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
+    if disconnect.happened:
+        return None
+    timer.done()
+    return out
+
+
+async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
+    engine = host.require_engine()
+    timer = TokenTimer(host.metrics, engine.clock.now)
+    body = await read_body(request, host.max_body_bytes)
+    req = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
+    model = host.check_model(req.model)
+    if chat:
+        try:
+            prompt = engine.chat_prompt([m.as_template_message() for m in req.messages])
+        except Exception as exc:  # a template raises on what it cannot render (roles, order): the input's fault
+            raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+    else:
+        prompt = engine.encode(req.prompt)
+    room = engine.info.context_length - len(prompt)
+    params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
+    stream = await engine.asubmit(prompt, params)
+    renderer = ChatRenderer(model, req.include_usage) if chat else CompletionRenderer(model, req.include_usage)
+    if req.stream:
+        return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
+    completion = await collect(stream, request.receive, timer)
+    if completion is None:
+        return Response(status_code=400)  # the client left; nothing is sent
+    return Response(renderer.body(completion), media_type="application/json")
+
+
+async def chat_completions(request: Request, host: ServerState) -> Response:
+    return await _generate(request, host, chat=True)
+
+
+async def completions(request: Request, host: ServerState) -> Response:
+    return await _generate(request, host, chat=False)
+
+
+async def models(request: Request, host: ServerState) -> Response:
+    card = ModelCard(id=host.model_name, created=host.created)
+    return Response(msgspec.json.encode(ModelList(data=[card])), media_type="application/json")
+
+
+async def model_detail(request: Request, host: ServerState) -> Response:
+    name = host.check_model(request.path_params["model"])
+    return Response(msgspec.json.encode(ModelCard(id=name, created=host.created)), media_type="application/json")
+
+
+async def health(request: Request, host: ServerState) -> Response:
+    status, code = host.health()
+    return JSONResponse({"status": status}, code)
+
+
+def _plain(obj: Any) -> Any:
+    """Stats may hold numpy scalars or other objects: numbers stay numbers, the rest is text."""
+    item = getattr(obj, "item", None)
+    return item() if callable(item) else str(obj)
+
+
+async def stats(request: Request, host: ServerState) -> Response:
+    engine = host.require_engine()
+    return Response(msgspec.json.encode(engine.stats(), enc_hook=_plain), media_type="application/json")
+
+
+async def metrics(request: Request, host: ServerState) -> Response:
+    return Response(host.metrics.render(), media_type=CONTENT_TYPE)
+
+
+# ---------------------------------------------------------------------------
+# The app.
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    err = ApiError(exc.status_code, exc.detail or "error", code="not_found" if exc.status_code == 404 else None)
+    return Response(error_body(err), exc.status_code, headers=exc.headers, media_type="application/json")
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("[http] unhandled %r on %s", exc, request.url.path, exc_info=exc)
+    err = ApiError(500, "internal server error", "server_error")
+    return Response(error_body(err), 500, media_type="application/json")
+
+
+def build_app(
+    config: EngineConfig,
+    *,
+    keepalive_s: float = 5.0,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    **engine_kw: Any,
+) -> Starlette:
+    """The app serving one engine; ``engine_kw`` goes to ``Engine.open`` (backend, clock, events…)."""
+    config = config.validate()  # a bad combination fails here, before anything listens
+    host = ServerState(
+        config, engine_kw, keepalive_s=keepalive_s, default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            await tg.start(host.run)
+            try:
+                yield
+            finally:
+                host.stop(tg.cancel_scope)
+
+    routes = [
+        Route("/v1/chat/completions", _endpoint("chat", chat_completions), methods=["POST"]),
+        Route("/v1/completions", _endpoint("completions", completions), methods=["POST"]),
+        Route("/v1/models", _endpoint("models", models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _endpoint("models", model_detail), methods=["GET"]),
+        Route("/health", _endpoint("health", health), methods=["GET"]),
+        Route("/stats", _endpoint("stats", stats), methods=["GET"]),
+        Route("/metrics", _endpoint("metrics", metrics), methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )
+    app.state.ember = host
+    return app

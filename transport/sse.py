@@ -1,0 +1,119 @@
+"""One request's deltas as server-sent events, with keep-alives, ending in
+``data: [DONE]``, and aborted when the client goes away.
+
+Starlette's ``StreamingResponse`` is not used: it iterates an async generator
+that it never closes when the client disconnects while the generator is
+parked at a ``yield`` (so the request would run on to ``max_tokens``), and it
+cannot wait for the next token with a deadline (the keep-alive). Here the
+disconnect watcher and the writer share one cancel scope, and closing the
+``RequestStream`` is what cancels the request.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from engine.api import RequestStream
+from engine.errors import EngineError
+from engine.types import Delta
+
+KEEPALIVE = b": keepalive\n\n"
+DONE = b"data: [DONE]\n\n"
+
+
+def event(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+class Renderer(Protocol):
+    """Turns a request's deltas into SSE ``data:`` payloads of one API's shape."""
+
+    def start(self) -> list[bytes]: ...
+
+    def delta(self, d: Delta) -> list[bytes]: ...
+
+    def error(self, exc: EngineError) -> list[bytes]: ...
+
+
+class Disconnect:
+    """Watches an ASGI ``receive`` (after the body was read) for the client leaving."""
+
+    def __init__(self, receive: Receive):
+        self.receive = receive
+        self.happened = False
+
+    async def cancel_on_disconnect(self, scope: anyio.CancelScope) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.happened = True
+                scope.cancel()
+                return
+
+
+class EventStream(Response):
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        renderer: Renderer,
+        *,
+        keepalive_s: float,
+        on_tokens: Callable[[int], Any] = lambda n: None,
+        on_end: Callable[[], Any] = lambda: None,
+    ):
+        self.stream = stream
+        self.renderer = renderer
+        self.keepalive_s = keepalive_s
+        self.on_tokens = on_tokens
+        self.on_end = on_end
+        self.status_code = 200
+        self.background = None
+        # no-cache and no proxy buffering, or a proxy holds the tokens back
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.disconnected = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnect = Disconnect(receive)
+        async with self.stream:  # leaving early closes it: Cancel → Abort at the next step
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
+                await self._write(send)
+                tg.cancel_scope.cancel()
+        self.disconnected = disconnect.happened
+        if not self.disconnected:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _write(self, send: Send) -> None:
+        async def body(chunks: list[bytes]) -> None:
+            if chunks:
+                await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
+
+        await body(self.renderer.start())
+        while True:
+            d: Delta | None = None
+            failed: EngineError | None = None
+            # Only the receive sits under the deadline: it is cancel-safe, the writes are not.
+            with anyio.move_on_after(self.keepalive_s):
+                try:
+                    d = await self.stream.__anext__()
+                except EngineError as exc:  # this request failed, or the engine died
+                    failed = exc
+            if failed is not None:
+                await body(self.renderer.error(failed))
+                break
+            if d is None:
+                await body([KEEPALIVE])
+                continue
+            self.on_tokens(len(d.token_ids))
+            await body(self.renderer.delta(d))
+            if d.finish_reason is not None:
+                self.on_end()
+                break
+        await body([DONE])
