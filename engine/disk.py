@@ -1,0 +1,384 @@
+"""The Disk port: every file the cold tier touches goes through one of these.
+
+``RealDisk`` is the operating system (positional reads and writes on file
+descriptors, ``fsync`` — ``F_FULLFSYNC`` on macOS, where plain ``fsync`` does
+not reach the platter — and a directory fsync after renames).
+
+``FaultyDisk`` is an in-memory file system for tests and simulations, built
+like FoundationDB's ``AsyncFileNonDurable`` and turmoil-fs: writes land in a
+volatile image and become durable only at ``fsync``; a name becomes durable
+only at ``fsync_dir`` of its folder. ``crash()`` throws away what was not made
+durable, dropping or tearing each unsynced write by a seeded coin, so a test
+can prove that a file the writer reported durable survives any crash. It also
+injects seeded ENOSPC, EIO and bit flips on read. Same seed, same faults.
+
+All methods are synchronous; callers run them off the event loop (a worker
+thread in production, inline under virtual time).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Protocol
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class FileStat:
+    size: int
+    mtime: float
+    is_dir: bool = False
+
+
+class Disk(Protocol):
+    def open(self, path: str, *, write: bool = False) -> int:
+        """A handle for positional I/O; ``write`` creates or truncates."""
+        ...
+
+    def close(self, fh: int) -> None: ...
+
+    def write(self, fh: int, offset: int, data: Buffer) -> None: ...
+
+    def read(self, fh: int, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer at end of file)."""
+        ...
+
+    def fsync(self, fh: int) -> None: ...
+
+    def rename(self, src: str, dst: str) -> None:
+        """Atomically replace ``dst`` with ``src``."""
+        ...
+
+    def fsync_dir(self, path: str) -> None: ...
+
+    def listdir(self, path: str) -> list[str]: ...
+
+    def unlink(self, path: str) -> None: ...
+
+    def stat(self, path: str) -> FileStat: ...
+
+    def makedirs(self, path: str) -> None: ...
+
+    def touch(self, path: str) -> None:
+        """Set the file's mtime to now (use recency that survives a restart)."""
+        ...
+
+
+# ---------------------------------------------------------------------------
+
+
+class RealDisk:
+    """The operating system's file system."""
+
+    def open(self, path: str, *, write: bool = False) -> int:
+        flags = (os.O_RDWR | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
+        return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+    def close(self, fh: int) -> None:
+        os.close(fh)
+
+    def write(self, fh: int, offset: int, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.pwrite(fh, view, offset)
+            view, offset = view[n:], offset + n
+
+    def read(self, fh: int, offset: int, n: int) -> bytes:
+        parts: list[bytes] = []
+        while n > 0:
+            chunk = os.pread(fh, n, offset)
+            if not chunk:
+                break
+            parts.append(chunk)
+            n -= len(chunk)
+            offset += len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def fsync(self, fh: int) -> None:
+        _full_fsync(fh)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            _full_fsync(fd)
+        finally:
+            os.close(fd)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(os.listdir(path))
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def stat(self, path: str) -> FileStat:
+        st = os.stat(path)
+        return FileStat(size=st.st_size, mtime=st.st_mtime, is_dir=os.path.isdir(path))
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def touch(self, path: str) -> None:
+        os.utime(path, None)
+
+
+def _full_fsync(fd: int) -> None:
+    if sys.platform == "darwin":
+        import fcntl
+
+        if hasattr(fcntl, "F_FULLFSYNC"):
+            try:
+                fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+                return
+            except OSError:
+                pass  # not supported by this file system: plain fsync below
+    os.fsync(fd)
+
+
+# ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Inode:
+    data: bytearray = field(default_factory=bytearray)
+    durable: bytes = b""
+    pending: list[tuple[int, bytes]] = field(default_factory=list)  # unsynced writes, in order
+    mtime: float = 0.0
+
+
+@dataclass(slots=True)
+class _Handle:
+    ino: int
+    writable: bool
+
+
+class FaultyDisk:
+    """An in-memory, crash-simulating, fault-injecting ``Disk``.
+
+    Faults (all drawn from one ``random.Random(seed)``):
+    ``enospc_prob`` per write, a hard ``capacity_bytes`` (ENOSPC past it),
+    ``eio_prob`` per read, ``bitflip_prob`` per read (one flipped bit in the
+    returned bytes, the stored bytes stay intact), and ``crash()``, where each
+    unsynced write is dropped, kept, or torn (a prefix kept) with equal odds.
+    Folders are created durably; files and names follow fsync rules.
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        *,
+        enospc_prob: float = 0.0,
+        capacity_bytes: int | None = None,
+        eio_prob: float = 0.0,
+        bitflip_prob: float = 0.0,
+    ):
+        self.rng = random.Random(seed)
+        self.enospc_prob = enospc_prob
+        self.capacity_bytes = capacity_bytes
+        self.eio_prob = eio_prob
+        self.bitflip_prob = bitflip_prob
+        self._inodes: dict[int, _Inode] = {}
+        self._names: dict[str, int] = {}
+        self._durable_names: dict[str, int] = {}
+        self._dirs: set[str] = {"/"}
+        self._handles: dict[int, _Handle] = {}
+        self._next = 1
+        self._tick = 0.0
+        self.counters = {"writes": 0, "reads": 0, "fsyncs": 0, "dir_fsyncs": 0, "enospc": 0, "eio": 0, "bitflips": 0, "crashes": 0}
+
+    # ---- helpers -----------------------------------------------------------
+    @staticmethod
+    def _norm(path: str) -> str:
+        return posixpath.normpath("/" + str(path).replace(os.sep, "/"))
+
+    def _now(self) -> float:
+        self._tick += 1.0
+        return self._tick
+
+    def _new_id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def _inode_at(self, path: str) -> _Inode:
+        p = self._norm(path)
+        if p not in self._names:
+            raise FileNotFoundError(errno.ENOENT, "no such file", p)
+        return self._inodes[self._names[p]]
+
+    def _handle(self, fh: int) -> _Handle:
+        h = self._handles.get(fh)
+        if h is None:
+            raise OSError(errno.EBADF, "bad file handle")
+        return h
+
+    def _used_bytes(self) -> int:
+        live = set(self._names.values()) | {h.ino for h in self._handles.values()}
+        return sum(len(self._inodes[i].data) for i in live)
+
+    # ---- the port ----------------------------------------------------------
+    def open(self, path: str, *, write: bool = False) -> int:
+        p = self._norm(path)
+        if write:
+            if posixpath.dirname(p) not in self._dirs:
+                raise FileNotFoundError(errno.ENOENT, "no such folder", posixpath.dirname(p))
+            ino = self._names.get(p)
+            if ino is None:
+                ino = self._new_id()
+                self._inodes[ino] = _Inode(mtime=self._now())
+                self._names[p] = ino
+            else:  # O_TRUNC: an unsynced metadata change like any write
+                node = self._inodes[ino]
+                node.data = bytearray()
+                node.pending.append((-1, b""))  # marks the truncation as unsynced
+                node.mtime = self._now()
+        else:
+            ino = self._names.get(p)
+            if ino is None:
+                raise FileNotFoundError(errno.ENOENT, "no such file", p)
+        fh = self._new_id()
+        self._handles[fh] = _Handle(ino, write)
+        return fh
+
+    def close(self, fh: int) -> None:
+        self._handles.pop(fh, None)
+
+    def write(self, fh: int, offset: int, data: Buffer) -> None:
+        h = self._handle(fh)
+        if not h.writable:
+            raise OSError(errno.EBADF, "handle not open for writing")
+        buf = bytes(memoryview(data).cast("B"))
+        node = self._inodes[h.ino]
+        grow = max(0, offset + len(buf) - len(node.data))
+        if self.enospc_prob and self.rng.random() < self.enospc_prob:
+            self.counters["enospc"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        if self.capacity_bytes is not None and self._used_bytes() + grow > self.capacity_bytes:
+            self.counters["enospc"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device (capacity)")
+        _apply(node.data, offset, buf)
+        node.pending.append((offset, buf))
+        node.mtime = self._now()
+        self.counters["writes"] += 1
+
+    def read(self, fh: int, offset: int, n: int) -> bytes:
+        h = self._handle(fh)
+        if self.eio_prob and self.rng.random() < self.eio_prob:
+            self.counters["eio"] += 1
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        out = bytearray(self._inodes[h.ino].data[offset : offset + n])
+        if out and self.bitflip_prob and self.rng.random() < self.bitflip_prob:
+            bit = self.rng.randrange(len(out) * 8)
+            out[bit // 8] ^= 1 << (bit % 8)
+            self.counters["bitflips"] += 1
+        self.counters["reads"] += 1
+        return bytes(out)
+
+    def fsync(self, fh: int) -> None:
+        node = self._inodes[self._handle(fh).ino]
+        node.durable = bytes(node.data)
+        node.pending.clear()
+        self.counters["fsyncs"] += 1
+
+    def rename(self, src: str, dst: str) -> None:
+        s, d = self._norm(src), self._norm(dst)
+        if s not in self._names:
+            raise FileNotFoundError(errno.ENOENT, "no such file", s)
+        if posixpath.dirname(d) not in self._dirs:
+            raise FileNotFoundError(errno.ENOENT, "no such folder", posixpath.dirname(d))
+        self._names[d] = self._names.pop(s)
+
+    def fsync_dir(self, path: str) -> None:
+        p = self._norm(path)
+        for name in [n for n in self._durable_names if posixpath.dirname(n) == p]:
+            del self._durable_names[name]
+        for name, ino in self._names.items():
+            if posixpath.dirname(name) == p:
+                self._durable_names[name] = ino
+        self.counters["dir_fsyncs"] += 1
+
+    def listdir(self, path: str) -> list[str]:
+        p = self._norm(path)
+        if p not in self._dirs:
+            raise FileNotFoundError(errno.ENOENT, "no such folder", p)
+        names = {posixpath.basename(n) for n in self._names if posixpath.dirname(n) == p}
+        names |= {posixpath.basename(d) for d in self._dirs if d != p and posixpath.dirname(d) == p}
+        return sorted(names)
+
+    def unlink(self, path: str) -> None:
+        p = self._norm(path)
+        if p not in self._names:
+            raise FileNotFoundError(errno.ENOENT, "no such file", p)
+        del self._names[p]
+
+    def stat(self, path: str) -> FileStat:
+        p = self._norm(path)
+        if p in self._dirs:
+            return FileStat(size=0, mtime=0.0, is_dir=True)
+        node = self._inode_at(p)
+        return FileStat(size=len(node.data), mtime=node.mtime)
+
+    def makedirs(self, path: str) -> None:
+        p = self._norm(path)
+        while p not in self._dirs:
+            self._dirs.add(p)
+            p = posixpath.dirname(p)
+
+    def touch(self, path: str) -> None:
+        self._inode_at(path).mtime = self._now()
+
+    # ---- faults and inspection --------------------------------------------
+    def crash(self) -> None:
+        """Power loss: unsynced writes are dropped, kept or torn; unsynced
+        names vanish (and unsynced unlinks come back); open handles die."""
+        self.counters["crashes"] += 1
+        for node in self._inodes.values():
+            data = bytearray(node.durable)
+            for offset, buf in node.pending:
+                fate = self.rng.randrange(3)
+                if offset < 0:  # a truncation
+                    if fate:
+                        data = bytearray()
+                    continue
+                if fate == 0:
+                    continue
+                if fate == 2 and buf:
+                    buf = buf[: self.rng.randrange(len(buf))]
+                _apply(data, offset, buf)
+            node.data, node.durable, node.pending = data, bytes(data), []
+        self._names = dict(self._durable_names)
+        self._handles.clear()
+        live = set(self._names.values())
+        self._inodes = {i: n for i, n in self._inodes.items() if i in live}
+
+    def corrupt(self, path: str, offset: int, xor: int = 0xFF) -> None:
+        """Flip bits at rest (durably), as bit rot would."""
+        node = self._inode_at(path)
+        node.data[offset] ^= xor
+        node.durable = bytes(node.data)
+
+    def truncate(self, path: str, size: int) -> None:
+        node = self._inode_at(path)
+        del node.data[size:]
+        node.durable = bytes(node.data)
+
+    def exists(self, path: str) -> bool:
+        p = self._norm(path)
+        return p in self._names or p in self._dirs
+
+    def files(self) -> list[str]:
+        return sorted(self._names)
+
+
+def _apply(data: bytearray, offset: int, buf: bytes) -> None:
+    end = offset + len(buf)
+    if end > len(data):
+        data.extend(b"\0" * (end - len(data)))
+    data[offset:end] = buf
