@@ -1,12 +1,12 @@
 """One request's deltas as server-sent events, with keep-alives, ending in
 ``data: [DONE]``, and aborted when the client goes away.
 
-Starlette's ``StreamingResponse`` is not used: it iterates an async generator
-that it never closes when the client disconnects while the generator is
-parked at a ``yield`` (so the request would run on to ``max_tokens``), and it
-cannot wait for the next token with a deadline (the keep-alive). Here the
-disconnect watcher and the writer share one cancel scope, and closing the
-``RequestStream`` is what cancels the request.
+Starlette's ``StreamingResponse`` is not used: when the client disconnects
+while its async generator is parked at a ``yield`` it does not close the
+generator, so the request is cancelled only whenever garbage collection
+finalizes it; and it cannot wait for the next token with a deadline (the
+keep-alive). Here the disconnect watcher and the writer share one cancel
+scope, and leaving ``async with stream`` is what cancels the request, at once.
 """
 
 from __future__ import annotations
