@@ -1,0 +1,295 @@
+"""Drafter: proposes γ tokens per speculating row, two kinds behind one protocol.
+
+* ``ngram`` — prompt lookup (``engine.ngram``): no model, no device time.
+* a draft model (``engine.draft_model``) — a smaller model with the target's
+  tokenizer and its own cache, run on the engine's device (the same MLX thread
+  as the target).
+
+The Scheduler sends each row's committed context as a growing tail
+(``Draft.start`` is how much of it the Drafter already has), never the drafts;
+the Drafter remembers what it put in its own cache. A draft model's cache is
+rolled back to the longest common prefix of what it holds and the committed
+context — after a round with k of γ drafts accepted that is ``trim(γ-1-k)``
+(it never fed ``d_γ``), the same rollback as the target's, and when all γ were
+accepted it feeds ``[d_γ, emit]`` as mlx-lm does. A cache that cannot be
+trimmed is rebuilt from the context instead (slow, never wrong).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol, assert_never
+
+import msgspec
+
+from actors.runtime import Actor
+from engine.draft_model import DraftModel
+from engine.ngram import NgramIndex
+from engine.ports import Clock, Device
+
+log = logging.getLogger("ember.drafter")
+
+# A draft model that lags the context by more than this many tokens (a row
+# that paused speculation, or its first round) catches up in a separate,
+# untimed device call, so adaptive γ measures drafting, not prefill.
+CATCH_UP_AFTER = 4
+
+
+# ---------------------------------------------------------------------------
+# Messages the Drafter accepts.
+
+
+class Draft(msgspec.Struct, frozen=True, kw_only=True):
+    """One row's request: its context is what the Drafter holds for ``rid``,
+    cut to ``start`` tokens, plus ``tail``; propose up to ``gamma`` tokens."""
+
+    rid: int
+    start: int
+    tail: list[int]
+    gamma: int
+
+
+class DraftRound(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Scheduler → Drafter (ask), before a step with speculating rows; the reply
+    is ``DraftedRound``."""
+
+    drafts: list[Draft]
+
+
+class Forget(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Scheduler → Drafter: these rows finished; free their context and cache."""
+
+    rids: list[int]
+
+
+Inbox = DraftRound | Forget
+
+
+class Drafted(msgspec.Struct, frozen=True, kw_only=True):
+    rid: int
+    tokens: list[int]  # at most gamma; empty when there is nothing to propose
+
+
+class DraftedRound(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Drafter → Scheduler: the answer to ``DraftRound`` and the device seconds
+    spent drafting (catch-up prefill excluded)."""
+
+    drafted: list[Drafted]
+    draft_s: float = 0.0
+
+
+# ---------------------------------------------------------------------------
+# Sync cores.
+
+
+class DrafterCore(Protocol):
+    kind: str
+    on_device: bool  # must its calls run on the device thread?
+
+    def extend(self, drafts: list[Draft]) -> None: ...
+
+    def lagging(self, drafts: list[Draft]) -> list[int]: ...
+
+    def catch_up(self, rids: list[int]) -> None: ...
+
+    def catch_up_cost_s(self, rids: list[int]) -> float: ...
+
+    def draft(self, drafts: list[Draft]) -> list[Drafted]: ...
+
+    def cost_s(self, drafts: list[Draft]) -> float: ...
+
+    def forget(self, rids: list[int]) -> None: ...
+
+
+def _check_start(rid: int, have: int, start: int) -> None:
+    if start != have:
+        raise ValueError(f"drafter: row {rid} context is {have} tokens but the Scheduler sent a tail from {start}")
+
+
+class NgramDrafterCore:
+    """Prompt lookup over each row's prompt + output so far."""
+
+    kind = "ngram"
+    on_device = False
+
+    def __init__(self, *, min_n: int = 2, max_n: int = 4):
+        NgramIndex(min_n=min_n, max_n=max_n)  # validates the sizes now, not at the first request
+        self.min_n = min_n
+        self.max_n = max_n
+        self.rows: dict[int, NgramIndex] = {}
+
+    def extend(self, drafts: list[Draft]) -> None:
+        for d in drafts:
+            idx = self.rows.get(d.rid)
+            if idx is None:
+                idx = self.rows[d.rid] = NgramIndex(min_n=self.min_n, max_n=self.max_n)
+            _check_start(d.rid, len(idx), d.start)
+            idx.extend(d.tail)
+
+    def lagging(self, drafts: list[Draft]) -> list[int]:
+        return []
+
+    def catch_up(self, rids: list[int]) -> None:
+        pass
+
+    def catch_up_cost_s(self, rids: list[int]) -> float:
+        return 0.0
+
+    def draft(self, drafts: list[Draft]) -> list[Drafted]:
+        return [Drafted(rid=d.rid, tokens=self.rows[d.rid].propose(d.gamma)) for d in drafts]
+
+    def cost_s(self, drafts: list[Draft]) -> float:
+        return 0.0
+
+    def forget(self, rids: list[int]) -> None:
+        for rid in rids:
+            self.rows.pop(rid, None)
+
+
+@dataclass(slots=True)
+class _ModelRow:
+    cache: Any
+    context: list[int] = field(default_factory=list)  # committed tokens
+    cached: list[int] = field(default_factory=list)  # tokens in the draft cache
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelDrafterCore:
+    """A draft model with one cache per row. ``catch_up``/``draft`` run on the device."""
+
+    kind = "model"
+    on_device = True
+
+    def __init__(self, model: DraftModel, name: str = "model"):
+        self.model = model
+        self.name = name
+        self.rows: dict[int, _ModelRow] = {}
+        self.rebuilds = 0  # caches rebuilt because they could not be trimmed
+
+    def extend(self, drafts: list[Draft]) -> None:
+        for d in drafts:
+            row = self.rows.get(d.rid)
+            if row is None:
+                row = self.rows[d.rid] = _ModelRow(cache=None)
+            _check_start(d.rid, len(row.context), d.start)
+            row.context.extend(d.tail)
+
+    def lagging(self, drafts: list[Draft]) -> list[int]:
+        out = []
+        for d in drafts:
+            row = self.rows[d.rid]
+            if len(row.context) - _common_prefix(row.cached, row.context) > CATCH_UP_AFTER:
+                out.append(d.rid)
+        return out
+
+    def _rollback(self, row: _ModelRow) -> None:
+        """Cut the cache back to the longest prefix it shares with the context."""
+        if row.cache is None:
+            row.cache, row.cached = self.model.new_cache(), []
+            return
+        keep = _common_prefix(row.cached, row.context)
+        extra = len(row.cached) - keep
+        if extra == 0:
+            return
+        if self.model.can_trim(row.cache):
+            self.model.trim(row.cache, extra)
+            del row.cached[keep:]
+        else:
+            self.rebuilds += 1
+            row.cache, row.cached = self.model.new_cache(), []
+
+    def catch_up(self, rids: list[int]) -> None:
+        for rid in rids:
+            row = self.rows[rid]
+            self._rollback(row)
+            feed = row.context[len(row.cached) : -1]
+            if feed:
+                self.model.feed(row.cache, feed)
+                row.cached.extend(feed)
+
+    def catch_up_cost_s(self, rids: list[int]) -> float:
+        rows = [self.rows[rid] for rid in rids]
+        return sum(self.model.cost_s(len(r.context) - _common_prefix(r.cached, r.context), 0) for r in rows)
+
+    def draft(self, drafts: list[Draft]) -> list[Drafted]:
+        out = []
+        for d in drafts:
+            row = self.rows[d.rid]
+            if d.gamma <= 0 or not row.context:
+                out.append(Drafted(rid=d.rid, tokens=[]))
+                continue
+            self._rollback(row)
+            feed = row.context[len(row.cached) :]
+            if not feed:
+                # The whole context is cached (not after a verify round: the
+                # emitted token is always new); re-feed the last token.
+                if self.model.can_trim(row.cache):
+                    self.model.trim(row.cache, 1)
+                    row.cached.pop()
+                else:
+                    self.rebuilds += 1
+                    row.cache, row.cached = self.model.new_cache(), []
+                feed = row.context[len(row.cached) :]
+            tokens = self.model.generate(row.cache, feed, d.gamma)
+            row.cached = row.context + tokens[:-1]
+            out.append(Drafted(rid=d.rid, tokens=tokens))
+        return out
+
+    def cost_s(self, drafts: list[Draft]) -> float:
+        cost = 0.0
+        for d in drafts:
+            row = self.rows[d.rid]
+            fed = len(row.context) - _common_prefix(row.cached, row.context)
+            cost += self.model.cost_s(fed, d.gamma)
+        return cost
+
+    def forget(self, rids: list[int]) -> None:
+        for rid in rids:
+            self.rows.pop(rid, None)
+
+
+# ---------------------------------------------------------------------------
+
+
+class Drafter(Actor[Inbox]):
+    name = "drafter"
+    inbox_size = 256
+
+    def __init__(self, core: DrafterCore, device: Device, clock: Clock):
+        super().__init__()
+        self.core = core
+        self.device = device
+        self.clock = clock
+
+    async def receive(self, msg: Inbox) -> Any:
+        match msg:
+            case DraftRound():
+                return await self._draft(msg.drafts)
+            case Forget():
+                if self.core.on_device:
+                    await self.device.run(self.core.forget, msg.rids)  # frees arrays on their thread
+                else:
+                    self.core.forget(msg.rids)
+                return None
+            case _:
+                assert_never(msg)
+
+    async def _draft(self, drafts: list[Draft]) -> DraftedRound:
+        core = self.core
+        core.extend(drafts)
+        if not core.on_device:
+            return DraftedRound(drafted=core.draft(drafts))
+        lagging = core.lagging(drafts)
+        if lagging:
+            await self.device.run(core.catch_up, lagging, cost_s=core.catch_up_cost_s(lagging))
+        t0 = self.clock.now()
+        drafted = await self.device.run(core.draft, drafts, cost_s=core.cost_s(drafts))
+        return DraftedRound(drafted=drafted, draft_s=self.clock.now() - t0)

@@ -1,0 +1,171 @@
+"""The Scheduler's side of speculative rounds (sync, no awaits).
+
+``SchedulerCore`` owns one ``SpecRounds`` when the engine has a drafter. Per
+speculating row it keeps the γ the Verifier chose, how much context the
+Drafter already has, the drafts for the next step, the trim still owed to the
+backend, and the per-request counters behind ``Usage.speculation``. A round:
+
+1. ``draft_requests`` — rows in DECODE with γ > 0 ask the Drafter for drafts,
+   sending only the context tail the Drafter has not seen;
+2. ``window`` — the row's next batched step feeds ``[last, d1..dγ]`` as a
+   ``VerifyRow`` (a row with no drafts decodes plainly, in the same step);
+3. ``collect`` — the step's target tokens for every speculating row wait for
+   the Verifier (``take_verify``), whose verdicts ``apply`` emits through the
+   Scheduler's ``_emit`` and turns into trims for the next step.
+
+Trims are owed, not applied at once: a ``StepPlan`` applies close before trim,
+so a finishing row whose cache is kept for the prompt cache closes one step
+later, after its trim (``defer_closing``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from actors.drafter import Draft, DraftedRound
+from actors.verifier import Verified, Verify, Window
+from engine.ports import StepPlan
+from engine.types import SamplingParams, SpecUsage
+
+
+@dataclass(slots=True)
+class RowSpec:
+    fixed: int | None  # the request's num_draft_tokens (None = the engine's policy)
+    gamma: int = 0  # drafts to ask for next round; the first round is plain decode
+    synced: int = 0  # context tokens the Drafter has
+    drafts: list[int] = field(default_factory=list)
+    off: bool = False  # the backend refused a window: plain decode from now on
+    targets: list[int] | None = None  # this step's target tokens, until the verdict
+    fed: int = 0  # tokens this step fed into the row's cache
+    drafted: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    draft_rounds: int = 0
+
+
+class SpecRounds:
+    def __init__(self, *, context_length: int, gamma_cap: int = 16):
+        self.context_length = context_length
+        self.gamma_cap = gamma_cap
+        self.rows: dict[int, RowSpec] = {}
+        self.owed: dict[int, int] = {}  # rid -> tokens the backend must still trim
+        self._forgotten: list[int] = []
+
+    # ---- rows ------------------------------------------------------------
+    def admit(self, rid: int, params: SamplingParams) -> None:
+        if params.speculate is False or params.num_draft_tokens == 0:
+            return
+        self.rows[rid] = RowSpec(fixed=params.num_draft_tokens)
+
+    def finish(self, rid: int) -> SpecUsage | None:
+        """The row ended: its usage, and Forget for the Drafter and Verifier."""
+        spec = self.rows.get(rid)
+        if spec is None:
+            return None
+        self._forgotten.append(rid)
+        rate = spec.accepted / spec.drafted if spec.drafted else 0.0
+        mean = 1.0 + spec.accepted / spec.draft_rounds if spec.draft_rounds else 0.0
+        return SpecUsage(
+            drafted=spec.drafted,
+            accepted=spec.accepted,
+            target_calls=spec.target_calls,
+            acceptance_rate=rate,
+            mean_accept_len=mean,
+        )
+
+    def take_forgotten(self) -> list[int]:
+        out, self._forgotten = self._forgotten, []
+        for rid in out:
+            self.rows.pop(rid, None)
+        return out
+
+    # ---- drafting ----------------------------------------------------------
+    def draft_requests(self, rows: list[Any]) -> list[Draft]:
+        """Draft requests for decoding rows whose γ is > 0 (``rows``: Scheduler rows)."""
+        out = []
+        for row in rows:
+            spec = self.rows.get(row.rid)
+            if spec is None or spec.off or spec.gamma <= 0:
+                continue
+            room_tokens = row.params.max_tokens - len(row.generated) - 1
+            room_context = self.context_length - row.in_cache - 2
+            gamma = min(spec.gamma, self.gamma_cap, room_tokens, room_context)
+            if gamma <= 0:
+                continue
+            context = row.prompt + row.generated if row.generated else row.prompt
+            out.append(Draft(rid=row.rid, start=spec.synced, tail=context[spec.synced :], gamma=gamma))
+            spec.synced = len(context)
+        return out
+
+    def set_drafts(self, answer: DraftedRound, asked: list[Draft]) -> None:
+        gammas = {d.rid: d.gamma for d in asked}
+        for d in answer.drafted:
+            spec = self.rows.get(d.rid)
+            if spec is not None and d.rid in gammas:
+                spec.drafts = list(d.tokens[: gammas[d.rid]])
+
+    # ---- the step ----------------------------------------------------------
+    def defer_closing(self, plan: StepPlan, closing: list[int], keep: set[int]) -> None:
+        """Owed trims go into the plan; kept rows that owe one close a step later."""
+        for rid in list(plan.close):
+            n = self.owed.pop(rid, 0)
+            if n and rid in plan.keep_cache:
+                plan.close.remove(rid)
+                plan.keep_cache.discard(rid)
+                closing.append(rid)
+                keep.add(rid)
+                plan.trim.append((rid, n))
+        for rid, n in self.owed.items():
+            plan.trim.append((rid, n))
+        self.owed.clear()
+
+    def window(self, row: Any) -> list[int] | None:
+        """The verify window of a decoding row, or None to decode it plainly."""
+        spec = self.rows.get(row.rid)
+        if spec is None or not spec.drafts:
+            return None
+        return [row.next_input, *spec.drafts]
+
+    def collect(self, row: Any, targets: list[int]) -> bool:
+        """Hold a speculating row's target tokens for the Verifier; False for a
+        row that does not speculate (the Scheduler emits it at once)."""
+        spec = self.rows.get(row.rid)
+        if spec is None:
+            return False
+        spec.targets = list(targets)
+        spec.fed = len(targets)  # the window, or 1 if the backend decoded only `last`
+        return True
+
+    def take_verify(self, step_s: float, draft_s: float) -> Verify | None:
+        windows = [
+            Window(rid=rid, drafts=list(spec.drafts), targets=spec.targets, fixed_gamma=spec.fixed)
+            for rid, spec in self.rows.items()
+            if spec.targets is not None
+        ]
+        return Verify(windows=windows, step_s=step_s, draft_s=draft_s) if windows else None
+
+    def apply(self, verified: Verified, rows: dict[int, Any], emit: Callable[[Any, list[int]], None]) -> None:
+        """Emit each verdict's tokens and owe the trim of what the cache holds
+        beyond the row's new length (the rejected drafts, and any tokens past
+        an EOS, stop string or max_tokens inside the accepted run)."""
+        for v in verified.verdicts:
+            spec = self.rows.get(v.rid)
+            row = rows.get(v.rid)
+            if spec is None or spec.targets is None:
+                continue
+            drafted = len(spec.drafts) if not v.fallback else 0
+            fed, spec.targets, spec.drafts = spec.fed, None, []
+            spec.target_calls += 1
+            spec.drafted += drafted
+            spec.accepted += v.accepted
+            spec.draft_rounds += 1 if drafted else 0
+            spec.gamma = v.gamma_next
+            spec.off = spec.off or v.fallback
+            if row is None:
+                continue
+            before = row.in_cache
+            emit(row, v.tokens)
+            row.in_cache = min(before + 1 + v.accepted, len(row.prompt) + len(row.generated))
+            if before + fed > row.in_cache:
+                self.owed[v.rid] = before + fed - row.in_cache

@@ -1,0 +1,169 @@
+"""Verifier: the acceptance rule, acceptance statistics and adaptive γ.
+
+Pure on target tokens: the backend runs one forward over each verify window
+``[last, d1 … dγ]`` with ONE lm-head pass over the whole window (a
+``(B, γ+1)`` forward; per-position lm-head passes were the reference's
+γ-scaling tax) and returns the target's token at each of the γ+1 positions —
+the argmax when greedy, else a sample from the row's own sampler
+(temperature, top-p, top-k, min-p applied to the target's logits at that
+position). The Verifier never sees an array.
+
+Acceptance rule: sample-and-match, as mlx-lm's ``speculative_generate_step``.
+Accept draft ``d_i`` while it equals the target's token ``t_{i-1}`` at its
+position; at the first mismatch emit the target's token there (the
+correction); when all γ match emit ``t_γ`` (the bonus).
+
+Why sample-and-match and not Leviathan rejection sampling: every emitted
+token is the target's own sample, drawn from the target's distribution given
+exactly the tokens emitted before it (a position is only used when all the
+drafts before it matched, i.e. when its context is the real one), so the
+output is distributed exactly as the target's at any temperature, with no
+drafter probabilities. Both our drafters propose deterministically (the draft
+model's argmax, or the n-gram continuation): the draft is a point mass, and
+rejection sampling's acceptance probability ``min(1, p(d)/q(d))`` is then
+``p(d)`` — the same probability with which the target's sample equals ``d``.
+So rejection sampling would buy no acceptance here and would need the
+drafter's distribution on the wire; it only wins for drafters that sample.
+Greedy is the temperature-0 case: token-identical to decoding without
+speculation (up to batched-vs-single forward numerics, see docs/speculation.md).
+
+A window the backend answered with fewer than γ+1 tokens means it refused to
+feed the drafts because the row's cache could not be trimmed back (a rotating
+window about to wrap, SSM state): only ``last`` was decoded, and the row falls
+back to plain decode for good — never a silent corruption.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, assert_never
+
+import msgspec
+
+from actors.runtime import Actor
+from engine.speculation import GammaPolicy, RowPolicy, SpecCounters
+
+log = logging.getLogger("ember.verifier")
+
+
+# ---------------------------------------------------------------------------
+# Messages the Verifier accepts.
+
+
+class Window(msgspec.Struct, frozen=True, kw_only=True):
+    """One speculating row's round: the drafts it fed and the target's tokens.
+    A row that decoded plainly this round has no drafts and one target token."""
+
+    rid: int
+    drafts: list[int]
+    targets: list[int]
+    fixed_gamma: int | None = None  # the request's own num_draft_tokens
+
+
+class Verify(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Scheduler → Verifier (ask), after each step with speculating rows: judge
+    each window; ``step_s``/``draft_s`` are the measured device seconds of the
+    step and of the drafting before it (adaptive γ weighs them)."""
+
+    windows: list[Window]
+    step_s: float = 0.0
+    draft_s: float = 0.0
+
+
+class Forget(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Scheduler → Verifier: these rows finished; drop their policy state."""
+
+    rids: list[int]
+
+
+Inbox = Verify | Forget
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    rid: int
+    accepted: int  # drafts accepted
+    tokens: list[int]  # accepted drafts + the correction or bonus token
+    gamma_next: int  # drafts to propose next round (0 = plain decode)
+    fallback: bool = False  # the backend refused the window: plain decode from now on
+
+
+class Verified(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Verifier → Scheduler: the answer to ``Verify``, one verdict per window."""
+
+    verdicts: list[Verdict]
+
+
+# ---------------------------------------------------------------------------
+
+
+def accept_window(drafts: list[int], targets: list[int]) -> tuple[int, list[int]]:
+    """Sample-and-match on one window: ``(accepted, tokens to emit)``.
+
+    ``targets[i]`` is the target's token after feeding ``[last, d1..di]``.
+    """
+    if len(targets) != len(drafts) + 1:
+        raise ValueError(f"a window of {len(drafts)} drafts needs {len(drafts) + 1} target tokens, got {len(targets)}")
+    k = 0
+    while k < len(drafts) and drafts[k] == targets[k]:
+        k += 1
+    return k, drafts[:k] + [targets[k]]
+
+
+class VerifierCore:
+    """The Verifier's logic, with no awaits."""
+
+    def __init__(self, policy: GammaPolicy):
+        self.policy = policy
+        self.rows: dict[int, RowPolicy] = {}
+        self.counters = SpecCounters()
+
+    def verify(self, msg: Verify) -> Verified:
+        drafted_tokens = sum(len(w.drafts) for w in msg.windows if len(w.targets) == len(w.drafts) + 1)
+        longest = max((len(w.drafts) for w in msg.windows if len(w.targets) == len(w.drafts) + 1), default=0)
+        self.policy.observe_cost(longest, msg.step_s, drafted_tokens, msg.draft_s)
+        return Verified(verdicts=[self._judge(w) for w in msg.windows])
+
+    def _judge(self, w: Window) -> Verdict:
+        row = self.rows.get(w.rid)
+        if row is None:
+            row = self.rows[w.rid] = self.policy.new_row(w.fixed_gamma)
+        if w.drafts and len(w.targets) == 1:
+            # The backend decoded only `last`: this row's cache cannot take a window.
+            row.off = True
+            self.counters.fallbacks += 1
+            log.info("[verifier] fallback rid=%d reason=untrimmable-cache", w.rid)
+            return Verdict(rid=w.rid, accepted=0, tokens=list(w.targets), gamma_next=0, fallback=True)
+        k, tokens = accept_window(w.drafts, w.targets)
+        self.counters.record(len(w.drafts), k)
+        if w.drafts:
+            self.policy.observe_round(row, len(w.drafts), k)
+        gamma = self.policy.choose(row)
+        row.gamma = gamma
+        self.counters.gamma_chosen[gamma] = self.counters.gamma_chosen.get(gamma, 0) + 1
+        return Verdict(rid=w.rid, accepted=k, tokens=tokens, gamma_next=gamma)
+
+    def forget(self, rids: list[int]) -> None:
+        for rid in rids:
+            self.rows.pop(rid, None)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters.as_dict(), "policy": self.policy.snapshot(), "rows": len(self.rows)}
+
+
+class Verifier(Actor[Inbox]):
+    name = "verifier"
+    inbox_size = 256
+
+    def __init__(self, core: VerifierCore):
+        super().__init__()
+        self.core = core
+
+    async def receive(self, msg: Inbox) -> Any:
+        match msg:
+            case Verify():
+                return self.core.verify(msg)
+            case Forget():
+                self.core.forget(msg.rids)
+                return None
+            case _:
+                assert_never(msg)

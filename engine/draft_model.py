@@ -1,0 +1,164 @@
+"""Draft models: a smaller model with the target's tokenizer and its own cache.
+
+Two implementations of one small protocol, used by ``actors.drafter``:
+
+* ``MlxDraftModel`` — an mlx-lm model loaded from its own directory (the
+  bundled ``tiny-draft`` or any ``--draft-model PATH``). It never touches the
+  target's weights: it is loaded from a different directory, and a path that
+  resolves to the target's is refused. Every call runs on the engine's MLX
+  device thread (``engine.device.ThreadDevice``), like the target's.
+* ``FakeDraftModel`` — the fake GPU's drafter: it proposes the fake target's
+  greedy token with probability ``agree`` (decided by a hash of the context,
+  so it is deterministic) and the runner-up otherwise. Its cache is a list of
+  running hashes with real trim semantics, so rollback bugs show as wrong
+  drafts — which cost acceptance, never output, exactly as on MLX.
+
+``generate(cache, feed, k)`` feeds ``feed`` (the context tokens the cache
+lacks, the last one included) and proposes ``k`` greedy tokens; afterwards
+the cache holds ``feed + d1..d_{k-1}`` (``d_k`` was never fed).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine.fake_gpu import ByteTokenizer, FakeGPUConfig, _advance, _initial_hash, fake_logits
+
+
+class DraftModel(Protocol):
+    def new_cache(self) -> Any: ...
+
+    def can_trim(self, cache: Any) -> bool: ...
+
+    def trim(self, cache: Any, n: int) -> int: ...
+
+    def feed(self, cache: Any, tokens: list[int]) -> None: ...
+
+    def generate(self, cache: Any, feed: list[int], k: int) -> list[int]: ...
+
+    def cost_s(self, fed: int, drafted: int) -> float:
+        """Virtual-time cost for the fake GPU's device; 0 for real hardware."""
+        ...
+
+
+# ---------------------------------------------------------------------------
+
+
+class FakeDraftModel:
+    def __init__(
+        self,
+        cfg: FakeGPUConfig = FakeGPUConfig(),
+        *,
+        agree: float = 0.7,
+        seed: int = 1,
+        trimmable: bool = True,
+        token_cost_s: float = 0.002,
+        feed_cost_s: float = 0.00002,
+    ):
+        self.cfg = cfg
+        self.agree = agree
+        self.seed = seed
+        self.trimmable = trimmable
+        self.token_cost_s = token_cost_s
+        self.feed_cost_s = feed_cost_s
+        self._h0 = _initial_hash(cfg.seed)
+
+    def new_cache(self) -> list[int]:
+        return []
+
+    def can_trim(self, cache: list[int]) -> bool:
+        return self.trimmable
+
+    def trim(self, cache: list[int], n: int) -> int:
+        if not self.trimmable:
+            raise ValueError("this draft cache cannot be trimmed")
+        n = min(n, len(cache))
+        del cache[len(cache) - n :]
+        return n
+
+    def feed(self, cache: list[int], tokens: list[int]) -> None:
+        h = cache[-1] if cache else self._h0
+        for t in tokens:
+            h = _advance(h, t)
+            cache.append(h)
+
+    def _propose(self, h: int) -> int:
+        logits = fake_logits(self.cfg.seed, h, ByteTokenizer.vocab_size, self.cfg.eos_bias)
+        order = np.argsort(-logits, kind="stable")
+        u = np.random.Generator(np.random.PCG64([self.seed, h])).random()
+        return int(order[0] if u < self.agree else order[1])
+
+    def generate(self, cache: list[int], feed: list[int], k: int) -> list[int]:
+        self.feed(cache, feed)
+        out: list[int] = []
+        for i in range(k):
+            tok = self._propose(cache[-1])
+            out.append(tok)
+            if i < k - 1:
+                self.feed(cache, [tok])
+        return out
+
+    def cost_s(self, fed: int, drafted: int) -> float:
+        return self.token_cost_s * drafted + self.feed_cost_s * fed
+
+
+# ---------------------------------------------------------------------------
+
+
+class MlxDraftModel:
+    """An mlx-lm model used only to draft. Construct it on the device thread."""
+
+    prefill_chunk = 512
+
+    def __init__(self, path: str | pathlib.Path):
+        import mlx.core as mx
+        from mlx_lm import load
+
+        self._mx = mx
+        self.path = pathlib.Path(path)
+        self.model, self.tokenizer = load(str(self.path))
+        self.vocab_size = int(self.model.args.vocab_size) if hasattr(self.model, "args") else None
+
+    def new_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def can_trim(self, cache: list[Any]) -> bool:
+        return all(c.is_trimmable() for c in cache)
+
+    def trim(self, cache: list[Any], n: int) -> int:
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        return trim_prompt_cache(cache, n) if n > 0 else 0
+
+    def _forward(self, cache: list[Any], tokens: Any) -> Any:
+        return self.model(tokens, cache=cache)
+
+    def feed(self, cache: list[Any], tokens: list[int]) -> None:
+        mx = self._mx
+        for i in range(0, len(tokens), self.prefill_chunk):
+            self._forward(cache, mx.array(tokens[i : i + self.prefill_chunk])[None])
+            mx.eval([c.state for c in cache])
+
+    def generate(self, cache: list[Any], feed: list[int], k: int) -> list[int]:
+        mx = self._mx
+        if len(feed) > self.prefill_chunk:
+            self.feed(cache, feed[:-1])
+            feed = feed[-1:]
+        # The k steps are built lazily and evaluated once: each step's argmax
+        # feeds the next as an array, so there is one sync per round, not k.
+        logits = self._forward(cache, mx.array(feed)[None])
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        out = [y]
+        for _ in range(k - 1):
+            logits = self._forward(cache, y[:, None])
+            y = mx.argmax(logits[:, -1, :], axis=-1)
+            out.append(y)
+        return mx.concatenate(out).tolist()
+
+    def cost_s(self, fed: int, drafted: int) -> float:
+        return 0.0

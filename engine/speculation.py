@@ -1,0 +1,237 @@
+"""Speculation policy and bookkeeping: how many tokens to draft, and what it paid.
+
+The Verifier owns these. ``GammaPolicy`` picks γ (the number of draft tokens)
+for each row's next round; ``SpecCounters`` keeps the engine-wide counters
+under the names the ecosystem shares (vLLM, llama.cpp):
+``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``,
+``spec_decode_num_accepted_tokens`` and the accepted count per draft position.
+
+Adaptive γ
+----------
+A round with γ drafts yields ``E(γ) = 1 + Σ_{i≤γ} Π_{j≤i} a_j`` tokens on
+average, where ``a_j`` is the probability that draft ``j`` is accepted given
+that drafts ``1..j-1`` were (sample-and-match stops at the first mismatch, so
+that conditional is exactly what each round observes). It costs
+``C(γ) = step(γ) + γ · draft_token``: the measured device time of a batched
+step whose longest verify window had γ drafts, plus the drafter's measured
+time per drafted token. The policy picks the γ in ``0..gamma_max`` with the
+most tokens per second, ``E(γ) / C(γ)``; γ = 0 is plain decode, ``E = 1``.
+
+* ``a_j`` is a moving average per request (requests differ: a file being
+  edited accepts far more than free text), seeded from an engine-wide moving
+  average for the same drafter so a new request starts from experience.
+* Costs are engine-wide (the device is shared) moving averages per γ. A γ not
+  measured yet is interpolated from its measured neighbours, or extrapolated
+  with a per-token slope; the γ just above the current choice is tried once
+  so that every useful γ gets measured.
+* When γ = 0 wins, the request decodes plainly and probes γ = 1 every
+  ``probe_every`` rounds to find out whether drafts started paying (the text
+  may have become repetitive). Each probe that does not turn speculation back
+  on doubles the interval, up to ``probe_max``, so a request where it never
+  pays spends at most ~1/``probe_max`` of its rounds probing.
+
+The cost of a batched step is shared by its rows, so the per-row choice is a
+heuristic under batching: each row maximises its own tokens per step time.
+A fixed γ (``EngineConfig.num_draft_tokens`` or the request's
+``num_draft_tokens``) bypasses all of this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ADAPTIVE_GAMMA_MAX = 6
+FIXED_GAMMA_MAX = 16
+
+
+@dataclass(slots=True)
+class RowPolicy:
+    """One request's speculation state inside the Verifier."""
+
+    fixed: int | None
+    accept: list[float]  # conditional acceptance per draft position (moving average)
+    gamma: int = 0
+    rounds_paused: int = 0
+    probe_every: int = 4
+    probing: bool = False
+    off: bool = False  # the row's cache cannot be trimmed: plain decode from now on
+
+
+class GammaPolicy:
+    def __init__(
+        self,
+        *,
+        fixed: int | None = None,
+        gamma_max: int = ADAPTIVE_GAMMA_MAX,
+        accept_prior: float = 0.5,
+        accept_alpha: float = 0.15,
+        cost_alpha: float = 0.1,
+        slope_prior: float = 0.1,
+        probe_first: int = 4,
+        probe_max: int = 64,
+    ):
+        if fixed is not None and not 0 <= fixed <= FIXED_GAMMA_MAX:
+            raise ValueError(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}, got {fixed}")
+        self.fixed = fixed
+        self.gamma_max = gamma_max
+        self.accept_alpha = accept_alpha
+        self.cost_alpha = cost_alpha
+        self.slope_prior = slope_prior
+        self.probe_first = probe_first
+        self.probe_max = probe_max
+        self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
+        self.step_s: dict[int, float] = {}  # γ of the step's longest window -> seconds
+        self.draft_token_s: float | None = None
+
+    # ---- rows ------------------------------------------------------------
+    def new_row(self, fixed: int | None) -> RowPolicy:
+        if fixed is not None and not 0 <= fixed <= FIXED_GAMMA_MAX:
+            raise ValueError(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}, got {fixed}")
+        fixed = fixed if fixed is not None else self.fixed
+        row = RowPolicy(fixed=fixed, accept=list(self.accept), probe_every=self.probe_first)
+        row.gamma = self.choose(row)
+        return row
+
+    def observe_round(self, row: RowPolicy, drafted: int, accepted: int) -> None:
+        """A round drafted ``drafted`` tokens and the first ``accepted`` matched."""
+        evaluated = min(drafted, accepted + 1)  # positions past the first mismatch were never judged
+        a, g = self.accept_alpha, self.accept
+        for j in range(min(evaluated, self.gamma_max)):
+            hit = 1.0 if j < accepted else 0.0
+            row.accept[j] += a * (hit - row.accept[j])
+            g[j] += a * 0.2 * (hit - g[j])  # slower: it summarises many requests
+
+    # ---- costs -----------------------------------------------------------
+    def observe_cost(self, gamma: int, step_s: float, drafted_tokens: int, draft_s: float) -> None:
+        """A step whose longest verify window had ``gamma`` drafts took ``step_s``;
+        drafting its ``drafted_tokens`` took ``draft_s``."""
+        if step_s > 0:
+            old = self.step_s.get(gamma)
+            self.step_s[gamma] = step_s if old is None else old + self.cost_alpha * (step_s - old)
+        if drafted_tokens > 0 and draft_s >= 0:
+            per = draft_s / drafted_tokens
+            old_d = self.draft_token_s
+            self.draft_token_s = per if old_d is None else old_d + self.cost_alpha * (per - old_d)
+
+    def step_cost(self, gamma: int) -> float:
+        """Measured step seconds for γ, or an estimate from the measured ones."""
+        known = self.step_s
+        if gamma in known:
+            return known[gamma]
+        if not known:
+            return 1.0 + self.slope_prior * gamma  # arbitrary unit: only ratios matter
+        lo = max((g for g in known if g < gamma), default=None)
+        hi = min((g for g in known if g > gamma), default=None)
+        if lo is not None and hi is not None:
+            w = (gamma - lo) / (hi - lo)
+            return known[lo] + w * (known[hi] - known[lo])
+        if lo is not None:
+            below = sorted(g for g in known if g >= 1)
+            if len(below) >= 2:
+                g1, g2 = below[-2], below[-1]
+                slope = max(0.0, (known[g2] - known[g1]) / (g2 - g1))
+            else:
+                slope = self.slope_prior * known[lo]
+            return known[lo] + slope * (gamma - lo)
+        return known[hi]  # only larger γ measured: assume no cheaper
+
+    def round_cost(self, gamma: int) -> float:
+        return self.step_cost(gamma) + gamma * (self.draft_token_s or 0.0)
+
+    # ---- choice ----------------------------------------------------------
+    @staticmethod
+    def expected_tokens(accept: list[float], gamma: int) -> float:
+        total, run = 1.0, 1.0
+        for j in range(gamma):
+            run *= accept[j]
+            total += run
+        return total
+
+    def best(self, row: RowPolicy) -> int:
+        rates = [self.expected_tokens(row.accept, g) / self.round_cost(g) for g in range(self.gamma_max + 1)]
+        best = max(range(len(rates)), key=lambda g: (rates[g], -g))
+        nxt = best + 1
+        if 0 < best and nxt <= self.gamma_max and nxt not in self.step_s:
+            return nxt  # measure the next γ once; it may be cheaper than estimated
+        return best
+
+    def choose(self, row: RowPolicy) -> int:
+        """γ for the row's next round (0 = plain decode)."""
+        if row.off:
+            return 0
+        if row.fixed is not None:
+            return row.fixed
+        if row.probing:  # the probe round just ran: keep its verdict
+            row.probing = False
+            g = self.best(row)
+            if g == 0:
+                row.probe_every = min(self.probe_max, row.probe_every * 2)
+            else:
+                row.probe_every = self.probe_first
+            return g
+        g = self.best(row)
+        if g > 0:
+            row.rounds_paused = 0
+            return g
+        row.rounds_paused += 1
+        if row.rounds_paused >= row.probe_every:
+            row.rounds_paused = 0
+            row.probing = True
+            return 1
+        return 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "mode": "fixed" if self.fixed is not None else "adaptive",
+            "fixed_gamma": self.fixed,
+            "gamma_max": self.gamma_max if self.fixed is None else self.fixed,
+            "acceptance_prior_per_pos": [round(a, 4) for a in self.accept],
+            "step_s_by_gamma": {str(g): round(s, 6) for g, s in sorted(self.step_s.items())},
+            "draft_token_s": None if self.draft_token_s is None else round(self.draft_token_s, 6),
+        }
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """Engine-wide counters, named as vLLM / llama.cpp name them."""
+
+    num_drafts: int = 0  # verify rounds that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    plain_rounds: int = 0  # speculating rows that decoded without drafts this round
+    fallbacks: int = 0  # rows switched to plain decode because their cache cannot be trimmed
+    gamma_chosen: dict[int, int] = field(default_factory=dict)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            self.plain_rounds += 1
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        while len(self.drafted_per_pos) < drafted:
+            self.drafted_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+        for j in range(drafted):
+            self.drafted_per_pos[j] += 1
+            if j < accepted:
+                self.accepted_per_pos[j] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        mean_len = 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "spec_decode_num_draft_tokens_per_pos": list(self.drafted_per_pos),
+            "acceptance_rate": round(rate, 6),
+            "mean_accept_len": round(mean_len, 6),
+            "plain_rounds": self.plain_rounds,
+            "fallbacks": self.fallbacks,
+            "gamma_chosen": {str(g): n for g, n in sorted(self.gamma_chosen.items())},
+        }
