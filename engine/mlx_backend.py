@@ -1,0 +1,504 @@
+"""The MLX backend: ``engine.ports.Backend`` on an mlx-lm model.
+
+Every method runs on one dedicated thread (``engine.device.ThreadDevice``),
+which owns MLX: loading, forwards, cache surgery. Any mlx-lm model directory
+works; a "cache" is an mlx-lm prompt cache (``make_prompt_cache(model)``).
+
+Why not ``mlx_lm.BatchGenerator``. It is a scheduler of its own: it decides
+when prompts are admitted and how they are chunked, applies stop tokens and
+max_tokens, and has no per-row trim or verify. Our Scheduler already makes
+those decisions and hands the device one explicit ``StepPlan`` per step, so
+the backend reuses the layer below BatchGenerator, mlx-lm's batch caches
+(``merge``/``extend``/``extract``/``filter``/``prepare``/``finalize``, see
+``engine.mlx_batch``), and its sampling filters (``engine.mlx_sampling``).
+
+Design:
+
+* Prefill: each row prefills into its own B=1 cache, chunk by chunk, exactly
+  like ``mlx_lm.generate_step`` (model call, ``mx.eval`` of the cache state),
+  so prompt numerics match mlx-lm bit for bit.
+* Decode: rows past prefill live in one persistent ``DecodeBatch``; a step is
+  ONE forward over all of them. A row joins at its first decode/verify (its
+  first step runs on a batch of the joiners, then they are ``extend``ed in) and
+  leaves on close (``extract`` for the prompt cache, then ``filter``).
+* Pipelining: like ``generate_step`` and ``GenerationBatch``, after a pure
+  decode step the next decode forward is queued (``mx.async_eval``) on the
+  sampled tokens *before* their values are returned, so MLX computes step
+  n+1 while the event loop runs the Scheduler and streams token n. The next
+  plan normally decodes the same rows with exactly those tokens and takes the
+  queued result. If it does anything else to the batch (a trim, a verify, a
+  different token, a row left out) the queued step is undone: ``trim(1)`` of
+  the batch cache and the rows' PRNG keys put back. Rows that close just drop
+  their queued token (``extract`` then ``trim``). Only for models whose caches
+  are all plain ``KVCache`` (trimmable); others run unpipelined.
+* Verify (``VerifyRow``): the window goes through the same batched forward;
+  rows with shorter windows (decode rows: 1 token) are right-padded and the
+  padding is rolled away, and every position's token is returned. Trims after
+  a verify are per row (``DecodeBatch.trim``). This is the seam for
+  speculative decoding; pipelining stays off around verify steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from engine.config import EngineConfig
+from engine.device import ThreadDevice
+from engine.mlx_batch import DecodeBatch, merge_caches
+from engine.mlx_sampling import RowSampler, row_seed
+from engine.mlx_tokenizer import MLXTokenizer
+from engine.ports import ModelInfo, StepPlan, StepResult
+
+log = logging.getLogger("ember.mlx")
+
+# config.json keys that describe the checkpoint, not the computation graph.
+_METADATA_KEYS = frozenset(
+    {"_name_or_path", "architectures", "transformers_version", "bos_token_id", "eos_token_id",
+     "pad_token_id", "use_cache", "generation_config", "tokenizer_class"}
+)
+DEFAULT_CONTEXT = 4096
+CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
+
+
+def load_mlx_backend(config: EngineConfig) -> tuple["MLXBackend", ThreadDevice]:
+    """Resolve ``config.model``, start the MLX thread and load the model on it."""
+    from engine.models import resolve_model
+
+    path = resolve_model(config.model)
+    device = ThreadDevice()
+    try:
+        backend = device.call(MLXBackend.load, path, config)
+    except BaseException:
+        device.close()
+        raise
+    return backend, device
+
+
+def _config_fingerprint(config: dict[str, Any], kv_scheme: list[str]) -> str:
+    graph = {k: v for k, v in config.items() if k not in _METADATA_KEYS}
+    blob = json.dumps({"config": graph, "kv": kv_scheme}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _tokenizer_hash(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    names = ["tokenizer.json"] if (path / "tokenizer.json").is_file() else sorted(
+        p.name for p in path.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges", "spiece"))
+    )
+    for name in names:
+        h.update(name.encode())
+        h.update((path / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _context_length(config: dict[str, Any], tokenizer: Any) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        n = cfg.get("max_position_embeddings")
+        if isinstance(n, int) and n > 0:
+            return n
+    n = getattr(tokenizer, "model_max_length", None)
+    return n if isinstance(n, int) and 0 < n < 10_000_000 else DEFAULT_CONTEXT
+
+
+def _is_oom(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "unable to allocate" in text or "out of memory" in text or "bad_alloc" in text
+
+
+@dataclass(slots=True)
+class _Row:
+    rid: int
+    sampler: RowSampler
+    max_tokens: int
+    cache: list[Any] | None  # its own B=1 cache; None once it is in the DecodeBatch
+    fed: int = 0  # tokens committed to its KV cache
+    emitted: int = 0  # decode tokens handed back
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A decode step queued ahead (see the module docstring)."""
+
+    rids: list[int]  # batch order at launch
+    inputs: dict[int, int]  # rid -> the token it fed
+    tokens: mx.array  # [B] its sampled tokens, lazy
+    keys: list[tuple[_Row, mx.array]]  # PRNG keys before it, to undo it
+
+
+class MLXBackend:
+    """Implements ``engine.ports.Backend``; every call runs on the MLX thread."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: dict[str, Any],
+        *,
+        model_id: str,
+        tokenizer_hash: str,
+        engine_seed: int = 0,
+        pipeline: bool = True,
+    ):
+        self.model = model
+        self.tokenizer = MLXTokenizer(tokenizer)
+        self.engine_seed = engine_seed
+        probe = make_prompt_cache(model)
+        self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
+        floats = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+        first = next(floats, None)
+        kv_scheme = [type(c).__name__ for c in probe] + [str(first.dtype if first is not None else "")]
+        text_cfg = config.get("text_config") or {}
+        vocab = config.get("vocab_size") or text_cfg.get("vocab_size") or len(self.tokenizer)
+        self.info = ModelInfo(
+            model_id=model_id,
+            vocab_size=int(vocab),
+            context_length=_context_length(config, tokenizer),
+            config_fingerprint=_config_fingerprint(config, kv_scheme),
+            tokenizer_hash=tokenizer_hash,
+            num_layers=len(getattr(model, "layers", probe)),
+        )
+        self._rows: dict[int, _Row] = {}
+        self._batch = DecodeBatch()
+        self._pending: _Pending | None = None
+        self.steps = 0
+        self.counters = {"pipelined": 0, "undone": 0}
+
+    @classmethod
+    def load(cls, path: pathlib.Path, config: EngineConfig) -> "MLXBackend":
+        from mlx_lm import load
+
+        model, tokenizer, model_config = load(str(path), return_config=True)
+        return cls(
+            model,
+            tokenizer,
+            model_config,
+            model_id=config.model_name or str(config.model),
+            tokenizer_hash=_tokenizer_hash(path),
+            engine_seed=config.seed,
+        )
+
+    # ---- caches --------------------------------------------------------------
+    def make_cache(self) -> list[Any]:
+        return make_prompt_cache(self.model)
+
+    def cache_nbytes(self, cache: list[Any]) -> int:
+        """Bytes of the tokens in use; mlx-lm's ``nbytes`` counts the 256-step capacity."""
+        total = 0
+        for c in cache:
+            keys, offset = getattr(c, "keys", None), getattr(c, "offset", None)
+            if isinstance(keys, mx.array) and isinstance(offset, int) and keys.shape[2]:
+                values = c.values
+                total += (keys.nbytes // keys.shape[2] + values.nbytes // values.shape[2]) * offset
+            else:
+                total += c.nbytes
+        return total
+
+    def clone_cache(self, cache: list[Any]) -> list[Any]:
+        out = []
+        for c in cache:
+            if type(c) is KVCache and c.keys is not None:
+                k = KVCache()
+                k.keys = mx.contiguous(c.keys[..., : c.offset, :])
+                k.values = mx.contiguous(c.values[..., : c.offset, :])
+                k.offset = c.offset
+                out.append(k)
+            elif type(c) is KVCache:
+                out.append(KVCache())
+            else:
+                out.append(copy.deepcopy(c))
+        mx.eval([c.state for c in out])
+        return out
+
+    def trim_cache(self, cache: list[Any], n: int) -> int:
+        return trim_prompt_cache(cache, n)
+
+    def cache_trimmable(self, cache: list[Any]) -> bool:
+        return can_trim_prompt_cache(cache)
+
+    def step_cost_s(self, plan: StepPlan) -> float:
+        return 0.0
+
+    # ---- the step ------------------------------------------------------------
+    def step(self, plan: StepPlan) -> StepResult:
+        with mx.stream(generation_stream):
+            try:
+                return self._step(plan)
+            except MemoryError:
+                self._forget(plan)
+                raise
+            except RuntimeError as exc:
+                if _is_oom(exc):
+                    self._forget(plan)
+                    raise MemoryError(str(exc)) from exc
+                raise
+
+    def _forget(self, plan: StepPlan) -> None:
+        """After a failed step, drop the state it may have left half-updated: the
+        rows it touched and the whole batch (a later step for a dropped row
+        reports a per-row error)."""
+        self._pending = None
+        touched = {o.rid for o in plan.open} | {c.rid for c in plan.prefill}
+        touched |= {d.rid for d in plan.decode} | {v.rid for v in plan.verify} | {r for r, _ in plan.trim}
+        touched |= set(self._batch.rids)
+        for rid in touched:
+            self._rows.pop(rid, None)
+        self._batch = DecodeBatch()
+        mx.clear_cache()
+
+    def _step(self, plan: StepPlan) -> StepResult:
+        res = StepResult()
+        self.steps += 1
+        pend, self._pending = self._pending, None
+        if pend is not None and not self._pending_fits(pend, plan):
+            self._undo(pend)
+            pend = None
+        pend_tokens = self._close(plan, res, pend)
+        self._open(plan, res)
+        self._trim(plan, res)
+        self._prefill(plan, res)
+
+        work: dict[int, list[int]] = {}
+        for d in plan.decode:
+            work[d.rid] = [d.token]
+        for v in plan.verify:
+            if v.rid in work or not v.tokens:
+                res.errors[v.rid] = "a row can decode or verify once per step, with a non-empty window"
+                work.pop(v.rid, None)
+                continue
+            work[v.rid] = list(v.tokens)
+        verify_rids = {v.rid for v in plan.verify}
+        for rid in list(work):
+            if rid not in self._rows:
+                res.errors.setdefault(rid, f"row {rid} is not open on the device")
+                del work[rid]
+        batch = self._batch
+        joiners = [rid for rid in work if self._rows[rid].cache is not None]
+        verifying = bool(plan.verify)
+
+        outputs: list[tuple[list[int], list[int] | None, Any]] = []  # (rids, widths, tokens)
+        step_tokens: list[mx.array] = []  # [B] per group, for the next queued step
+        if pend is not None:
+            for rid in batch.rids:
+                self._rows[rid].fed += 1
+            outputs.append((list(batch.rids), None, pend_tokens))
+            step_tokens.append(pend_tokens)
+            self.counters["pipelined"] += 1
+        elif any(rid in batch for rid in work):
+            inputs = [work.get(rid, []) for rid in batch.rids]
+            logits = batch.forward(self.model, inputs)
+            outputs.append(self._sample(batch.rids, inputs, logits, step_tokens))
+        if joiners:
+            inputs = [work[rid] for rid in joiners]
+            group = DecodeBatch()
+            group.add(joiners, merge_caches([self._rows[rid].cache for rid in joiners]))
+            logits = group.forward(self.model, inputs)
+            outputs.append(self._sample(joiners, inputs, logits, step_tokens))
+            batch.add(joiners, group.cache)
+            for rid, toks in zip(joiners, inputs):
+                row = self._rows[rid]
+                row.cache = None
+                row.fed += len(toks)
+
+        all_decoded = not verifying and len(batch) > 0 and len(work) == len(batch)
+        if self.pipeline and all_decoded and len(step_tokens) == len(outputs):
+            self._launch(mx.concatenate(step_tokens) if len(step_tokens) > 1 else step_tokens[0])
+
+        # Caches handed out are evaluated, so the prompt-cache tiers may copy them
+        # from another thread (an unevaluated array is bound to this thread's stream).
+        mx.eval([toks for _, _, toks in outputs], [c.state for cache in res.closed.values() for c in cache])
+        for rids, widths, toks in outputs:
+            self._collect(rids, widths, toks, verify_rids, res)
+        if self._pending is not None:
+            self._pending.inputs = {rid: res.tokens[rid] for rid in self._pending.rids}
+        if plan.prefill or self.steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return res
+
+    # ---- phases --------------------------------------------------------------
+    def _close(self, plan: StepPlan, res: StepResult, pend: _Pending | None) -> mx.array | None:
+        """Close rows; return the queued step's tokens for the rows that stay."""
+        leaving: list[int] = []
+        for rid in plan.close:
+            row = self._rows.pop(rid, None)
+            if row is None:
+                continue
+            if row.cache is None:
+                leaving.append(rid)
+            elif rid in plan.keep_cache:
+                res.closed[rid] = row.cache
+        if pend is None:
+            if leaving:
+                res.closed.update(self._batch.remove(leaving, plan.keep_cache))
+            return None
+        tokens = pend.tokens
+        if leaving:
+            gone = set(leaving)
+            stay = [i for i, rid in enumerate(self._batch.rids) if rid not in gone]
+            kept = self._batch.remove(leaving, plan.keep_cache)
+            for cache in kept.values():
+                for c in cache:
+                    c.trim(1)  # the queued step's token was never confirmed
+            res.closed.update(kept)
+            tokens = tokens[mx.array(stay)] if stay else tokens[:0]
+        return tokens
+
+    def _open(self, plan: StepPlan, res: StepResult) -> None:
+        for o in plan.open:
+            if o.rid in self._rows:
+                res.errors[o.rid] = f"row {o.rid} is already open"
+                continue
+            if o.cache is None:
+                cache, fed = self.make_cache(), 0
+            else:
+                cache, fed = o.cache, o.cached
+                size = getattr(cache[0], "offset", None)
+                if isinstance(size, int) and size != fed:
+                    if size < fed or not can_trim_prompt_cache(cache):
+                        res.errors[o.rid] = f"prefix cache holds {size} tokens, not {fed}"
+                        continue
+                    trim_prompt_cache(cache, size - fed)
+            seed = row_seed(o.sampling, self.engine_seed, o.rid)
+            sampler = RowSampler(o.sampling, seed, self.info.vocab_size)
+            self._rows[o.rid] = _Row(o.rid, sampler, o.sampling.max_tokens, cache, fed)
+
+    def _trim(self, plan: StepPlan, res: StepResult) -> None:
+        batch_trim: dict[int, int] = {}
+        for rid, n in plan.trim:
+            row = self._rows.get(rid)
+            if row is None:
+                res.errors.setdefault(rid, f"row {rid} is not open on the device")
+                continue
+            n = min(n, row.fed)
+            if row.cache is not None:
+                if n and trim_prompt_cache(row.cache, n) != n:
+                    res.errors[rid] = "this model's cache cannot be trimmed"
+                    continue
+                row.fed -= n
+            elif n:
+                batch_trim[rid] = batch_trim.get(rid, 0) + n
+        if batch_trim:
+            if not can_trim_prompt_cache(self._batch.cache):
+                for rid in batch_trim:
+                    res.errors[rid] = "this model's cache cannot be trimmed"
+                return
+            self._batch.trim([batch_trim.get(rid, 0) for rid in self._batch.rids])
+            for rid, n in batch_trim.items():
+                self._rows[rid].fed -= n
+
+    def _prefill(self, plan: StepPlan, res: StepResult) -> None:
+        vocab = self.info.vocab_size
+        for chunk in plan.prefill:
+            row = self._rows.get(chunk.rid)
+            if row is None or row.cache is None:
+                res.errors.setdefault(chunk.rid, f"row {chunk.rid} cannot prefill (not open, or decoding)")
+                continue
+            if not chunk.tokens:
+                continue
+            if min(chunk.tokens) < 0 or max(chunk.tokens) >= vocab:
+                res.errors[chunk.rid] = "a token id is outside the vocabulary"
+                continue
+            self.model(mx.array(chunk.tokens)[None], cache=row.cache)
+            mx.eval([c.state for c in row.cache])
+            row.fed += len(chunk.tokens)
+
+    # ---- sampling ------------------------------------------------------------
+    def _sample(
+        self, rids: list[int], inputs: list[list[int]], logits: mx.array, step_tokens: list[mx.array]
+    ) -> tuple[list[int], list[int] | None, Any]:
+        """Sample each row's tokens. A pure decode group gives one ``[B]`` array
+        (also appended to ``step_tokens``); otherwise a list of per-row arrays."""
+        samplers = [self._rows[rid].sampler for rid in rids]
+        if logits.shape[1] == 1 and all(len(x) == 1 for x in inputs):
+            toks = self._sample_last(logits, samplers)
+            step_tokens.append(toks)
+            return list(rids), None, toks
+        per_row = []
+        widths = [len(x) for x in inputs]
+        for i, (s, n) in enumerate(zip(samplers, widths)):
+            if n == 0:
+                per_row.append(mx.zeros((0,), mx.uint32))
+                continue
+            lp = logits[i, :n, :]
+            per_row.append(s(lp - mx.logsumexp(lp, axis=-1, keepdims=True)))
+        return list(rids), widths, per_row
+
+    @staticmethod
+    def _sample_last(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
+        lp = logits[:, -1, :]
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        if all(s.greedy for s in samplers):
+            return mx.argmax(lp, axis=-1)
+        return mx.concatenate([s(lp[i : i + 1]) for i, s in enumerate(samplers)])
+
+    def _collect(
+        self, rids: list[int], widths: list[int] | None, toks: Any, verify_rids: set[int], res: StepResult
+    ) -> None:
+        if widths is None:
+            for rid, t in zip(rids, toks.tolist()):
+                res.tokens[rid] = t
+                self._rows[rid].emitted += 1
+            return
+        for rid, n, arr in zip(rids, widths, toks):
+            if n == 0:
+                continue
+            if rid in verify_rids:
+                res.verified[rid] = arr.tolist()
+            else:
+                res.tokens[rid] = arr.item()
+                self._rows[rid].emitted += 1
+
+    # ---- the queued step -----------------------------------------------------
+    def _launch(self, tokens: mx.array) -> None:
+        batch = self._batch
+        rows = [self._rows[rid] for rid in batch.rids]
+        if all(r.emitted + 1 >= r.max_tokens for r in rows):
+            return  # every row ends with this token: nothing to run ahead for
+        keys = [(r, r.sampler.key) for r in rows if not r.sampler.greedy]
+        logits = self.model(tokens[:, None], cache=batch.cache)
+        nxt = self._sample_last(logits, [r.sampler for r in rows])
+        mx.async_eval(nxt)
+        self._pending = _Pending(list(batch.rids), {}, nxt, keys)
+
+    def _pending_fits(self, pend: _Pending, plan: StepPlan) -> bool:
+        """Does the plan decode exactly the queued rows with the queued inputs?"""
+        closed = set(plan.close)
+        batch = self._batch
+        if any(v.rid in batch for v in plan.verify) or any(rid in batch and rid not in closed for rid, _ in plan.trim):
+            return False
+        fed = {d.rid: d.token for d in plan.decode if d.rid in batch}
+        stay = [rid for rid in pend.rids if rid not in closed]
+        return len(fed) == len(stay) and all(fed.get(rid) == pend.inputs[rid] for rid in stay)
+
+    def _undo(self, pend: _Pending) -> None:
+        for c in self._batch.cache:
+            c.trim(1)
+        for row, key in pend.keys:
+            row.sampler.key = key
+        self.counters["undone"] += 1
+
+    # ---- introspection (tests, stats) ------------------------------------------
+    def row_cache(self, rid: int) -> list[Any]:
+        """A row's cache as it would be kept on close (a copy for batch rows)."""
+        row = self._rows[rid]
+        if row.cache is not None:
+            return row.cache
+        i = self._batch.index(rid)
+        cache = [c.extract(i) for c in self._batch.cache]
+        if self._pending is not None:
+            for c in cache:
+                c.trim(1)
+        return cache
+
+    def stats(self) -> dict[str, Any]:
+        return {"rows": len(self._rows), "batch": len(self._batch), "pipeline": self.pipeline, **self.counters}

@@ -1,0 +1,105 @@
+"""The persistent batched KV cache of the rows that are past prefill.
+
+Built on mlx-lm's batch caches (``BatchKVCache`` and friends): rows join with
+``merge`` + ``extend``, leave with ``extract`` + ``filter``, and windows of
+different lengths share one forward through right padding
+(``prepare(right_padding=)`` + ``finalize()``, which rolls each row's padding
+to its left, where the mask hides it). The same roll trims rows by different
+amounts, the per-row rollback speculative decoding needs (mlx-lm's ``trim``
+is uniform across rows).
+
+Joining and leaving copy the whole batch cache once, so the batch is kept
+across steps and only changes when a row comes or goes, never re-merged per
+step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+
+def merge_caches(caches: list[list[Any]]) -> list[Any]:
+    """Per-row layer caches → one batch cache per layer (each class's own ``merge``)."""
+    out = []
+    for layer in zip(*caches):
+        if not hasattr(layer[0], "merge"):
+            raise TypeError(f"{type(layer[0]).__name__} cannot be batched (no merge)")
+        out.append(layer[0].merge(list(layer)))
+    return out
+
+
+class DecodeBatch:
+    def __init__(self) -> None:
+        self.rids: list[int] = []
+        self.cache: list[Any] = []  # one batch cache per layer
+        self._index: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._index
+
+    def index(self, rid: int) -> int:
+        return self._index[rid]
+
+    def _reindex(self) -> None:
+        self._index = {rid: i for i, rid in enumerate(self.rids)}
+
+    def add(self, rids: list[int], cache: list[Any]) -> None:
+        """Append rows given as one batch cache per layer (from ``merge_caches``)."""
+        if not self.rids:
+            self.cache = cache
+        else:
+            for mine, theirs in zip(self.cache, cache):
+                mine.extend(theirs)
+        self.rids.extend(rids)
+        self._reindex()
+
+    def remove(self, rids: list[int], keep: set[int]) -> dict[int, list[Any]]:
+        """Take rows out; return the per-row caches of those in ``keep``."""
+        gone = set(rids)
+        out = {rid: [c.extract(self._index[rid]) for c in self.cache] for rid in rids if rid in keep}
+        survivors = [i for i, rid in enumerate(self.rids) if rid not in gone]
+        if survivors:
+            for c in self.cache:
+                c.filter(survivors)
+        else:
+            self.cache = []
+        self.rids = [self.rids[i] for i in survivors]
+        self._reindex()
+        return out
+
+    def trim(self, n: list[int]) -> None:
+        """Drop the last ``n[i]`` tokens of row i (any mix of amounts)."""
+        common = min(n)
+        if common:
+            for c in self.cache:
+                c.trim(common)
+        rest = [k - common for k in n]
+        if any(rest):
+            self._roll_right(rest)
+
+    def _roll_right(self, pad: list[int]) -> None:
+        for c in self.cache:
+            c.prepare(right_padding=pad)
+            c.finalize()
+
+    def forward(self, model: Any, inputs: list[list[int]]) -> mx.array:
+        """One forward over every row, row i fed ``inputs[i]`` (possibly empty);
+        returns logits ``[B, L, V]`` with row i's valid at ``[:len(inputs[i])]``."""
+        width = max(len(x) for x in inputs)
+        pad = [width - len(x) for x in inputs]
+        x = mx.array([t + [0] * p for t, p in zip(inputs, pad)]) if any(pad) else mx.array(inputs)
+        if any(pad):
+            # Padding sits after each row's real tokens, so the causal mask keeps it
+            # out of their attention; finalize() then rolls it into the left padding.
+            for c in self.cache:
+                c.prepare(right_padding=pad)
+        logits = model(x, cache=self.cache)
+        if any(pad):
+            for c in self.cache:
+                c.finalize()
+        return logits

@@ -1,0 +1,46 @@
+"""The ``engine.ports.Tokenizer`` port over mlx-lm's ``TokenizerWrapper``.
+
+Nothing here touches MLX arrays, so these methods are safe on the event loop
+(the Scheduler makes a detokenizer per request there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import InvalidRequest
+
+
+class MLXTokenizer:
+    def __init__(self, wrapper: Any):
+        self._tok = wrapper
+        self.eos_token_ids: set[int] = set(wrapper.eos_token_ids)
+        self._bos: str | None = getattr(wrapper, "bos_token", None)
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        # The same rule as mlx_lm.stream_generate, so a text prompt becomes the
+        # same ids in the engine as in mlx-lm: no second BOS when it is spelled out.
+        add_special = self._bos is None or not text.startswith(self._bos)
+        return list(self._tok.encode(text, add_special_tokens=add_special))
+
+    def decode(self, tokens: list[int]) -> str:
+        return self._tok.decode(tokens)
+
+    def detokenizer(self) -> Any:
+        # mlx-lm's property hands out a reset copy per caller: one per request.
+        # It already has add_token / finalize / last_segment.
+        return self._tok.detokenizer
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not self._tok.has_chat_template:
+            raise InvalidRequest("this model has no chat template; send a plain prompt", "messages")
+        try:
+            out = self._tok.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # jinja errors on malformed messages: the caller's fault
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
+        if isinstance(out, dict) or hasattr(out, "input_ids"):  # a BatchEncoding from some templates
+            out = out["input_ids"]
+        return [int(t) for t in out]

@@ -1,0 +1,418 @@
+"""The MLX backend at the port: StepPlans in, tokens out, on the MLX thread.
+
+The oracle is mlx-lm itself (``generate_step`` on the same model object, run
+on the same thread), never a recorded output. ``EMBER_TEST_MODEL`` may point
+at another mlx-lm model directory; the default is the bundled ``tiny``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.mlx_backend import MLXBackend, load_mlx_backend  # noqa: E402
+from engine.models import resolve_model  # noqa: E402
+from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan, VerifyRow  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
+
+MODEL = os.environ.get("EMBER_TEST_MODEL", "tiny")
+KV_TOL = 1e-3  # batched and chunked forwards differ from one full forward by ~1e-5
+GREEDY = SamplingParams(max_tokens=10_000, ignore_eos=True)
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "import os\nimport sys\n\n",
+    "class Point:\n    def __init__(self, x, y):\n",
+    "for i in range(10):\n    print(i)\n" * 6,
+]
+
+
+def _path():
+    try:
+        return resolve_model(MODEL)
+    except FileNotFoundError as exc:
+        pytest.skip(f"no model to test with: {exc}")
+
+
+@pytest.fixture(scope="module")
+def mlx():
+    backend, device = load_mlx_backend(EngineConfig(backend="mlx", model=str(_path())))
+    yield backend, device
+    device.close()
+
+
+class Rig:
+    """Drives one backend with hand-written plans and checks rows against mlx-lm."""
+
+    def __init__(self, backend: MLXBackend, device):
+        self.b, self.d = backend, device
+        self.next_rid = 1000 * (id(self) % 997)
+
+    def step(self, **kw) -> object:
+        return self.d.call(self.b.step, StepPlan(**kw))
+
+    def ids(self, text: str) -> list[int]:
+        return self.b.tokenizer.encode(text)
+
+    def reference(self, prompt: list[int], n: int, sampler=None) -> list[int]:
+        """n tokens from mlx_lm.generate_step on the backend's own model and thread."""
+
+        def run():
+            gen = generate_step(mx.array(prompt), self.b.model, max_tokens=n, sampler=sampler)
+            return [t for t, _ in gen]
+
+        return self.d.call(run)
+
+    def kv_error(self, rid: int, tokens: list[int]) -> float:
+        """Max |difference| between the row's KV cache and a fresh mlx-lm cache
+        fed ``tokens``; inf when the row does not hold exactly that many tokens.
+        Tokens alone can hide a wrong cache on a repetitive model; the KV cannot."""
+
+        def run():
+            mine = self.b.row_cache(rid)
+            ref = make_prompt_cache(self.b.model)
+            self.b.model(mx.array(tokens)[None], cache=ref)
+            if any(c.offset != len(tokens) for c in mine):
+                return float("inf")
+            n = len(tokens)
+            return max(
+                mx.abs(getattr(m, f)[..., :n, :] - getattr(r, f)[..., :n, :]).max().item()
+                for m, r in zip(mine, ref)
+                for f in ("keys", "values")
+            )
+
+        return self.d.call(run)
+
+    def open_prefilled(self, prompt: list[int], sampling=GREEDY, chunk: int = 64) -> int:
+        """Open a row and prefill all but its last prompt token."""
+        self.next_rid += 1
+        rid = self.next_rid
+        self.step(open=[OpenRow(rid, sampling)])
+        body = prompt[:-1]
+        for i in range(0, len(body), chunk):
+            res = self.step(prefill=[PrefillChunk(rid, body[i : i + chunk])])
+            assert not res.errors
+        return rid
+
+
+@pytest.fixture
+def rig(mlx):
+    r = Rig(*mlx)
+    yield r
+    leftover = list(r.b._rows)  # a failed test must not leave rows in the shared batch
+    if leftover:
+        r.step(close=leftover)
+
+
+def test_info_describes_the_model(mlx):
+    backend, _ = mlx
+    path = _path()
+    cfg = json.loads((path / "config.json").read_text())
+    info = backend.info
+    assert info.vocab_size == cfg["vocab_size"]
+    assert info.context_length == cfg["max_position_embeddings"]
+    assert info.num_layers == cfg["num_hidden_layers"] == len(backend.make_cache())
+    assert info.model_id == str(path)
+    assert len(info.config_fingerprint) == 16 and len(info.tokenizer_hash) == 16
+
+
+def test_fingerprint_follows_graph_config_and_tokenizer(tmp_path):
+    src = _path()
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(src, a)
+    shutil.copytree(src, b)
+    cfg = json.loads((a / "config.json").read_text())
+    # Checkpoint metadata is not part of the graph: the fingerprint ignores it.
+    (b / "config.json").write_text(json.dumps({**cfg, "transformers_version": "0.0-test", "eos_token_id": 1}))
+    info = [MLXBackend.load(p, EngineConfig(model=str(p))).info for p in (a, b)]
+    assert info[0].config_fingerprint == info[1].config_fingerprint
+    assert info[0].tokenizer_hash == info[1].tokenizer_hash
+    # A graph-shaping change and a tokenizer change are both seen.
+    (b / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": cfg["rms_norm_eps"] * 2}))
+    tok = json.loads((b / "tokenizer.json").read_text())
+    tok["added_tokens"] = tok.get("added_tokens", []) + [
+        {"id": 99999, "content": "<|ember-test|>", "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": True}
+    ]
+    (b / "tokenizer.json").write_text(json.dumps(tok))
+    changed = MLXBackend.load(b, EngineConfig(model=str(b))).info
+    assert changed.config_fingerprint != info[0].config_fingerprint
+    assert changed.tokenizer_hash != info[0].tokenizer_hash
+
+
+def test_tokenizer_adapter(mlx):
+    tok = mlx[0].tokenizer
+    text = "def f(x):\n    return x + 1\n"
+    ids = tok.encode(text)
+    assert ids and all(isinstance(t, int) for t in ids)
+    assert tok.decode(ids) == text
+    assert tok.eos_token_ids and all(isinstance(t, int) for t in tok.eos_token_ids)
+    # Two detokenizers fed interleaved stay independent (one per request).
+    d1, d2 = tok.detokenizer(), tok.detokenizer()
+    out1, out2 = [], []
+    for t in ids:
+        d1.add_token(t)
+        out1.append(d1.last_segment)
+        d2.add_token(ids[0])
+        out2.append(d2.last_segment)
+    d1.finalize()
+    out1.append(d1.last_segment)
+    assert "".join(out1) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert all(isinstance(t, int) for t in chat)
+    assert tok.decode(chat).endswith("assistant\n")
+
+
+def test_decode_matches_generate_step(rig):
+    prompt = rig.ids(PROMPTS[3])
+    assert len(prompt) > 64  # several prefill chunks
+    ref = rig.reference(prompt, 24)
+    rid = rig.open_prefilled(prompt)
+    out, tok = [], prompt[-1]
+    for _ in range(24):
+        tok = rig.step(decode=[DecodeRow(rid, tok)]).tokens[rid]
+        out.append(tok)
+    rig.step(close=[rid])
+    assert out == ref
+
+
+def test_rows_join_and_leave_a_running_batch(rig):
+    """Staggered joins and exits; a kept cache holds exactly the fed tokens and
+    continues like the original row (the queued step's token is dropped)."""
+    prompts = [rig.ids(p) for p in PROMPTS]
+    n = 20
+    refs = [rig.reference(p, n + 6) for p in prompts]
+    rids = [rig.open_prefilled(p) for p in prompts]
+    nxt = {rid: p[-1] for rid, p in zip(rids, prompts)}
+    out: dict[int, list[int]] = {rid: [] for rid in rids}
+    start = {rid: 3 * i for i, rid in enumerate(rids)}  # row i joins at step 3i
+    kept = {}
+    for t in range(n + 9):
+        live = [rid for rid in rids if start[rid] <= t and len(out[rid]) < n]
+        done = [rid for rid in rids if len(out[rid]) == n and rid not in kept]
+        res = rig.step(close=done, keep_cache=set(done), decode=[DecodeRow(rid, nxt[rid]) for rid in live])
+        assert not res.errors
+        kept.update(res.closed)
+        for rid in live:
+            nxt[rid] = res.tokens[rid]
+            out[rid].append(res.tokens[rid])
+    for rid, ref in zip(rids, refs):
+        assert out[rid] == ref[:n]
+    assert rig.b.counters["pipelined"] > 0
+    # Continue two kept caches: prompt + n-1 generated tokens are in them.
+    for i in (0, 2):
+        rid, p = rids[i], prompts[i]
+        cache = kept[rid]
+        assert cache[0].offset == len(p) + n - 1
+        rig.next_rid += 1
+        new = rig.next_rid
+        rig.step(open=[OpenRow(new, GREEDY, cache, len(p) + n - 1)])
+        assert rig.kv_error(new, p + out[rid][: n - 1]) < KV_TOL
+        tok, cont = out[rid][-1], []
+        for _ in range(5):
+            tok = rig.step(decode=[DecodeRow(new, tok)]).tokens[new]
+            cont.append(tok)
+        rig.step(close=[new])
+        assert cont == refs[i][n : n + 5]
+
+
+def test_a_plan_that_skips_a_row_undoes_the_queued_step(rig):
+    pa, pb = rig.ids(PROMPTS[0]), rig.ids(PROMPTS[1])
+    ra, rb = rig.reference(pa, 8), rig.reference(pb, 8)
+    a, b = rig.open_prefilled(pa), rig.open_prefilled(pb)
+    undone = rig.b.counters["undone"]
+    res = rig.step(decode=[DecodeRow(a, pa[-1]), DecodeRow(b, pb[-1])])
+    out_a, out_b = [res.tokens[a]], [res.tokens[b]]
+    res = rig.step(decode=[DecodeRow(a, out_a[-1])])  # b sits this step out
+    out_a.append(res.tokens[a])
+    assert rig.b.counters["undone"] == undone + 1
+    assert rig.kv_error(b, pb) < KV_TOL  # b holds its prompt, nothing queued
+    for _ in range(6):
+        res = rig.step(decode=[DecodeRow(a, out_a[-1]), DecodeRow(b, out_b[-1])])
+        out_a.append(res.tokens[a])
+        out_b.append(res.tokens[b])
+    rig.step(close=[a, b])
+    assert out_a == ra
+    assert out_b == rb[:7]
+
+
+def test_verify_windows_batched_with_decode_and_per_row_trim(rig):
+    pa, pb, pc = (rig.ids(p) for p in PROMPTS[:3])
+    ra, rb, rc = (rig.reference(p, 12) for p in (pa, pb, pc))
+    a, b, c = (rig.open_prefilled(p) for p in (pa, pb, pc))
+    # One forward: a verifies 4 correct drafts, b 2 drafts of which the 2nd is
+    # wrong, c decodes. Every position returns the target's token.
+    wrong = (rb[1] + 1) % rig.b.info.vocab_size
+    res = rig.step(
+        verify=[VerifyRow(a, [pa[-1], *ra[:4]]), VerifyRow(b, [pb[-1], rb[0], wrong])],
+        decode=[DecodeRow(c, pc[-1])],
+    )
+    assert res.verified[a] == ra[:5]
+    assert res.verified[b][:2] == rb[:2]
+    assert res.tokens[c] == rc[0]
+    # b rejects its wrong draft: drop it (per-row trim while a and c keep theirs).
+    res = rig.step(
+        trim=[(b, 1)],
+        decode=[DecodeRow(a, ra[4]), DecodeRow(b, rb[1]), DecodeRow(c, rc[0])],
+    )
+    assert (res.tokens[a], res.tokens[b], res.tokens[c]) == (ra[5], rb[2], rc[1])
+    assert rig.kv_error(b, pb + rb[:2]) < KV_TOL
+    assert rig.kv_error(a, pa + ra[:5]) < KV_TOL
+    # Different trims in one step: a rolls back 3 tokens, c 1, b none.
+    res = rig.step(
+        trim=[(a, 3), (c, 1)],
+        decode=[DecodeRow(a, ra[2]), DecodeRow(b, rb[2]), DecodeRow(c, rc[0])],
+    )
+    assert (res.tokens[a], res.tokens[b], res.tokens[c]) == (ra[3], rb[3], rc[1])
+    assert rig.kv_error(a, pa + ra[:3]) < KV_TOL
+    assert rig.kv_error(b, pb + rb[:3]) < KV_TOL
+    assert rig.kv_error(c, pc + rc[:1]) < KV_TOL
+    rig.step(close=[a, b, c])
+
+
+def test_verify_on_a_row_that_has_not_joined_yet(rig):
+    p = rig.ids(PROMPTS[2])
+    ref = rig.reference(p, 6)
+    r = rig.open_prefilled(p)
+    res = rig.step(verify=[VerifyRow(r, [p[-1], *ref[:3]])])
+    assert res.verified[r] == ref[:4]
+    res = rig.step(decode=[DecodeRow(r, ref[3])])
+    assert res.tokens[r] == ref[4]
+    rig.step(close=[r])
+
+
+def test_open_from_a_prefix_cache_holding_the_whole_prompt(rig):
+    """mlx_lm.server 0.32.2 dies on an exact hit; here the cache is trimmed to
+    ``cached`` and the last prompt token is fed."""
+    p = rig.ids(PROMPTS[1])
+    ref = rig.reference(p, 6)
+    src = rig.open_prefilled(p)
+    rig.step(prefill=[PrefillChunk(src, p[-1:])])  # now the whole prompt is cached
+    cache = rig.step(close=[src], keep_cache={src}).closed[src]
+    assert cache[0].offset == len(p)
+    rig.next_rid += 1
+    r = rig.next_rid
+    rig.step(open=[OpenRow(r, GREEDY, cache, len(p) - 1)])
+    out, tok = [], p[-1]
+    for _ in range(6):
+        tok = rig.step(decode=[DecodeRow(r, tok)]).tokens[r]
+        out.append(tok)
+    rig.step(close=[r])
+    assert out == ref
+
+
+def test_cache_ops_count_real_bytes_and_clone_privately(rig):
+    p = rig.ids(PROMPTS[3])[:40]
+    r = rig.open_prefilled(p)
+    cache = rig.step(close=[r], keep_cache={r}).closed[r]
+    b = rig.b
+    cfg = json.loads((_path() / "config.json").read_text())
+    kv_heads = cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * cache[0].keys.dtype.size
+    assert rig.d.call(b.cache_nbytes, cache) == per_token * (len(p) - 1)
+    assert sum(c.nbytes for c in cache) > per_token * (len(p) - 1)  # mlx-lm counts capacity
+    clone = rig.d.call(b.clone_cache, cache)
+    assert rig.d.call(b.cache_trimmable, clone)
+    assert rig.d.call(b.trim_cache, clone, 10) == 10
+    assert clone[0].offset == len(p) - 11 and cache[0].offset == len(p) - 1
+    # Writing into the clone leaves the original intact.
+    def snapshot():
+        return [mx.array(c.keys[..., : c.offset, :]) for c in cache]
+
+    def write_clone():
+        mx.eval(b.model(mx.array([p[-12:]]), cache=clone))
+
+    before = rig.d.call(snapshot)
+    rig.d.call(write_clone)
+    after = rig.d.call(snapshot)
+    assert clone[0].offset == len(p) + 1
+    assert rig.d.call(lambda: all(mx.array_equal(x, y).item() for x, y in zip(before, after)))
+
+
+def test_caches_handed_out_can_be_copied_on_another_thread(rig):
+    """The prompt-cache tier clones between steps on the event-loop thread."""
+    p = rig.ids(PROMPTS[0])
+    r = rig.open_prefilled(p)
+    rig.step(decode=[DecodeRow(r, p[-1])])
+    cache = rig.step(close=[r], keep_cache={r}).closed[r]
+    clone = rig.b.clone_cache(cache)  # this (test) thread, not the MLX one
+    assert isinstance(clone[0], KVCache) and clone[0].offset == len(p)
+
+
+def test_bad_rows_are_reported_per_row(rig):
+    p = rig.ids(PROMPTS[0])
+    res = rig.step(prefill=[PrefillChunk(424242, p)], decode=[DecodeRow(424243, 1)])
+    assert set(res.errors) == {424242, 424243}
+    rig.next_rid += 1
+    res = rig.step(open=[OpenRow(rig.next_rid, GREEDY, rig.d.call(rig.b.make_cache), 5)])
+    assert rig.next_rid in res.errors
+    # The backend still serves new rows.
+    ref = rig.reference(p, 3)
+    r = rig.open_prefilled(p)
+    out, tok = [], p[-1]
+    for _ in range(3):
+        tok = rig.step(decode=[DecodeRow(r, tok)]).tokens[r]
+        out.append(tok)
+    rig.step(close=[r])
+    assert out == ref
+
+
+def test_out_of_memory_is_a_memory_error(rig, monkeypatch):
+    p = rig.ids(PROMPTS[0])
+    r = rig.open_prefilled(p)
+    real = rig.b.model
+
+    def boom(*a, **kw):
+        raise RuntimeError("[malloc] Unable to allocate 1099511627776 bytes.")
+
+    monkeypatch.setattr(rig.b, "model", boom)
+    with pytest.raises(MemoryError):
+        rig.step(decode=[DecodeRow(r, p[-1])])
+    monkeypatch.setattr(rig.b, "model", real)
+    res = rig.step(decode=[DecodeRow(r, p[-1])])
+    assert r in res.errors  # its state was dropped: a per-row error, not a crash
+    ref = rig.reference(p, 2)
+    r2 = rig.open_prefilled(p)
+    res = rig.step(decode=[DecodeRow(r2, p[-1])])
+    assert res.tokens[r2] == ref[0]
+    rig.step(close=[r, r2])
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(rig):
+    p = rig.ids(PROMPTS[0])
+    hot = SamplingParams(max_tokens=10_000, temperature=1.0, top_p=0.95, seed=11)
+
+    def run(with_neighbours: bool) -> list[int]:
+        r = rig.open_prefilled(p, hot)
+        nxt = {r: p[-1]}
+        for i, q in enumerate(PROMPTS[1:3] if with_neighbours else []):
+            ids = rig.ids(q)
+            nxt[rig.open_prefilled(ids, SamplingParams(temperature=0.7, seed=i))] = ids[-1]
+        out = []
+        for _ in range(16):
+            res = rig.step(decode=[DecodeRow(x, nxt[x]) for x in nxt])
+            nxt = {x: res.tokens[x] for x in nxt}
+            out.append(res.tokens[r])
+        rig.step(close=list(nxt))
+        return out
+
+    alone = run(False)
+    assert run(True) == alone
+    assert run(False) == alone
+
+
+def test_fingerprint_covers_the_kv_scheme():
+    from engine.mlx_backend import _config_fingerprint
+
+    cfg = {"model_type": "llama", "hidden_size": 8}
+    assert _config_fingerprint(cfg, ["KVCache"]) == _config_fingerprint(dict(cfg), ["KVCache"])
+    assert _config_fingerprint(cfg, ["KVCache"]) != _config_fingerprint(cfg, ["RotatingKVCache"])
