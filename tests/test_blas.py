@@ -1,0 +1,71 @@
+"""engine.blas: re-exec under OpenBLAS, once, unless opted out."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine import blas
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    print("run", os.getpid(), sys.argv[1:], flush=True)
+    from engine.blas import maybe_reexec_with_openblas
+    maybe_reexec_with_openblas({argv})
+    print("preload", os.environ.get("LD_PRELOAD", ""), flush=True)
+    """
+)
+
+
+def _run(tmp_path, env_extra: dict[str, str], argv: str = "None") -> list[str]:
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT.format(argv=argv))
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.OPT_OUT)}
+    env.update(env_extra)
+    out = subprocess.run(
+        [sys.executable, str(script), "a", "b c"], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    return out.stdout.splitlines()
+
+
+needs_openblas = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or blas.openblas_path() is None,
+    reason="no system OpenBLAS here (apt-get install libopenblas0-pthread), nothing to re-exec with",
+)
+
+
+@needs_openblas
+@pytest.mark.parametrize("argv", ["None", "sys.argv"])
+def test_reexecs_once_with_openblas_preloaded(tmp_path, argv):
+    lines = _run(tmp_path, {"LD_PRELOAD": ""}, argv)
+    runs = [ln for ln in lines if ln.startswith("run")]
+    assert len(runs) == 2, lines  # the same command ran again ...
+    assert runs[0] == runs[1]  # ... in the same process (exec keeps the pid) with the same args
+    assert "['a', 'b c']" in runs[0]
+    assert lines[-1] == f"preload {blas.openblas_path()}"
+
+
+@needs_openblas
+def test_opt_out_and_existing_preload_do_not_reexec(tmp_path):
+    lines = _run(tmp_path, {blas.OPT_OUT: "1"})
+    assert [ln.split()[0] for ln in lines] == ["run", "preload"]
+    assert lines[-1].strip() == "preload"
+    lines = _run(tmp_path, {"LD_PRELOAD": blas.openblas_path()})
+    assert [ln.split()[0] for ln in lines] == ["run", "preload"]
+
+
+def test_reexec_env_rules(monkeypatch):
+    lib = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+    monkeypatch.setattr(blas, "openblas_path", lambda: lib)
+    assert blas.reexec_env({}, "darwin") is None
+    assert blas.reexec_env({blas.OPT_OUT: "1"}, "linux") is None
+    assert blas.reexec_env({"LD_PRELOAD": f"/x/libjemalloc.so:{lib}"}, "linux") is None
+    env = blas.reexec_env({"LD_PRELOAD": "/x/libjemalloc.so", "HOME": "/h"}, "linux")
+    assert env == {"LD_PRELOAD": f"{lib} /x/libjemalloc.so", "HOME": "/h"}
+    monkeypatch.setattr(blas, "openblas_path", lambda: None)
+    assert blas.reexec_env({}, "linux") is None
