@@ -19,19 +19,10 @@ import socket
 import sys
 from typing import Any
 
+from engine.blas import maybe_reexec_with_openblas
 from engine.errors import EngineError, InvalidRequest
 
 log = logging.getLogger("ember.cli")
-
-
-def _maybe_reexec_with_openblas() -> None:
-    try:
-        from engine.blas import maybe_reexec_with_openblas
-    except ModuleNotFoundError as exc:
-        if exc.name != "engine.blas":
-            raise
-        return  # engine.blas has not landed yet: run with whatever BLAS MLX finds
-    maybe_reexec_with_openblas(sys.argv)
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -108,6 +99,17 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return config
 
 
+def _import_mlx_on_main_thread(config: Any) -> None:
+    """Import mlx-lm here, before the engine loads it on a worker thread.
+
+    Measured: when mlx_lm is first imported on a thread that later exits (the
+    engine's portal thread in ``ember generate``), the process aborts at exit
+    with "terminate called without an active exception" (status 134).
+    """
+    if config.backend == "mlx":
+        import mlx_lm  # noqa: F401
+
+
 # ---------------------------------------------------------------------------
 # serve
 
@@ -123,6 +125,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except OSError as exc:
         parser.error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    _import_mlx_on_main_thread(config)
     app = build_app(config)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -180,6 +183,7 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from engine.types import SamplingParams
 
     config = engine_config(args, parser)
+    _import_mlx_on_main_thread(config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:
         engine = Engine.start(config)
@@ -203,7 +207,10 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _maybe_reexec_with_openblas()
+    # Default argv (sys.orig_argv), not sys.argv: under `python -m transport.cli`
+    # sys.argv[0] is the file path, and re-running that as a script would put
+    # transport/ first on sys.path, where transport/http.py shadows the stdlib.
+    maybe_reexec_with_openblas()
     parser = build_parser()
     args = parser.parse_args(argv)
     if hasattr(sys.stdout, "reconfigure"):

@@ -1,0 +1,132 @@
+"""The official ``openai`` client against a live ``ember serve --fake-gpu``
+subprocess on 127.0.0.1, then SIGTERM: the server drains and exits 0."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from engine.fake_gpu import ByteTokenizer, expected_tokens
+
+TOK = ByteTokenizer()
+START_TIMEOUT_S = 60
+
+
+def _read_url(proc: subprocess.Popen[str]) -> str:
+    """The URL the server prints once it is ready (it chose a free port itself)."""
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not sel.select(timeout=deadline - time.monotonic()):
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("ember: serving"):
+            return line.split(" at ", 1)[1].split()[0]
+    proc.kill()
+    raise AssertionError(f"ember serve did not print its URL (rc={proc.wait()}): {proc.stderr.read() if proc.stderr else ''}")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transport.cli", "serve", "--fake-gpu", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        yield proc, _read_url(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> Iterator[openai.OpenAI]:
+    _, url = server
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list()] == ["fake-gpu-0"]
+
+
+def test_chat(client):
+    messages = [{"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(model="fake-gpu-0", messages=messages, max_tokens=8)
+    prompt = TOK.apply_chat_template(messages)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == TOK.decode(expected_tokens(prompt, 8))
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 8)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completion(client):
+    r = client.completions.create(model="fake-gpu-0", prompt="abc", max_tokens=6, stop=["\x00never"])
+    assert r.choices[0].text == TOK.decode(expected_tokens(list(b"abc"), 6))
+    assert r.usage.total_tokens == 3 + 6
+
+
+def test_streaming_chat_with_usage(client):
+    messages = [{"role": "user", "content": "stream me"}]
+    stream = client.chat.completions.create(
+        model="fake-gpu-0", messages=messages, max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    prompt = TOK.apply_chat_template(messages)
+    assert text == TOK.decode(expected_tokens(prompt, 10))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+
+
+def test_streaming_completion(client):
+    chunks = list(client.completions.create(model="fake-gpu-0", prompt="xy", max_tokens=5, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == TOK.decode(expected_tokens(list(b"xy"), 5))
+
+
+def test_errors(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-nope", prompt="a", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake-gpu-0", messages=[{"role": "user", "content": "a"}], n=3)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="fake-gpu-0", prompt="a", max_tokens=-3)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_sigterm_drains_and_exits_zero(server, client):
+    proc, url = server
+    assert httpx.get(f"{url}/health").status_code == 200
+    # a request in flight when SIGTERM arrives still completes
+    stream = client.completions.create(model="fake-gpu-0", prompt="last", max_tokens=40, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
+    assert text == TOK.decode(expected_tokens(list(b"last"), 40, stop_at_eos=False))
+    assert proc.wait(timeout=30) == 0
