@@ -55,7 +55,25 @@ class Shutdown(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Engine → Scheduler: stop after the current step."""
 
 
-Inbox = Admit | Abort | Shutdown
+class Restored(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """ColdTier → Scheduler: the SSD restore asked for row ``rid`` is done.
+    ``cache`` is a private cache trimmed to ``cached`` tokens, or None on a miss
+    (the row then opens with its RAM candidate, or cold). ``cache`` is a live
+    GPU object, so this message is the one that is not encodable."""
+
+    rid: int
+    cache: Any = None
+    cached: int = 0
+
+
+class Demote(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """ColdTier → Scheduler: the engine is idle; spill RAM entries unused for
+    ``idle_s`` to the cold tier. Ignored if work arrived meanwhile."""
+
+    idle_s: float
+
+
+Inbox = Admit | Abort | Shutdown | Restored | Demote
 
 
 # ---------------------------------------------------------------------------
@@ -99,6 +117,22 @@ class PrefixCache(Protocol):
 
     def put(self, tokens: list[int], ns: str, cache: Any) -> None: ...
 
+    def demote_idle(self, idle_s: float) -> tuple[int, float | None]: ...
+
+
+class ColdLookup(Protocol):
+    """The SSD cold tier as the Scheduler uses it (see actors.cold_tier.ColdLink)."""
+
+    def longest(self, tokens: list[int], ns: str) -> int:
+        """Usable prefix the SSD index holds for ``tokens`` (a sync index lookup)."""
+        ...
+
+    def request_restore(self, rid: int, tokens: list[int], ns: str, min_len: int) -> None:
+        """Ask for a restore longer than ``min_len``; answered by ``Restored``. Never blocks."""
+        ...
+
+    def demoted(self, n: int, next_due: float | None) -> None: ...
+
 
 @dataclass(slots=True)
 class Row:
@@ -116,6 +150,7 @@ class Row:
     stop: StopMatcher | None = None
     finish_reason: str | None = None
     opened: bool = False
+    prepared: tuple[Any, int] | None = None  # (cache, cached) chosen while RESTORING
 
     def move(self, to: RowState) -> None:
         if to not in ROW_TRANSITIONS[self.state]:
@@ -145,12 +180,15 @@ class SchedulerCore:
         clock: Clock,
         events: EventLog,
         prefix_cache: PrefixCache | None = None,
+        cold: ColdLookup | None = None,
     ):
         self.backend = backend
         self.cfg = cfg
         self.clock = clock
         self.events = events
         self.prefix_cache = prefix_cache
+        self.cold = cold
+        self.restoring: set[int] = set()  # rows waiting for an SSD restore
         self.rows: dict[int, Row] = {}
         self.queue: deque[int] = deque()
         self.active: list[int] = []  # admission order
@@ -194,6 +232,8 @@ class SchedulerCore:
         usage = Usage(prompt_tokens=len(row.prompt), completion_tokens=len(row.generated), cached_tokens=row.cached)
         self.outbox.append(RowDelta(rid=row.rid, text=tail, finish_reason=reason, usage=usage, error=error))
         if was_queued:
+            self.restoring.discard(row.rid)
+            row.prepared = None
             try:
                 self.queue.remove(row.rid)
             except ValueError:
@@ -208,9 +248,13 @@ class SchedulerCore:
     # ---- planning ----------------------------------------------------------
     def _open(self, row: Row, plan: StepPlan) -> None:
         cache, cached = None, 0
-        if self.prefix_cache is not None:
+        if row.prepared is not None:
+            (cache, cached), row.prepared = row.prepared, None
+        elif self.prefix_cache is not None:
             cache, cached = self.prefix_cache.take(row.prompt, row.ns)
             cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
+            if self._wait_for_cold(row, cache, cached):
+                return
         row.cached = row.in_cache = cached
         self.counters["cached_tokens"] += cached
         row.detok = self.backend.tokenizer.detokenizer()
@@ -220,6 +264,41 @@ class SchedulerCore:
         row.move(RowState.PREFILL if cached < row.prefill_total else RowState.DECODE)
         self.active.append(row.rid)
         self.events.record("open", self.clock.now(), rid=row.rid, cached=cached)
+
+    def _wait_for_cold(self, row: Row, cache: Any, cached: int) -> bool:
+        """Park the row in RESTORING when SSD holds a strictly longer prefix
+        (ties go to RAM); the batch keeps stepping without it."""
+        if self.cold is None or self.cold.longest(row.prompt, row.ns) <= cached:
+            return False
+        try:
+            self.cold.request_restore(row.rid, row.prompt, row.ns, cached)
+        except Exception as exc:  # the cold tier is gone or full: serve from RAM or cold
+            log.warning("[scheduler] restore request for row %d failed: %r", row.rid, exc)
+            return False
+        row.prepared = (cache, cached)
+        row.move(RowState.RESTORING)
+        self.restoring.add(row.rid)
+        self.events.record("restoring", self.clock.now(), rid=row.rid, ram=cached)
+        return True
+
+    def restored(self, msg: Restored) -> None:
+        """An SSD restore finished: requeue the row at the front with the longer
+        of the restored and the RAM candidate."""
+        row = self.rows.get(msg.rid)
+        if row is None or row.state is not RowState.RESTORING:
+            return  # aborted meanwhile: the restored copy is simply dropped
+        self.restoring.discard(row.rid)
+        if msg.cache is not None and row.prepared is not None and msg.cached > row.prepared[1]:
+            row.prepared = (msg.cache, msg.cached)
+        row.move(RowState.QUEUED)
+        self.queue.appendleft(row.rid)
+        self.events.record("restored", self.clock.now(), rid=row.rid, cached=row.prepared[1] if row.prepared else 0)
+
+    def demote(self, idle_s: float) -> tuple[int, float | None]:
+        """Idle demotion sweep: only while nothing runs, queues or restores."""
+        if self.prefix_cache is None or self.has_work() or self.restoring:
+            return 0, None
+        return self.prefix_cache.demote_idle(idle_s)
 
     def plan(self) -> StepPlan:
         plan = StepPlan(close=self._closing, keep_cache=self._keep)
@@ -385,6 +464,12 @@ class Scheduler(Actor[Inbox]):
             case Shutdown():
                 env.answer(None)
                 return False
+            case Restored():
+                self.core.restored(msg)
+            case Demote():
+                n, due = self.core.demote(msg.idle_s)
+                if self.core.cold is not None:
+                    self.core.cold.demoted(n, due)
         env.answer(None)
         return True
 
@@ -402,7 +487,8 @@ class Scheduler(Actor[Inbox]):
                 if not self._handle(env):
                     return
             if not self.core.has_work():
-                self._publish(False)
+                if not self.core.restoring:  # a row waiting on SSD is work in flight
+                    self._publish(False)
                 try:
                     env = await self._inbox_recv.receive()
                 except anyio.EndOfStream:

@@ -149,11 +149,55 @@ class Engine:
             self.scheduler.ref,
         )
         self.actors: list[Actor[Any]] = [self.scheduler, self.gateway]
+        self.cold_tier = self._make_cold_tier()
+        if self.cold_tier is not None:
+            self.actors.insert(0, self.cold_tier)  # its index is scanned before the first admission
         self._actor_scope: anyio.CancelScope | None = None
 
     def _make_prefix_cache(self) -> Any:
-        """The RAM prompt-cache tier (None when disabled or not built yet)."""
-        return None
+        """The RAM prompt-cache tier (None when disabled)."""
+        if self.config.prompt_cache_gib <= 0:
+            return None
+        from engine.prompt_cache import PromptCache
+
+        return PromptCache(self.backend, int(self.config.prompt_cache_gib * (1 << 30)), now=self.clock.now)
+
+    def _make_cold_tier(self) -> Any:
+        """The SSD cold tier actor (None unless ``ssd_cache_dir`` is set), wired
+        to the Scheduler: its index for admission lookups, its inbox for
+        restores and RAM spills, and the idle/busy edges for its writes."""
+        cfg = self.config
+        if not cfg.ssd_cache_dir or self.prefix_cache is None:
+            return None
+        import os
+
+        from actors.cold_tier import ColdStore, ColdTier, run_in_thread, run_inline
+        from engine.disk import RealDisk
+
+        store = ColdStore(
+            RealDisk(),
+            os.path.abspath(os.path.expanduser(cfg.ssd_cache_dir)),
+            model_id=self.info.model_id,
+            config_fingerprint=self.info.config_fingerprint,
+            tokenizer_hash=self.info.tokenizer_hash,
+            max_bytes=int(cfg.ssd_cache_max_gib * (1 << 30)),
+            verify=cfg.ssd_cache_verify,
+        )
+        cold = ColdTier(
+            store,
+            self.backend,
+            self.device,
+            self.clock,
+            io=run_inline if isinstance(self.device, InlineDevice) else run_in_thread,  # virtual time runs no threads
+            scheduler=self.scheduler.ref,
+            demote_idle_s=300.0 if cfg.ssd_demote_idle_s is None else cfg.ssd_demote_idle_s,
+            spill_queue_bytes=int(cfg.spill_queue_gib * (1 << 30)),
+        )
+        link = cold.link()
+        self.core.cold = link
+        self.prefix_cache.on_spill = link.spill
+        self.scheduler.subscribe(cold.ref)
+        return cold
 
     async def _deliver(self, deltas: list[RowDelta]) -> None:
         await self.gateway.ref.tell(StepOutput(deltas=deltas))
@@ -302,6 +346,8 @@ class Engine:
             "dead": repr(self.dead) if self.dead else None,
             "scheduler": self.core.stats(),
             "gateway": self.gateway.stats(),
+            **({"prompt_cache": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
+            **({"ssd_cache": self.cold_tier.stats()} if self.cold_tier is not None else {}),
         }
 
     # ---- sync facade -------------------------------------------------------

@@ -197,7 +197,8 @@ class FaultyDisk:
     # ---- helpers -----------------------------------------------------------
     @staticmethod
     def _norm(path: str) -> str:
-        return posixpath.normpath("/" + str(path).replace(os.sep, "/"))
+        p = posixpath.normpath("/" + str(path).replace(os.sep, "/"))
+        return "/" + p.lstrip("/")  # normpath keeps a leading "//"
 
     def _now(self) -> float:
         self._tick += 1.0
