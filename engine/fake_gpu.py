@@ -311,10 +311,9 @@ class FakeBackend:
         cost = 0.0
         if plan.prefill:
             cost += cfg.prefill_a + cfg.prefill_b * sum(len(c.tokens) for c in plan.prefill)
-        if plan.decode:
+        if plan.decode or plan.verify:  # decode and verify rows share one batched forward
             cost += cfg.decode_c + cfg.decode_d * len(plan.decode)
-        if plan.verify:
-            cost += cfg.decode_c + cfg.verify_b * sum(len(v.tokens) for v in plan.verify)
+            cost += cfg.verify_b * sum(len(v.tokens) for v in plan.verify)
         if cost and cfg.slow_step_prob and self._fault_rng.random() < cfg.slow_step_prob:
             cost *= cfg.slow_step_factor
         if cost and cfg.hang_step_prob and self._fault_rng.random() < cfg.hang_step_prob:
@@ -344,8 +343,11 @@ class FakeBackend:
             res.tokens[d.rid] = self._next(row, self._feed(row.cache, [d.token]))
         for v in plan.verify:
             row = self._rows[v.rid]
+            # A window is only fed where it can be trimmed back; otherwise decode
+            # just `last` and answer one token (the Verifier falls back).
+            window = v.tokens if self.cache_trimmable(row.cache) else v.tokens[:1]
             out = []
-            for t in v.tokens:
+            for t in window:
                 out.append(self._next(row, self._feed(row.cache, [t])))
             res.verified[v.rid] = out
         return res
