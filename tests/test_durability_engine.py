@@ -224,3 +224,38 @@ async def test_evictions_go_through_the_spill_queue_and_survive_a_restart(tmp_pa
         again = await engine.acomplete(a, SamplingParams(max_tokens=4, ignore_eos=True))
     assert again.usage is not None and again.usage.cached_tokens >= len(a) - 1
     assert again.token_ids == expected_tokens(a, 4, stop_at_eos=False)
+
+
+async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypatch):
+    import httpx
+
+    from actors.durability import ColdTierPort
+    from transport.http import build_app
+
+    app = build_app(fake(tmp_path))
+    async with app.router.lifespan_context(app):
+        await app.state.ember.settled.wait()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ember") as client:
+            r = await client.post("/v1/completions", json={"prompt": "persist me please " * 4, "max_tokens": 3})
+            assert r.status_code == 200
+            r = await client.post("/admin/cache/flush")
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["durable"] is True and body["flushed"] == 1 and body["entries"] == 1
+            assert body["longest_durable_prefix_tokens"] > len("persist me please " * 4)
+            assert set(body) == {
+                "durable", "flushed", "missing", "pending_snapshots", "pending_spills", "pending_spill_bytes",
+                "dropped_spills", "failed_spills", "elapsed_ms", "entries", "longest_durable_prefix_tokens",
+            }
+
+            async def refuse(self, ns, tokens, cache, wait_turn) -> bool:
+                return False  # the disk refused the write (full, or an I/O error)
+
+            monkeypatch.setattr(ColdTierPort, "store", refuse)
+            await client.post("/v1/completions", json={"prompt": "this one will not land " * 4, "max_tokens": 3})
+            r = await client.post("/admin/cache/flush")
+            assert r.status_code == 503
+            body = r.json()
+            assert body["durable"] is False and body["pending_snapshots"] == 1 and body["failed_spills"] == 1
+            stats = (await client.get("/stats")).json()["ssd_cache"]
+            assert stats["pending_snapshots"] == 1 and stats["failed_spills"] == 1

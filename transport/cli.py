@@ -171,6 +171,11 @@ async def _serve(server: Any, sock: socket.socket, state: Any, url: str) -> int:
     if server.started:
         print(f"ember: serving {state.model_name} at {url} (OpenAI API: {url}/v1)", flush=True)
     await task
+    engine = state.engine
+    if engine is not None and engine.shutdown_timed_out:
+        # the engine logged the pending counters; the exit status says the cache may be short
+        print(f"ember: error: shutdown deadline of {engine.shutdown_timeout_s}s passed before the flush finished", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

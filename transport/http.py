@@ -255,6 +255,14 @@ async def stats(request: Request, host: ServerState) -> Response:
     return Response(msgspec.json.encode(engine.stats(), enc_hook=_plain), media_type="application/json")
 
 
+async def cache_flush(request: Request, host: ServerState) -> Response:
+    """``POST /admin/cache/flush``: the durability boundary. 200 only when every
+    finished prefix and queued spill is on SSD (renamed, folder fsynced), 503
+    otherwise; the body is the evidence either way (``FlushReport``)."""
+    report = await host.require_engine().aflush()
+    return Response(msgspec.json.encode(report), 200 if report.durable else 503, media_type="application/json")
+
+
 async def metrics(request: Request, host: ServerState) -> Response:
     return Response(host.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -306,6 +314,7 @@ def build_app(
         Route("/health", _endpoint("health", health), methods=["GET"]),
         Route("/stats", _endpoint("stats", stats), methods=["GET"]),
         Route("/metrics", _endpoint("metrics", metrics), methods=["GET"]),
+        Route("/admin/cache/flush", _endpoint("cache_flush", cache_flush), methods=["POST"]),
     ]
     app = Starlette(
         routes=routes,
