@@ -128,9 +128,10 @@ class ServerState:
         return self.engine.info.model_id if self.engine is not None else self.config.model
 
     def check_model(self, requested: str | None) -> str:
-        """The served name; a request may also use the name it was started with (``--model``)."""
+        """The served name; a request may also use the model it was started with (``--model``)."""
         name = self.model_name
-        if requested is None or requested in (name, self.config.model):
+        aliases = (name, self.config.model) if self.config.backend == "mlx" else (name,)
+        if requested is None or requested in aliases:
             return name
         raise ApiError(404, f"the model {requested!r} does not exist (this server serves {name!r})", param="model", code="model_not_found")
 
