@@ -41,10 +41,11 @@ import msgspec
 import numpy as np
 
 from actors.events import EngineBusy, EngineIdle
-from actors.runtime import DEFER, Actor, ActorRef, Envelope
+from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
 from actors.scheduler import Demote, Restored
 from engine import kvfile
 from engine.disk import Disk
+from engine.errors import EngineDead
 from engine.kvfile import KvFileError, KvHeader, KvMeta, KvReader, KvWriter
 from engine.ports import Backend, Clock, Device
 from engine.prompt_cache import as_tokens, usable_prefix
@@ -500,6 +501,14 @@ class ColdTier(Actor[Inbox]):
             await super().main()
             tg.cancel_scope.cancel()
 
+    async def stopping(self, reason: BaseException | None) -> None:
+        """Fail the Store asks still queued (their writes will not happen)."""
+        dead = Failure(EngineDead("cold tier stopped"))
+        for job in self._jobs:
+            if job.env is not None:
+                job.env.answer(dead)
+        self._jobs.clear()
+
     # ---- messages --------------------------------------------------------------
     async def receive(self, msg: Inbox) -> Any:
         match msg:
@@ -601,6 +610,10 @@ class ColdTier(Actor[Inbox]):
             job = self._in_flight = self._jobs[0]
             try:
                 ok = await self.store_entry(job.tokens, job.ns, job.cache, wait_turn=job.wait_turn)
+            except BaseException:  # stopped mid-write: the asker must not wait forever
+                if job.env is not None:
+                    job.env.answer(Failure(EngineDead("cold tier stopped before the write was durable")))
+                raise
             finally:
                 self._jobs.popleft()
                 self._jobs_bytes -= job.nbytes

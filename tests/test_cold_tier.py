@@ -24,6 +24,7 @@ from actors.runtime import ActorRef
 from actors.scheduler import Demote, Restored
 from engine import kvfile
 from engine.disk import FaultyDisk, RealDisk
+from engine.errors import EngineDead
 from engine.fake_gpu import FakeBackend, FakeKVCache
 from engine.ports import InlineDevice, LoopClock, ModelInfo
 
@@ -471,3 +472,24 @@ async def test_a_crash_mid_spill_leaves_nothing_behind_after_restart():
     t2 = scanned(tier(disk, "/ssd"))
     assert [e.tokens.size for e in t2.store.entries()] == [10]
     assert not any(f.endswith(".tmp") for f in files(disk, "/ssd"))
+
+
+@pytest.mark.anyio
+async def test_stopping_fails_the_store_asks_it_will_not_write():
+    t = tier(FaultyDisk(), "/ssd")
+    outcomes = []
+
+    async def ask(tokens):
+        try:
+            outcomes.append(await t.ref.ask(Store(tokens=tokens, ns="", cache=feed(tokens))))
+        except EngineDead as exc:
+            outcomes.append(type(exc).__name__)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(t.run)
+        t.ref.tell_nowait(EngineBusy(at=0.0))  # the writes wait for idle, which never comes
+        tg.start_soon(ask, A)
+        tg.start_soon(ask, A[:10])
+        await wait_all_tasks_blocked()
+        t.stop()
+    assert outcomes == ["EngineDead", "EngineDead"]
