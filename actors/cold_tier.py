@@ -34,7 +34,7 @@ import posixpath
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence, assert_never
 
 import anyio
 import msgspec
@@ -534,6 +534,8 @@ class ColdTier(Actor[Inbox]):
                 self._timer = None
                 if self.idle:
                     self._ask_demote()
+            case _:
+                assert_never(msg)
         return None
 
     # ---- idle gate and demotion timer -------------------------------------------
@@ -555,6 +557,8 @@ class ColdTier(Actor[Inbox]):
             return
         try:
             self.scheduler.tell_nowait(Demote(idle_s=self.demote_idle_s))
+        except EngineDead:
+            pass  # shutting down
         except Exception as exc:
             log.warning("[cold_tier] demotion request lost: %r", exc)
 

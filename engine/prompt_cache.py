@@ -35,6 +35,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from engine.errors import EngineDead
+
 log = logging.getLogger("ember.prompt_cache")
 
 
@@ -70,6 +72,12 @@ def usable_prefix(entry: np.ndarray, trimmable: bool, prompt: np.ndarray) -> int
     if p <= 0 or (entry.size > p and not trimmable):
         return 0
     return p
+
+
+def _log_hook_failure(what: str, exc: Exception) -> None:
+    # A hook into an actor that has already stopped (engine shutdown) is expected noise.
+    level = logging.DEBUG if isinstance(exc, EngineDead) else logging.WARNING
+    log.log(level, "[prompt_cache] %s: %r", what, exc)
 
 
 @dataclass(slots=True, eq=False)
@@ -186,7 +194,7 @@ class PromptCache:
             try:
                 self.on_put(toks.tolist(), ns)
             except Exception as exc:  # a durability hook must not break serving
-                log.warning("[prompt_cache] on_put hook failed: %r", exc)
+                _log_hook_failure("on_put hook failed", exc)
 
     def _evict(self, entry: _Entry, counter: str) -> None:
         self.counters[counter] += 1
@@ -196,7 +204,7 @@ class PromptCache:
             self.on_spill(entry.tokens.tolist(), entry.ns, entry.cache)
             self.counters["spills"] += 1
         except Exception as exc:  # the cold tier could not take it: the entry is just dropped
-            log.warning("[prompt_cache] spill dropped: %r", exc)
+            _log_hook_failure("spill dropped", exc)
 
     def demote_idle(self, idle_s: float) -> tuple[int, float | None]:
         """Spill entries unused for ``idle_s`` and free them. Returns how many

@@ -357,3 +357,34 @@ async def test_ram_evictions_spill_and_come_back_from_ssd(tmp_path):
         toks, cached = await run(engine, prompts[0] + [1, 2])
         assert toks == expect(prompts[0] + [1, 2]) and cached == len(prompts[0])  # diverges at the first generated token
         assert engine.stats()["ssd_cache"]["restores"] == 1
+
+
+# ---------------------------------------------------------------------------
+# The engine on MLX (bundled model, real threads): restart → restored prefix.
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the MLX thread needs a real loop
+async def test_mlx_engine_restart_restores_the_prefix_and_matches_the_cold_run(tmp_path):
+    from engine.models import resolve_model
+
+    try:
+        resolve_model("tiny")
+    except FileNotFoundError:
+        pytest.skip("the bundled model is not built yet (python -m engine.models.train, docs/models.md)")
+    cfg = EngineConfig(backend="mlx", model="tiny", ssd_cache_dir=str(tmp_path / "ssd"), prefill_chunk=64)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    async with Engine.open(cfg) as engine:
+        prompt = engine.encode("def restore(cache, tokens):\n    " * 20)[:300]
+        cold = await engine.acomplete(prompt, sp)
+        assert cold.usage.cached_tokens == 0
+        await engine.acomplete(engine.encode("x = 1"), SamplingParams(max_tokens=2))  # its first step closes the row above into RAM
+        assert engine.stats()["prompt_cache"]["puts"] >= 1
+        assert (await engine.aflush()).durable
+    async with Engine.open(cfg) as engine:  # a restart: only the SSD tier knows the prefix
+        warm = await engine.acomplete(prompt, sp)
+        assert warm.usage.cached_tokens == len(prompt) - 1
+        assert warm.token_ids == cold.token_ids
+        s = engine.stats()["ssd_cache"]
+        assert s["restores"] == 1 and s["corrupt_deleted"] == 0
