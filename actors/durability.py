@@ -179,6 +179,7 @@ class RecState(enum.Enum):
     QUEUED = "queued"  # clones on the spill queue
     STORING = "storing"  # the cold tier is writing it
     FAILED = "failed"  # dropped or store failed: dirty, retryable
+    COVERED = "covered"  # superseded in RAM by a longer entry whose record is still dirty
     DURABLE = "durable"  # on SSD (renamed + dir fsynced): the record retires
     MISSING = "missing"  # gone from RAM and not on SSD: the record retires
 
@@ -191,7 +192,9 @@ REC_TRANSITIONS: dict[RecState, frozenset[RecState]] = {
     RecState.ARMED: frozenset({RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}),
     RecState.BUSY_REARMED: frozenset({RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}),
     RecState.FAILED: frozenset({RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}),
-    RecState.SNAPSHOTTING: frozenset({RecState.QUEUED, RecState.STORING, RecState.DURABLE, RecState.MISSING, RecState.FAILED}),
+    RecState.SNAPSHOTTING: frozenset({RecState.QUEUED, RecState.STORING, RecState.DURABLE, RecState.MISSING, RecState.FAILED, RecState.COVERED}),
+    # the longer entry, once durable, serves this prefix by trimming (RAM only supersedes for trimmable ones)
+    RecState.COVERED: frozenset({RecState.ARMED, RecState.DURABLE, RecState.MISSING}),
     RecState.QUEUED: frozenset({RecState.STORING, RecState.FAILED}),
     RecState.STORING: frozenset({RecState.DURABLE, RecState.FAILED}),
     RecState.DURABLE: frozenset(),
@@ -363,6 +366,8 @@ class DurabilityCore:
             rec.item = pending
         elif msg.error is not None:
             self._fail(rec, msg.error)
+        elif self._descendant(rec) is not None:
+            rec.move(RecState.COVERED)
         else:
             log.warning("[durability] snapshot missing tokens=%d ns=%r (gone from RAM, not on SSD)", len(rec.tokens), rec.ns)
             self._retire(rec, RecState.MISSING)
@@ -481,6 +486,28 @@ class DurabilityCore:
                 self._flush.flushed += 1
             else:
                 self._flush.missing += 1
+        self._settle(rec.ns)
+
+    def _settle(self, ns: str) -> None:
+        """After a key of ``ns`` retires: waiting keys the SSD now covers are
+        durable without a write of their own, and covered keys left with no
+        dirty longer record are missing."""
+        for other in [r for r in self.records.values() if r.ns == ns and (r.state in _ATTEMPTABLE or r.state is RecState.COVERED)]:
+            if self.records.get(other.key) is not other:
+                continue  # retired by a nested settle
+            if self.cold.holds(other.tokens, ns):
+                self._retire(other, RecState.DURABLE)
+            elif other.state is RecState.COVERED and self._descendant(other) is None:
+                log.warning("[durability] snapshot missing tokens=%d ns=%r (its longer entry was lost)", len(other.tokens), ns)
+                self._retire(other, RecState.MISSING)
+
+    def _descendant(self, rec: Record) -> Record | None:
+        """A dirty record of the same conversation that extends ``rec``'s tokens."""
+        n = len(rec.tokens)
+        for r in self.records.values():
+            if r is not rec and r.ns == rec.ns and len(r.tokens) > n and r.tokens[:n] == rec.tokens:
+                return r
+        return None
 
     def _dropped(self, dropped: list[SpillItem]) -> None:
         for item in dropped:

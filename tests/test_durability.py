@@ -52,7 +52,8 @@ class FakeCold:
         self.durable: set[tuple[str, tuple[int, ...]]] = set()
 
     def holds(self, tokens: list[int], ns: str) -> bool:
-        return (ns, tuple(tokens)) in self.durable
+        n = len(tokens)  # equal, or longer (every fake entry can be trimmed)
+        return any(k_ns == ns and k[:n] == tuple(tokens) for k_ns, k in self.durable)
 
     def summary(self) -> tuple[int, int]:
         return len(self.durable), max((len(t) for _, t in self.durable), default=0)
@@ -453,3 +454,40 @@ async def test_spills_are_queued_and_released_when_stored():
         assert rig.core.queue.stored == 1
 
     await with_rig(body)
+
+
+def test_an_ancestor_superseded_in_ram_is_covered_by_its_dirty_descendant():
+    """A 1-token answer leaves an entry equal to its prompt; the next turn's
+    entry extends it and the RAM tier drops the ancestor (no spill: the longer
+    trimmable entry serves it). That is not a lost snapshot."""
+    core, clock, cold = make_core()
+    core.completed("", [1, 2, 3])
+    core.completed("", [1, 2, 3, 4, 5])
+    core.flush()
+    answer_snapshot(core, present=False)  # the ancestor is gone from RAM
+    assert core.records[("", (1, 2, 3))].state is RecState.COVERED
+    answer_snapshot(core)  # the flush moves on to the descendant
+    report = run_write(core, cold)
+    assert report is not None and report.durable and report.flushed == 2 and report.missing == 0
+
+    # ... but if the descendant is lost too, both are honestly missing
+    core, clock, cold = make_core()
+    core.completed("", [1, 2, 3])
+    core.completed("", [1, 2, 3, 4, 5])
+    core.flush()
+    answer_snapshot(core, present=False)
+    answer_snapshot(core, present=False)
+    report = finished(core)
+    assert report is not None and not report.durable and report.missing == 2 and core.records == {}
+
+
+def test_a_waiting_key_the_ssd_already_covers_retires_without_a_write():
+    core, clock, cold = make_core()
+    core.completed("", [1, 2, 9])
+    core.completed("", [1, 2])  # a shorter prefix of the same conversation, finished later
+    core.flush()
+    answer_snapshot(core)  # the longer one is forced first
+    report = run_write(core, cold)
+    # its file serves [1, 2] by trimming: no second snapshot, no second write
+    assert report is not None and report.durable and report.flushed == 2
+    assert core.queue.stored == 1 and core.take_effects() == []

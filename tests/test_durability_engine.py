@@ -4,8 +4,9 @@ in virtual time, with the SSD tier on a real temporary directory."""
 from __future__ import annotations
 
 import logging
-import os
 import random
+import signal
+import time
 
 import anyio
 import pytest
@@ -259,3 +260,96 @@ async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypa
             assert body["durable"] is False and body["pending_snapshots"] == 1 and body["failed_spills"] == 1
             stats = (await client.get("/stats")).json()["ssd_cache"]
             assert stats["pending_snapshots"] == 1 and stats["failed_spills"] == 1
+
+
+# ---------------------------------------------------------------------------
+# Real processes: `ember serve --fake-gpu --ssd-cache DIR`, signals, restarts.
+
+
+@pytest.mark.slow
+def test_sigterm_on_an_idle_server_with_a_snapshot_debouncing_keeps_the_prefix(tmp_path):
+    from engine.fake_gpu import ByteTokenizer
+    from sims.crashtest import start_server
+
+    prompt = [ord(c) for c in "an idle server gets SIGTERM right after this request. " * 8]
+    server = start_server(tmp_path / "ssd", tmp_path / "first.log")
+    try:
+        first = server.complete(prompt, 6)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        rc = server.terminate()  # at once: the write-behind is still in its 1 s debounce
+    log = (tmp_path / "first.log").read_text()
+    assert rc == 0, log
+    assert "flush done durable=True flushed=1" in log
+
+    server = start_server(tmp_path / "ssd", tmp_path / "second.log")
+    try:
+        again = server.complete(prompt, 6)
+    finally:
+        assert server.terminate() == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) - 1
+    want = ByteTokenizer().decode(expected_tokens(prompt, 6))
+    assert again["choices"][0]["text"] == first["choices"][0]["text"] == want
+
+
+@pytest.mark.slow
+def test_serve_exits_1_when_the_shutdown_deadline_passes(tmp_path):
+    import threading
+
+    from sims.crashtest import start_server
+
+    server = start_server(tmp_path / "ssd", tmp_path / "serve.log", env={"EMBER_SHUTDOWN_TIMEOUT_S": "1"})
+    # a request far longer than the deadline keeps the drain from finishing
+    t = threading.Thread(target=lambda: _ignore(server.complete, [65] * 10, 30_000), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while _in_flight(server) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.proc.send_signal(signal.SIGTERM)
+    # draining, still listening: health and new requests answer 503
+    assert _get_status(server.url + "/health") == 503
+    status, _ = server.post("/v1/completions", {"prompt": "too late", "max_tokens": 1})
+    assert status == 503
+    rc = server.proc.wait(60)
+    t.join(5)
+    log = (tmp_path / "serve.log").read_text()
+    assert rc == 1, log
+    assert "deadline" in log and "pending_snapshots=" in log
+
+
+@pytest.mark.slow
+def test_crashtest_reduced_five_kills(tmp_path):
+    from sims.crashtest import run
+
+    res = run(kills=5, seed=11, workdir=tmp_path, verbose=False)
+    assert res.failures == []
+    assert res.kills == 5 and res.restarts == 6 and res.restores_checked >= 3
+
+
+def _ignore(fn, *args):
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the server shuts down under it
+        pass
+
+
+def _get_status(url: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _in_flight(server) -> int:
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(server.url + "/stats", timeout=5) as r:
+            return json.loads(r.read())["gateway"]["in_flight"]
+    except Exception:  # noqa: BLE001 - not ready yet
+        return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import socket
 import sys
@@ -117,6 +118,7 @@ def _import_mlx_on_main_thread(config: Any) -> None:
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
+    from actors.durability import settings_from
     from transport.http import build_app
 
     config = engine_config(args, parser)
@@ -132,7 +134,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             app,
             lifespan="on",
             log_level=args.log_level,
-            timeout_graceful_shutdown=int(config.shutdown_timeout_s),
+            timeout_graceful_shutdown=math.ceil(settings_from(config).shutdown_timeout_s),
         )
     )
     # uvicorn re-raises the signal that stopped it once it has shut down; with
@@ -158,6 +160,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def _serve(server: Any, sock: socket.socket, state: Any, url: str) -> int:
+    _drain_first(server, state)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     # uvicorn has no "listening" event, and the engine loads in the background:
     # wait for both (or for either to fail).
@@ -177,6 +180,34 @@ async def _serve(server: Any, sock: socket.socket, state: Any, url: str) -> int:
         print(f"ember: error: shutdown deadline of {engine.shutdown_timeout_s}s passed before the flush finished", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _drain_first(server: Any, state: Any) -> None:
+    """SIGINT/SIGTERM drain the engine while uvicorn still listens (/health and
+    new requests answer 503, active requests finish, the durability flush
+    runs; bounded by EMBER_SHUTDOWN_TIMEOUT_S), and only then stop uvicorn.
+    A signal before the engine is ready, or a second SIGINT, is uvicorn's own."""
+    default = server.handle_exit
+    loop = asyncio.get_running_loop()
+    draining = False
+
+    def handle_exit(sig: int, frame: Any) -> None:
+        nonlocal draining
+        engine = state.engine
+        if draining or engine is None or state.phase != "ready":
+            default(sig, frame)
+            return
+        draining = True
+        loop.call_soon_threadsafe(lambda: loop.create_task(drain(engine)))
+
+    async def drain(engine: Any) -> None:
+        try:
+            if not await engine.drain():
+                server.force_exit = True  # the deadline is spent: do not wait for connections again
+        finally:
+            server.should_exit = True
+
+    server.handle_exit = handle_exit  # uvicorn installs it when serve() starts
 
 
 # ---------------------------------------------------------------------------
