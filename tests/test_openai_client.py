@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from engine.fake_gpu import ByteTokenizer, expected_tokens
+from engine.models import BUNDLED
 
 TOK = ByteTokenizer()
 START_TIMEOUT_S = 60
@@ -130,3 +131,33 @@ def test_sigterm_drains_and_exits_zero(server, client):
     text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
     assert text == TOK.decode(expected_tokens(list(b"last"), 40, stop_at_eos=False))
     assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (BUNDLED["tiny"] / "config.json").is_file(), reason="the bundled tiny model is not built (python -m engine.models.train)")
+def test_ember_serve_without_model_serves_the_bundled_tiny_on_mlx():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transport.cli", "serve", "--port", "0", "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = _read_url(proc)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            assert [m.id for m in c.models.list()] == ["tiny"]
+            r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=8)
+            assert r.usage.completion_tokens + (r.choices[0].finish_reason == "stop") >= 1
+            chunks = list(c.completions.create(model="tiny", prompt="import os\n", max_tokens=8, stream=True, extra_body={"ignore_eos": True}))
+            assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) >= 1
+        stats = httpx.get(f"{url}/stats").json()
+        assert stats["scheduler"]["generated_tokens"] >= 9 and stats["dead"] is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()

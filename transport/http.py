@@ -123,9 +123,13 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
+        """``--served-model-name``, else the model as named on the command line
+        (``tiny`` or a path, like mlx_lm.server), else the fake GPU's id."""
         if self.config.model_name:
             return self.config.model_name
-        return self.engine.info.model_id if self.engine is not None else self.config.model
+        if self.config.backend == "mlx" or self.engine is None:
+            return self.config.model
+        return self.engine.info.model_id
 
     def check_model(self, requested: str | None) -> str:
         """The served name; a request may also use the model it was started with (``--model``)."""
