@@ -55,6 +55,7 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cach
 
 from engine.config import EngineConfig
 from engine.device import ThreadDevice
+from engine.mlx_device import MLXThread
 from engine.mlx_batch import DecodeBatch, merge_caches
 from engine.mlx_sampling import RowSampler, row_seed
 from engine.mlx_tokenizer import MLXTokenizer
@@ -76,7 +77,7 @@ def load_mlx_backend(config: EngineConfig) -> tuple["MLXBackend", ThreadDevice]:
     from engine.models import resolve_model
 
     path = resolve_model(config.model)
-    device = ThreadDevice()
+    device = MLXThread()
     try:
         backend = device.call(MLXBackend.load, path, config)
     except BaseException:
@@ -276,7 +277,7 @@ class MLXBackend:
                 res.errors[v.rid] = "a row can decode or verify once per step, with a non-empty window"
                 work.pop(v.rid, None)
                 continue
-            work[v.rid] = list(v.tokens)
+            work[v.rid] = list(v.tokens) if self._window_fits(v.rid, len(v.tokens)) else v.tokens[:1]
         verify_rids = {v.rid for v in plan.verify}
         for rid in list(work):
             if rid not in self._rows:
@@ -298,6 +299,8 @@ class MLXBackend:
             inputs = [work.get(rid, []) for rid in batch.rids]
             logits = batch.forward(self.model, inputs)
             outputs.append(self._sample(batch.rids, inputs, logits, step_tokens))
+            for rid, toks in zip(batch.rids, inputs):
+                self._rows[rid].fed += len(toks)  # else a later trim is clipped to a stale `fed`
         if joiners:
             inputs = [work[rid] for rid in joiners]
             group = DecodeBatch()
@@ -395,6 +398,24 @@ class MLXBackend:
             self._batch.trim([batch_trim.get(rid, 0) for rid in self._batch.rids])
             for rid, n in batch_trim.items():
                 self._rows[rid].fed -= n
+
+    def _window_fits(self, rid: int, n: int) -> bool:
+        """Speculation's guard: can the row's cache take an ``n``-token verify
+        window and be trimmed back afterwards? Not for SSM/recurrent state, nor
+        for a rotating window the tokens would wrap. A window that does not fit
+        is cut to its first token (a plain decode, answered with one token), so
+        the Verifier falls back instead of a trim failing or corrupting."""
+        row = self._rows.get(rid)
+        if row is None:
+            return True  # reported as "not open" by the step
+        cache = row.cache if row.cache is not None else self._batch.cache
+        for c in cache:
+            if not c.is_trimmable():
+                return False
+            max_size = getattr(c, "max_size", None)
+            if max_size is not None and max(row.fed, int(getattr(c, "_offset", 0) or 0)) + n >= max_size:
+                return False
+        return True
 
     def _prefill(self, plan: StepPlan, res: StepResult) -> None:
         vocab = self.info.vocab_size

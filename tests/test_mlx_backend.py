@@ -17,6 +17,7 @@ mx = pytest.importorskip("mlx.core")
 
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.mlx_backend import MLXBackend, load_mlx_backend  # noqa: E402
@@ -62,11 +63,14 @@ class Rig:
     def ids(self, text: str) -> list[int]:
         return self.b.tokenizer.encode(text)
 
-    def reference(self, prompt: list[int], n: int, sampler=None) -> list[int]:
-        """n tokens from mlx_lm.generate_step on the backend's own model and thread."""
+    def reference(self, prompt: list[int], n: int, temp: float = 0.0, seed: int = 0) -> list[int]:
+        """n tokens from mlx_lm.generate_step on the backend's own model and
+        thread; sampled ones after ``mx.random.seed(seed)``, which is what a
+        request with that seed must reproduce (engine.mlx_sampling)."""
 
         def run():
-            gen = generate_step(mx.array(prompt), self.b.model, max_tokens=n, sampler=sampler)
+            mx.random.seed(seed)
+            gen = generate_step(mx.array(prompt), self.b.model, max_tokens=n, sampler=make_sampler(temp))
             return [t for t, _ in gen]
 
         return self.d.call(run)
@@ -225,9 +229,11 @@ def test_rows_join_and_leave_a_running_batch(rig):
 
 
 def test_a_plan_that_skips_a_row_undoes_the_queued_step(rig):
+    """b samples (seed 5): undoing the queued step must also give back its PRNG key."""
     pa, pb = rig.ids(PROMPTS[0]), rig.ids(PROMPTS[1])
-    ra, rb = rig.reference(pa, 8), rig.reference(pb, 8)
-    a, b = rig.open_prefilled(pa), rig.open_prefilled(pb)
+    ra, rb = rig.reference(pa, 8), rig.reference(pb, 8, temp=0.8, seed=5)
+    a = rig.open_prefilled(pa)
+    b = rig.open_prefilled(pb, SamplingParams(max_tokens=100, temperature=0.8, seed=5))
     undone = rig.b.counters["undone"]
     res = rig.step(decode=[DecodeRow(a, pa[-1]), DecodeRow(b, pb[-1])])
     out_a, out_b = [res.tokens[a]], [res.tokens[b]]
@@ -276,6 +282,18 @@ def test_verify_windows_batched_with_decode_and_per_row_trim(rig):
     assert rig.kv_error(b, pb + rb[:3]) < KV_TOL
     assert rig.kv_error(c, pc + rc[:1]) < KV_TOL
     rig.step(close=[a, b, c])
+
+
+def test_one_token_prompt_opens_and_decodes_in_one_step(rig):
+    p = rig.ids(PROMPTS[0])[:1]
+    ref = rig.reference(p, 4)
+    rig.next_rid += 1
+    r = rig.next_rid
+    out = [rig.step(open=[OpenRow(r, GREEDY)], decode=[DecodeRow(r, p[0])]).tokens[r]]
+    for _ in range(3):
+        out.append(rig.step(decode=[DecodeRow(r, out[-1])]).tokens[r])
+    rig.step(close=[r])
+    assert out == ref
 
 
 def test_verify_on_a_row_that_has_not_joined_yet(rig):
@@ -416,3 +434,37 @@ def test_fingerprint_covers_the_kv_scheme():
     cfg = {"model_type": "llama", "hidden_size": 8}
     assert _config_fingerprint(cfg, ["KVCache"]) == _config_fingerprint(dict(cfg), ["KVCache"])
     assert _config_fingerprint(cfg, ["KVCache"]) != _config_fingerprint(cfg, ["RotatingKVCache"])
+
+
+def test_mlx_thread_runs_everything_on_one_thread():
+    import asyncio
+    import threading
+
+    from engine.mlx_device import MLXThread
+
+    dev = MLXThread()
+    seen: list[int] = []
+
+    def where(x: int) -> int:
+        seen.append(threading.get_ident())
+        return x * 2
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    async def main() -> None:
+        assert await dev.run(where, 21) == 42
+        with pytest.raises(ValueError, match="boom"):
+            await dev.run(fail)
+        # A cancelled waiter does not break the thread for the next caller.
+        task = asyncio.ensure_future(dev.run(where, 1))
+        task.cancel()
+        assert await dev.run(where, 2) == 4
+
+    asyncio.run(main())
+    assert dev.call(where, 5) == 10
+    assert dev.submit(where, 6).result() == 12
+    dev.close()
+    assert set(seen) == {dev.thread_ident} and dev.thread_ident != threading.get_ident()
+    with pytest.raises(RuntimeError):
+        dev.submit(where, 1)

@@ -1,0 +1,306 @@
+"""Engine overhead on MLX: Ember's Engine vs a bare mlx-lm loop, same model, same run.
+
+    python -m sims.bench_engine                  # bundled tiny, writes docs/bench-engine.md
+    python -m sims.bench_engine --rounds 7 --tokens 512 --model path/to/mlx-model
+
+Legs (all greedy, EOS ignored, OpenBLAS preloaded via ``engine.blas``):
+
+* single-stream decode tok/s: ``mlx_lm.stream_generate`` (A) and
+  ``Engine.agenerate`` (B) alternate A B A B for ``--rounds`` rounds; decode
+  rate is counted from the first token to the last, so prefill is excluded
+  from both; the report gives the medians and B/A;
+* aggregate decode tok/s through the Engine at 1, 4, 8, 16 concurrent
+  requests (all tokens / wall time), next to ``mlx_lm.batch_generate``
+  (mlx-lm's own BatchGenerator) on the same prompts;
+* BLAS: the single-stream leg and a 1k-token prefill again in a subprocess
+  without OpenBLAS (``EMBER_NO_OPENBLAS=1``), for the speedup it buys.
+
+``--profile`` adds a cProfile of the engine's single-stream leg (event-loop
+thread and MLX thread). The results table is written between the markers in
+``--out`` (the surrounding text in that file is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.blas import OPT_OUT, maybe_reexec_with_openblas
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+PROMPT = "import os\nimport sys\n\n\ndef main():\n"
+PROMPTS = [
+    "import os\nimport sys\n",
+    "def add(a, b):\n    return",
+    "class Point:\n    def __init__(self, x, y):\n",
+    "# Utilities for parsing\n",
+    "for i in range(10):\n",
+    "from collections import",
+    "    def __repr__(self):\n",
+    "try:\n    import json\n",
+]
+
+
+def machine() -> dict[str, Any]:
+    import mlx.core as mx
+    import mlx_lm
+
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        cpu = platform.processor() or "?"
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "device": str(mx.default_device()),
+        "blas": os.environ.get("LD_PRELOAD", "") or "reference (no preload)",
+        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+# ---------------------------------------------------------------------------
+# legs
+
+
+def bare_decode(model: Any, tok: Any, n: int) -> float:
+    from mlx_lm import stream_generate
+
+    first, count = 0.0, 0
+    for _ in stream_generate(model, tok, PROMPT, max_tokens=n):
+        count += 1
+        if count == 1:
+            first = time.perf_counter()
+    return (count - 1) / (time.perf_counter() - first)
+
+
+async def engine_decode(engine: Any, n: int) -> float:
+    from engine.types import SamplingParams
+
+    first, count = None, 0
+    async for d in engine.agenerate(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True)):
+        if first is None and d.token_ids:
+            first = time.perf_counter()
+            count = len(d.token_ids) - 1
+        else:
+            count += len(d.token_ids)
+    assert first is not None
+    return count / (time.perf_counter() - first)
+
+
+async def engine_aggregate(engine: Any, conc: int, n: int) -> float:
+    from engine.types import SamplingParams
+
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    t = time.perf_counter()
+    outs = await asyncio.gather(*(engine.acomplete(PROMPTS[i % len(PROMPTS)], params) for i in range(conc)))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def bare_aggregate(model: Any, tok: Any, conc: int, n: int) -> float:
+    from mlx_lm import batch_generate
+
+    prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(conc)]
+    t = time.perf_counter()
+    res = batch_generate(model, tok, prompts, max_tokens=n, return_token_ids=True)
+    tokens = getattr(res, "token_ids", None)
+    total = sum(len(x) for x in tokens) if tokens else conc * n
+    return total / (time.perf_counter() - t)
+
+
+def bare_prefill(model: Any, tok: Any, n_prompt: int) -> float:
+    """mlx-lm's own prompt tok/s for an ``n_prompt``-token prompt."""
+    from mlx_lm import stream_generate
+
+    ids = (tok.encode(PROMPT * 200))[:n_prompt]
+    out = next(iter(stream_generate(model, tok, ids, max_tokens=1)))
+    return out.prompt_tps
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from mlx_lm import load
+
+    from engine.api import Engine
+    from engine.config import EngineConfig
+    from engine.models import resolve_model
+
+    path = str(resolve_model(args.model))
+    model, tok = load(path)
+    tok.eos_token_ids = set()
+    out: dict[str, Any] = {"model": args.model, "machine": machine()}
+    config = EngineConfig(backend="mlx", model=path, max_batch=max(args.concurrency), prompt_cache_gib=0)
+    async with Engine.open(config) as engine:
+        bare_decode(model, tok, 32)  # warm both
+        await engine_decode(engine, 32)
+        a, b = [], []
+        for _ in range(args.rounds):
+            a.append(bare_decode(model, tok, args.tokens))
+            b.append(await engine_decode(engine, args.tokens))
+        out["single"] = {"bare": a, "engine": b, "bare_med": med(a), "engine_med": med(b), "ratio": med(b) / med(a)}
+        if args.profile:
+            out["profile"] = await profile_engine(engine, args.tokens)
+        if not args.single_only:
+            agg: dict[int, dict[str, float]] = {}
+            for conc in args.concurrency:
+                e, m = [], []
+                for _ in range(args.agg_rounds):
+                    m.append(bare_aggregate(model, tok, conc, args.agg_tokens))
+                    e.append(await engine_aggregate(engine, conc, args.agg_tokens))
+                agg[conc] = {"engine": med(e), "mlx_lm_batch": med(m)}
+            out["aggregate"] = agg
+        out["backend"] = engine.backend.stats()
+    out["prefill_tps"] = med([bare_prefill(model, tok, 1024) for _ in range(3)])
+    out["machine"]["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return out
+
+
+async def profile_engine(engine: Any, n: int) -> str:
+    """cProfile of one single-stream request: the loop thread and the MLX thread."""
+    loop_prof, dev_prof = cProfile.Profile(), cProfile.Profile()
+    backend = engine.backend
+    step = backend.step
+
+    def profiled_step(plan: Any) -> Any:
+        dev_prof.enable()
+        try:
+            return step(plan)
+        finally:
+            dev_prof.disable()
+
+    backend.step = profiled_step
+    engine.core.backend = backend
+    try:
+        loop_prof.enable()
+        await engine_decode(engine, n)
+        loop_prof.disable()
+    finally:
+        del backend.step
+    text = []
+    for name, prof in (("event-loop thread", loop_prof), ("MLX thread (backend.step)", dev_prof)):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+        text.append(f"--- {name} ---\n{s.getvalue()}")
+    return "\n".join(text)
+
+
+def reference_blas(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The single-stream leg again in a subprocess on MLX's reference BLAS."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env[OPT_OUT] = "1"
+    cmd = [sys.executable, "-m", "sims.bench_engine", "--single-only", "--json", "--model", args.model,
+           "--rounds", str(max(3, args.rounds // 2)), "--tokens", str(args.tokens)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        print(proc.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------
+# report
+
+
+def table(res: dict[str, Any], ref: dict[str, Any] | None, command: str) -> str:
+    m, s = res["machine"], res["single"]
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; load average at start "
+        f"{', '.join(f'{x:.2f}' for x in m['loadavg'] or [])}, at end "
+        f"{', '.join(f'{x:.2f}' for x in m.get('loadavg_end') or [])}.",
+        f"Versions: Python {m['python']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}; device {m['device']}; "
+        f"BLAS {m['blas']}. Model: `{res['model']}`.",
+        "",
+        "| single-stream decode (tok/s) | bare mlx-lm | Engine | Engine / bare |",
+        "|---|---|---|---|",
+        f"| median of {len(s['bare'])} alternating rounds | {s['bare_med']:.0f} | {s['engine_med']:.0f} | **{s['ratio']:.3f}** |",
+        f"| all rounds | {', '.join(f'{x:.0f}' for x in s['bare'])} | {', '.join(f'{x:.0f}' for x in s['engine'])} | |",
+    ]
+    if "aggregate" in res:
+        lines += ["", "| concurrent requests | Engine aggregate tok/s | mlx_lm.batch_generate tok/s | Engine / mlx-lm |",
+                  "|---|---|---|---|"]
+        for conc, row in res["aggregate"].items():
+            lines.append(f"| {conc} | {row['engine']:.0f} | {row['mlx_lm_batch']:.0f} | {row['engine'] / row['mlx_lm_batch']:.2f} |")
+    if ref is not None:
+        rs = ref["single"]
+        lines += [
+            "",
+            "| BLAS | bare decode tok/s | Engine decode tok/s | mlx-lm prefill tok/s (1k prompt) |",
+            "|---|---|---|---|",
+            f"| OpenBLAS (preloaded) | {s['bare_med']:.0f} | {s['engine_med']:.0f} | {res['prefill_tps']:.0f} |",
+            f"| reference (no preload) | {rs['bare_med']:.0f} | {rs['engine_med']:.0f} | {ref['prefill_tps']:.0f} |",
+            f"| OpenBLAS speedup | {s['bare_med'] / rs['bare_med']:.2f}x | {s['engine_med'] / rs['engine_med']:.2f}x "
+            f"| {res['prefill_tps'] / ref['prefill_tps']:.2f}x |",
+        ]
+    lines += ["", f"Backend counters: `{res.get('backend')}`"]
+    return "\n".join(lines)
+
+
+def write_report(path: Path, body: str) -> None:
+    block = f"{BEGIN}\n{body}\n{END}"
+    text = path.read_text() if path.exists() else f"# Engine benchmark\n\n{BEGIN}\n{END}\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    maybe_reexec_with_openblas()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per single-stream request")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
+    ap.add_argument("--agg-rounds", type=int, default=3)
+    ap.add_argument("--agg-tokens", type=int, default=128, help="tokens per request in the aggregate leg")
+    ap.add_argument("--single-only", action="store_true", help="only the single-stream leg (and prefill)")
+    ap.add_argument("--no-blas", action="store_true", help="skip the reference-BLAS subprocess")
+    ap.add_argument("--profile", action="store_true", help="cProfile the engine's single-stream leg")
+    ap.add_argument("--json", action="store_true", help="print the raw results as one JSON line")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench-engine.md"))
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    res = asyncio.run(run(args))
+    if args.json:
+        print(json.dumps(res))
+        return
+    ref = None if args.no_blas or os.environ.get(OPT_OUT) else reference_blas(args)
+    command = "python -m sims.bench_engine " + " ".join(sys.argv[1:] if argv is None else argv)
+    body = table(res, ref, command.strip())
+    print(body)
+    if "profile" in res:
+        print(res["profile"])
+    write_report(args.out, body)
+    print(f"\n[bench_engine] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
