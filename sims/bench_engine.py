@@ -82,29 +82,31 @@ def machine() -> dict[str, Any]:
 # legs
 
 
-def bare_decode(model: Any, tok: Any, n: int) -> float:
+def bare_decode(model: Any, tok: Any, n: int) -> tuple[float, float]:
+    """(decode tok/s, process CPU ms per token) of one mlx_lm.stream_generate run."""
     from mlx_lm import stream_generate
 
-    first, count = 0.0, 0
+    first, cpu, count = 0.0, 0.0, 0
     for _ in stream_generate(model, tok, PROMPT, max_tokens=n):
         count += 1
         if count == 1:
-            first = time.perf_counter()
-    return (count - 1) / (time.perf_counter() - first)
+            first, cpu = time.perf_counter(), time.process_time()
+    return (count - 1) / (time.perf_counter() - first), 1e3 * (time.process_time() - cpu) / (count - 1)
 
 
-async def engine_decode(engine: Any, n: int) -> float:
+async def engine_decode(engine: Any, n: int) -> tuple[float, float]:
+    """(decode tok/s, process CPU ms per token) of one Engine request."""
     from engine.types import SamplingParams
 
-    first, count = None, 0
+    first, cpu, count = None, 0.0, 0
     async for d in engine.agenerate(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True)):
         if first is None and d.token_ids:
-            first = time.perf_counter()
+            first, cpu = time.perf_counter(), time.process_time()
             count = len(d.token_ids) - 1
         else:
             count += len(d.token_ids)
     assert first is not None
-    return count / (time.perf_counter() - first)
+    return count / (time.perf_counter() - first), 1e3 * (time.process_time() - cpu) / count
 
 
 async def engine_aggregate(engine: Any, conc: int, n: int) -> float:
@@ -136,6 +138,50 @@ def bare_prefill(model: Any, tok: Any, n_prompt: int) -> float:
     return out.prompt_tps
 
 
+def logprob_drift(model: Any, tok: Any, batch: int, n: int) -> float:
+    """Max |log-prob difference| over ``n`` greedy decode steps between each
+    prompt alone (B=1 ``KVCache``, as generate_step) and all ``batch`` prompts
+    in one left-padded ``BatchKVCache`` (as the engine's decode batch)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
+
+    def prefill(ids: list[int]) -> list[Any]:
+        cache = make_prompt_cache(model)
+        model(mx.array(ids[:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    def decode(cache: list[Any], first: mx.array) -> list[mx.array]:
+        y, out = first, []
+        for _ in range(n):
+            logits = model(y[:, None], cache=cache)[:, -1, :]
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            out.append(lp)
+            y = mx.argmax(lp, axis=-1)
+        return out
+
+    alone = [decode(prefill(p), mx.array(p[-1:])) for p in prompts]
+    caches = [prefill(p) for p in prompts]
+    merged = [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    together = decode(merged, mx.array([p[-1] for p in prompts]))
+    return max(
+        mx.abs(alone[r][t][0] - together[t][r]).max().item() for r in range(batch) for t in range(n)
+    )
+
+
+async def batch_agreement(engine: Any, conc: int, n: int) -> int:
+    """How many of ``conc`` greedy requests give the same tokens in a batch as alone."""
+    from engine.types import SamplingParams
+
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(conc)]
+    alone = [(await engine.acomplete(p, params)).token_ids for p in prompts]
+    together = await asyncio.gather(*(engine.acomplete(p, params) for p in prompts))
+    return sum(a == t.token_ids for a, t in zip(alone, together))
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -159,7 +205,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.rounds):
             a.append(bare_decode(model, tok, args.tokens))
             b.append(await engine_decode(engine, args.tokens))
-        out["single"] = {"bare": a, "engine": b, "bare_med": med(a), "engine_med": med(b), "ratio": med(b) / med(a)}
+        ra, rb = [x for x, _ in a], [x for x, _ in b]
+        out["single"] = {"bare": ra, "engine": rb, "bare_med": med(ra), "engine_med": med(rb), "ratio": med(rb) / med(ra),
+                         "bare_cpu_ms": med([c for _, c in a]), "engine_cpu_ms": med([c for _, c in b])}
         if args.profile:
             out["profile"] = await profile_engine(engine, args.tokens)
         if not args.single_only:
@@ -171,8 +219,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     e.append(await engine_aggregate(engine, conc, args.agg_tokens))
                 agg[conc] = {"engine": med(e), "mlx_lm_batch": med(m)}
             out["aggregate"] = agg
+            top = max(args.concurrency)
+            out["agreement"] = {"requests": top, "tokens": args.agg_tokens,
+                                "same": await batch_agreement(engine, top, args.agg_tokens)}
         out["backend"] = engine.backend.stats()
     out["prefill_tps"] = med([bare_prefill(model, tok, 1024) for _ in range(3)])
+    if not args.single_only:
+        out["drift"] = {b: logprob_drift(model, tok, b, 64) for b in (4, 16)}
     out["machine"]["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     return out
 
@@ -238,6 +291,8 @@ def table(res: dict[str, Any], ref: dict[str, Any] | None, command: str) -> str:
         "|---|---|---|---|",
         f"| median of {len(s['bare'])} alternating rounds | {s['bare_med']:.0f} | {s['engine_med']:.0f} | **{s['ratio']:.3f}** |",
         f"| all rounds | {', '.join(f'{x:.0f}' for x in s['bare'])} | {', '.join(f'{x:.0f}' for x in s['engine'])} | |",
+        f"| process CPU ms per token (median) | {s['bare_cpu_ms']:.2f} | {s['engine_cpu_ms']:.2f} "
+        f"| {s['bare_cpu_ms'] / s['engine_cpu_ms']:.3f} |",
     ]
     if "aggregate" in res:
         lines += ["", "| concurrent requests | Engine aggregate tok/s | mlx_lm.batch_generate tok/s | Engine / mlx-lm |",
@@ -254,6 +309,15 @@ def table(res: dict[str, Any], ref: dict[str, Any] | None, command: str) -> str:
             f"| reference (no preload) | {rs['bare_med']:.0f} | {rs['engine_med']:.0f} | {ref['prefill_tps']:.0f} |",
             f"| OpenBLAS speedup | {s['bare_med'] / rs['bare_med']:.2f}x | {s['engine_med'] / rs['engine_med']:.2f}x "
             f"| {res['prefill_tps'] / ref['prefill_tps']:.2f}x |",
+        ]
+    if "drift" in res:
+        ag = res["agreement"]
+        lines += [
+            "",
+            f"Batched vs alone (fp32 weights): greedy tokens identical for {ag['same']}/{ag['requests']} requests "
+            f"({ag['tokens']} tokens each, all {ag['requests']} in one batch vs one at a time); max |log-prob "
+            "difference| over 64 decode steps: "
+            + ", ".join(f"{d:.1e} at B={b}" for b, d in res["drift"].items()) + ".",
         ]
     lines += ["", f"Backend counters: `{res.get('backend')}`"]
     return "\n".join(lines)
