@@ -85,6 +85,12 @@ def _numeric_leaves(prefix: str, d: dict[str, Any]) -> Iterator[Metric]:
             yield GaugeMetricFamily(name, f"engine.stats() {prefix}.{key}", value=value)
         elif isinstance(value, dict):
             yield from _numeric_leaves(name, value)
+        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            # per-position series (e.g. accepted draft tokens by position) as one labelled gauge
+            family = GaugeMetricFamily(name, f"engine.stats() {prefix}.{key} by position", labels=["pos"])
+            for i, v in enumerate(value):
+                family.add_metric([str(i)], v)
+            yield family
 
 
 class Metrics:
