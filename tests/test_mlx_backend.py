@@ -284,6 +284,19 @@ def test_verify_windows_batched_with_decode_and_per_row_trim(rig):
     rig.step(close=[a, b, c])
 
 
+def test_trim_back_to_the_prompt_after_two_verify_rounds(rig):
+    """The second window goes through the batch's own forward: both must count."""
+    p = rig.ids(PROMPTS[1])
+    ref = rig.reference(p, 10)
+    r = rig.open_prefilled(p)
+    assert rig.step(verify=[VerifyRow(r, [p[-1], *ref[:3]])]).verified[r] == ref[:4]
+    assert rig.step(verify=[VerifyRow(r, ref[3:7])]).verified[r] == ref[4:8]
+    rig.step(trim=[(r, len(p) + 5)])  # back to the first 2 prompt tokens
+    assert rig.kv_error(r, p[:2]) < KV_TOL
+    assert rig.step(verify=[VerifyRow(r, p[2:])]).verified[r][-1] == ref[0]
+    rig.step(close=[r])
+
+
 def test_one_token_prompt_opens_and_decodes_in_one_step(rig):
     p = rig.ids(PROMPTS[0])[:1]
     ref = rig.reference(p, 4)
