@@ -20,7 +20,7 @@ import anyio
 import msgspec
 
 from actors.events import EngineBusy, EngineIdle
-from actors.runtime import Actor, ActorRef, Envelope
+from actors.runtime import Actor, ActorRef, Envelope, Failure
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
 from engine.ports import Backend, Clock, DecodeRow, Device, OpenRow, PrefillChunk, StepPlan, StepResult
@@ -73,7 +73,25 @@ class Demote(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     idle_s: float
 
 
-Inbox = Admit | Abort | Shutdown | Restored | Demote
+class Snapshot(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Durability → Scheduler (ask, sent nowait): clone the RAM entry holding
+    exactly ``tokens`` in ``ns``, between steps, in O(1). The reply is
+    ``(clones, nbytes)`` — owned by the asker — or None when the entry is gone.
+    It never holds admission: the clone is cheap and nothing waits for idle."""
+
+    ns: str
+    tokens: list[int]
+
+
+class Settle(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Durability → Scheduler (ask, sent nowait): answered once every row that
+    has finished so far has had its cache put in the RAM tier — so its
+    ``Completed`` is already in the coordinator's inbox. A flush starts with
+    it: the put happens at the step that closes a row, after the caller has
+    seen the row's last token, and a flush asked at that moment must not miss it."""
+
+
+Inbox = Admit | Abort | Shutdown | Restored | Demote | Snapshot | Settle
 
 
 # ---------------------------------------------------------------------------
@@ -118,6 +136,8 @@ class PrefixCache(Protocol):
     def put(self, tokens: list[int], ns: str, cache: Any) -> None: ...
 
     def demote_idle(self, idle_s: float) -> tuple[int, float | None]: ...
+
+    def snapshot(self, tokens: list[int], ns: str) -> Any: ...
 
 
 class ColdLookup(Protocol):
@@ -294,6 +314,13 @@ class SchedulerCore:
         self.queue.appendleft(row.rid)
         self.events.record("restored", self.clock.now(), rid=row.rid, cached=row.prepared[1] if row.prepared else 0)
 
+    def snapshot(self, msg: Snapshot) -> tuple[Any, int] | None:
+        """Owned clones of the exact RAM entry ``msg`` names, and their bytes."""
+        if self.prefix_cache is None:
+            return None
+        clone = self.prefix_cache.snapshot(msg.tokens, msg.ns)
+        return None if clone is None else (clone, self.backend.cache_nbytes(clone))
+
     def demote(self, idle_s: float) -> tuple[int, float | None]:
         """Idle demotion sweep: only while nothing runs, queues or restores."""
         if self.prefix_cache is None or self.has_work() or self.restoring:
@@ -437,6 +464,12 @@ class Scheduler(Actor[Inbox]):
         self.subscribers = list(subscribers or [])
         self.step_timeout_s = step_timeout_s
         self.is_busy = False
+        self._settle_waiters: list[Envelope[Inbox]] = []  # Settle asks held until the closes are put
+
+    async def stopping(self, reason: BaseException | None) -> None:
+        for env in self._settle_waiters:  # their closes will never be put
+            env.answer(Failure(EngineDead("scheduler stopped")))
+        self._settle_waiters = []
 
     def subscribe(self, ref: ActorRef[Any]) -> None:
         self.subscribers.append(ref)
@@ -466,6 +499,17 @@ class Scheduler(Actor[Inbox]):
                 return False
             case Restored():
                 self.core.restored(msg)
+            case Settle():
+                if self.core._closing:  # closed (and put) by the next step
+                    self._settle_waiters.append(env)
+                    return True
+            case Snapshot():
+                try:
+                    reply: Any = self.core.snapshot(msg)
+                except Exception as exc:  # a cache fault fails one write-behind attempt, never a request
+                    reply = Failure(exc)
+                env.answer(reply)
+                return True
             case Demote():
                 n, due = self.core.demote(msg.idle_s)
                 if self.core.cold is not None:
@@ -515,6 +559,10 @@ class Scheduler(Actor[Inbox]):
         if result is not None:
             core.apply(plan, result)
         core.events.record("step_end", core.clock.now(), n=core.steps)
+        if self._settle_waiters and not core._closing:
+            waiters, self._settle_waiters = self._settle_waiters, []
+            for env in waiters:
+                env.answer(None)
         deltas = core.take_outbox()
         if deltas:
             await self.output(deltas)

@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Iterator
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from actors.durability import DurabilityCoordinator, Flush, FlushReport, build_coordinator, settings_from
 from actors.gateway import Cancel, Drain, Gateway, GatewayConfig, StepOutput, Submit
 from actors.runtime import Actor, Failure
 from actors.scheduler import RowDelta, Scheduler, SchedulerConfig, SchedulerCore, Shutdown
@@ -152,6 +153,13 @@ class Engine:
         self.cold_tier = self._make_cold_tier()
         if self.cold_tier is not None:
             self.actors.insert(0, self.cold_tier)  # its index is scanned before the first admission
+        self.shutdown_timeout_s = settings_from(config).shutdown_timeout_s
+        self.shutdown_timed_out = False
+        self._drained: anyio.Event | None = None
+        self.last_flush: FlushReport | None = None
+        self.durability = self._make_durability()
+        if self.durability is not None:
+            self.actors.append(self.durability)  # it asks the Scheduler and the ColdTier
         self._actor_scope: anyio.CancelScope | None = None
 
     def _make_prefix_cache(self) -> Any:
@@ -198,6 +206,15 @@ class Engine:
         self.prefix_cache.on_spill = link.spill
         self.scheduler.subscribe(cold.ref)
         return cold
+
+    def _make_durability(self) -> DurabilityCoordinator | None:
+        """Write-behind and the flush (None without the SSD tier). It takes over
+        the RAM tier's spill hook, so evictions share its bounded queue."""
+        if self.cold_tier is None:
+            return None
+        return build_coordinator(
+            self.config, self.clock, self.events, self.backend, self.scheduler, self.cold_tier, self.prefix_cache
+        )
 
     async def _deliver(self, deltas: list[RowDelta]) -> None:
         await self.gateway.ref.tell(StepOutput(deltas=deltas))
@@ -253,17 +270,10 @@ class Engine:
                 self._actor_scope.cancel()
 
     async def _shutdown(self) -> None:
-        """Graceful stop: no new admissions, let active requests finish, stop actors."""
+        """Graceful stop: no new admissions, let active requests finish, flush, stop actors."""
         self.ready = False
         if self.dead is None:
-            with anyio.move_on_after(self.config.shutdown_timeout_s) as scope:
-                try:
-                    await self.gateway.ref.ask(Drain())
-                    await self.before_stop()
-                except EngineDead:
-                    pass
-            if scope.cancelled_caught:
-                log.error("[engine] shutdown deadline of %ss passed with work pending", self.config.shutdown_timeout_s)
+            await self.drain()
         for actor in reversed(self.actors):
             actor.stop()
         if self._actor_scope is not None:
@@ -272,8 +282,59 @@ class Engine:
                     await actor.stopped.wait()
             self._actor_scope.cancel()
 
+    async def drain(self) -> bool:
+        """The first half of a graceful stop, for a server to run before it stops
+        listening: admit nothing new (``status`` says draining, so /health and new
+        requests answer 503), let active requests finish, then ``before_stop``
+        (the durability flush) — all bounded by ``shutdown_timeout_s``
+        (``EMBER_SHUTDOWN_TIMEOUT_S``). On the deadline it logs the pending
+        counters and returns False. Runs once; later calls wait for that outcome."""
+        if self._drained is not None:
+            await self._drained.wait()
+            return not self.shutdown_timed_out
+        self._drained = anyio.Event()
+        try:
+            with anyio.move_on_after(self.shutdown_timeout_s) as scope:
+                try:
+                    await self.gateway.ref.ask(Drain())
+                    await self.before_stop()
+                except EngineDead:
+                    pass
+            if scope.cancelled_caught:
+                self.shutdown_timed_out = True
+                pending = self.durability.core.stats() if self.durability is not None else {}
+                log.error(
+                    "[engine] shutdown deadline of %ss passed with work pending in_flight=%s pending_snapshots=%s "
+                    "pending_spills=%s pending_spill_bytes=%s dropped_spills=%s failed_spills=%s",
+                    self.shutdown_timeout_s, self.gateway.stats()["in_flight"], pending.get("pending_snapshots", 0),
+                    pending.get("pending_spills", 0), pending.get("pending_spill_bytes", 0),
+                    pending.get("dropped_spills", 0), pending.get("failed_spills", 0),
+                )
+        finally:
+            self._drained.set()
+        return not self.shutdown_timed_out
+
     async def before_stop(self) -> None:
-        """Hook between draining and stopping the actors (the durability flush)."""
+        """Hook between draining and stopping the actors: the durability flush."""
+        if self.durability is None:
+            return
+        self.last_flush = report = await self.aflush()
+        level = logging.INFO if report.durable else logging.WARNING
+        log.log(level, "[engine] shutdown flush durable=%s flushed=%d missing=%d pending_snapshots=%d failed_spills=%d",
+                report.durable, report.flushed, report.missing, report.pending_snapshots, report.failed_spills)
+
+    async def aflush(self) -> FlushReport:
+        """The durability boundary: every finished prefix and queued spill is on
+        SSD (renamed, folder fsynced) when the report says ``durable``. Waits for
+        the engine to be idle for the tensor writes. No SSD tier: an empty durable report."""
+        self._check_alive()
+        if self.durability is None:
+            return FlushReport(durable=True)
+        return await self.durability.ref.ask(Flush())
+
+    def flush(self) -> FlushReport:
+        """Sync twin of ``aflush`` (engines made by ``Engine.start``)."""
+        return self.call(self.aflush)
 
     @property
     def status(self) -> str:
@@ -347,8 +408,14 @@ class Engine:
             "scheduler": self.core.stats(),
             "gateway": self.gateway.stats(),
             **({"prompt_cache": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
-            **({"ssd_cache": self.cold_tier.stats()} if self.cold_tier is not None else {}),
+            **({"ssd_cache": self._ssd_stats()} if self.cold_tier is not None else {}),
         }
+
+    def _ssd_stats(self) -> dict[str, Any]:
+        out = dict(self.cold_tier.stats())
+        if self.durability is not None:  # its queue is the one spills wait in
+            out.update(self.durability.core.stats())
+        return out
 
     # ---- sync facade -------------------------------------------------------
     @classmethod
