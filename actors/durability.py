@@ -38,7 +38,7 @@ from anyio.abc import TaskGroup
 from actors.cold_tier import ColdTier, Store
 from actors.events import EngineBusy, EngineIdle
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
-from actors.scheduler import Scheduler, Snapshot
+from actors.scheduler import Scheduler, Settle, Snapshot
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
 from engine.ports import Clock
@@ -96,6 +96,11 @@ class Tick(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Durability's timer → Durability: a debounce or retry deadline passed."""
 
 
+class Settled(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Durability's ``Settle`` ask → Durability: every row finished before the
+    flush was asked has had its cache put (its ``Completed`` came first)."""
+
+
 class Flush(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Caller → Durability (ask): make every dirty key durable now; the reply is
     a ``FlushReport`` (``durable`` says whether it worked). Idempotent: a flush
@@ -106,7 +111,7 @@ class DurabilityStats(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Caller → Durability (ask): the pending/dropped/failed counters."""
 
 
-Inbox = Completed | Spill | SnapshotTaken | StoreDone | Tick | Flush | DurabilityStats
+Inbox = Completed | Spill | SnapshotTaken | StoreDone | Tick | Settled | Flush | DurabilityStats
 
 
 class FlushReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -402,6 +407,10 @@ class DurabilityCore:
             self._record("flush_start", dirty=len(self.records), pending_spills=self.queue.pending)
         self._advance_flush()
 
+    @property
+    def flushing(self) -> bool:
+        return self._flush is not None
+
     def _advance_flush(self) -> None:
         run = self._flush
         while run is not None:
@@ -608,6 +617,7 @@ class DurabilityCoordinator(Actor[Inbox]):
         self.gate = gate
         self._tg: TaskGroup | None = None
         self._flush_waiters: list[Envelope[Any]] = []
+        self._settling = False
         self._timer_due: float | None = None
         self._timer_scope: anyio.CancelScope | None = None
 
@@ -637,9 +647,18 @@ class DurabilityCoordinator(Actor[Inbox]):
                 self._timer_due = None
                 core.tick()
             case Flush():
+                # First settle with the Scheduler: a row whose last token the
+                # caller has seen may not have been put (and announced) yet.
                 self._flush_waiters.append(self.current)
-                core.flush()
+                if core.flushing:
+                    core.flush()  # joins the running flush
+                elif not self._settling:
+                    self._settling = True
+                    self._tg.start_soon(self._settle)
                 return DEFER
+            case Settled():
+                self._settling = False
+                core.flush()
             case DurabilityStats():
                 return core.stats()
         return None
@@ -673,6 +692,13 @@ class DurabilityCoordinator(Actor[Inbox]):
             if delay > _EPSILON_S:
                 await self.core.clock.sleep(delay)
             await self._tell_self(Tick())
+
+    async def _settle(self) -> None:
+        try:
+            await self.scheduler.ask(Settle(), nowait=True)
+        except Exception as exc:  # noqa: BLE001 - a stopped Scheduler has nothing left to put
+            log.warning("[durability] flush could not settle with the scheduler: %r", exc)
+        await self._tell_self(Settled())
 
     async def _snapshot(self, ns: str, tokens: list[int]) -> None:
         # nowait: a snapshot request never waits on the Scheduler's inbox

@@ -27,7 +27,7 @@ from actors.durability import (
 )
 from actors.events import EngineBusy, EngineIdle
 from actors.runtime import Actor
-from actors.scheduler import Snapshot
+from actors.scheduler import Settle, Snapshot
 from engine.config import EngineConfig
 from engine.spill_queue import GIB, SpillItem
 
@@ -313,6 +313,8 @@ class FakeScheduler(Actor):
         self.asked: list[tuple[float, list[int]]] = []
 
     async def receive(self, msg):
+        if isinstance(msg, Settle):
+            return None  # nothing waits to be put here
         assert isinstance(msg, Snapshot)
         self.asked.append((anyio.current_time(), msg.tokens))
         cache = self.entries.get((msg.ns, tuple(msg.tokens)))

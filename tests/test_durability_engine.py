@@ -13,7 +13,8 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.eventlog import EventLog
-from engine.fake_gpu import expected_tokens
+from engine.fake_gpu import FakeBackend, expected_tokens
+from engine.ports import InlineDevice, LoopClock
 
 pytestmark = pytest.mark.anyio
 
@@ -323,7 +324,7 @@ def test_crashtest_reduced_five_kills(tmp_path):
 
     res = run(kills=5, seed=11, workdir=tmp_path, verbose=False)
     assert res.failures == []
-    assert res.kills == 5 and res.restarts == 6 and res.restores_checked >= 3
+    assert res.kills == 5 and res.restarts == 5 and res.restores_checked >= 3
 
 
 def _ignore(fn, *args):
@@ -353,3 +354,37 @@ def _in_flight(server) -> int:
             return json.loads(r.read())["gateway"]["in_flight"]
     except Exception:  # noqa: BLE001 - not ready yet
         return 0
+
+
+def test_the_sync_facade_flushes_too(tmp_path):
+    engine = Engine.start(fake(tmp_path))
+    try:
+        engine.complete(list(b"sync callers get the boundary too " * 3), SamplingParams(max_tokens=3))
+        report = engine.flush()
+        assert report.durable and report.flushed == 1 and report.entries == 1
+    finally:
+        engine.stop()
+    assert engine.last_flush is not None and engine.last_flush.durable and engine.last_flush.flushed == 0
+
+
+class YieldingDevice(InlineDevice):
+    """Every call takes a little time, even a step that only closes rows — as on
+    the MLX thread, where the loop runs other tasks while the device works."""
+
+    async def run(self, fn, *args, cost_s: float = 0.0):
+        await self.clock.sleep(max(cost_s, 0.001))
+        return fn(*args)
+
+
+async def test_a_flush_right_after_a_completion_covers_it(tmp_path):
+    """The RAM put happens at the step that closes the row, after the caller saw
+    the last token; the flush settles with the Scheduler first."""
+    clock = LoopClock()
+    cfg = fake(tmp_path)
+    async with Engine.open(cfg, backend=FakeBackend(cfg.fake), device=YieldingDevice(clock), clock=clock) as engine:
+        for i in range(3):
+            prompt = list(f"flush me at once, number {i}. ".encode() * 4)
+            await engine.acomplete(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+            report = await engine.aflush()
+            assert report.durable and report.flushed == 1, report
+            assert report.entries == i + 1
