@@ -193,6 +193,20 @@ async def test_keepalive_comments_while_a_long_prefill_runs():
         assert "".join(c["choices"][0]["text"] for c in sse_data(r.text)) == expected_text([5] * 2000, 3)
 
 
+async def test_speculation_usage_over_http_when_a_drafter_runs():
+    async with serving(EngineConfig(backend="fake", draft_model="ngram")) as (app, client):
+        r = await client.post("/v1/completions", json={"prompt": "abcabcabcabc", "max_tokens": 12})
+        spec = r.json()["usage"]["speculation"]
+        stats = (await client.get("/stats")).json()["speculation"]
+        assert spec["drafted"] == stats["spec_decode_num_draft_tokens"]
+        assert spec["accepted"] == stats["spec_decode_num_accepted_tokens"]
+        assert r.json()["choices"][0]["text"] == expected_text(list(b"abcabcabcabc"), 12)  # speculation is exact
+        r = await client.post("/v1/completions", json={"prompt": "abcabcabcabc", "max_tokens": 12, "speculate": False})
+        assert "speculation" not in r.json()["usage"]
+        metrics = (await client.get("/metrics")).text
+        assert "ember_speculation_spec_decode_num_drafts " in metrics
+
+
 def test_speculation_usage_is_rendered_when_present():
     spec = SpecUsage(drafted=10, accepted=7, target_calls=4, acceptance_rate=0.7, mean_accept_len=2.75)
     body = UsageBody.of(Usage(prompt_tokens=5, completion_tokens=11, cached_tokens=2, speculation=spec))
