@@ -81,3 +81,20 @@ def test_generate_with_a_bad_request_exits_2():
     r = ember("generate", "--fake-gpu", "--prompt", "hello", "--max-tokens", "0")
     assert r.returncode == 2
     assert b"max_tokens must be at least 1" in r.stderr
+
+
+def test_serve_flags_map_onto_engine_config(tmp_path):
+    args = build_parser().parse_args(
+        [
+            "serve", "--fake-gpu", "--batch", "16", "--max-queue", "5", "--prompt-cache", "0.5",
+            "--ssd-cache", str(tmp_path), "--ssd-cache-max", "3", "--ssd-cache-verify", "--ssd-demote-idle", "30",
+            "--draft-model", "ngram", "--num-draft-tokens", "4", "--served-model-name", "mine",
+        ]
+    )
+    config = engine_config(args, args.parser)
+    assert (config.backend, config.max_batch, config.max_queue, config.prompt_cache_gib) == ("fake", 16, 5, 0.5)
+    assert (config.ssd_cache_dir, config.ssd_cache_max_gib, config.ssd_cache_verify) == (str(tmp_path), 3.0, True)
+    assert (config.ssd_demote_idle_s, config.draft_model, config.num_draft_tokens) == (30.0, "ngram", 4)
+    assert config.model_name == "mine"
+    defaults = engine_config(build_parser().parse_args(["serve", "--fake-gpu"]), args.parser)
+    assert defaults == type(config)(backend="fake")  # unset flags leave EngineConfig's defaults
