@@ -25,6 +25,8 @@ from engine.models import resolve_model  # noqa: E402
 from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan, VerifyRow  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real MLX compute on the model (each test well under a few seconds)
+
 MODEL = os.environ.get("EMBER_TEST_MODEL", "tiny")
 KV_TOL = 1e-3  # batched and chunked forwards differ from one full forward by ~1e-5
 GREEDY = SamplingParams(max_tokens=10_000, ignore_eos=True)
