@@ -92,10 +92,11 @@ class ServerState:
                 log.info("[http] draining in_flight=%s", engine.stats()["gateway"]["in_flight"])
             self.phase = "stopped"
         except Exception as exc:
+            what = "failed to start" if self.phase == "starting" else "stopped with an error"
             self.error = exc
             self.phase = "failed"
-            log.error("[http] the engine failed to start: %r", exc)
-            log.debug("[http] start failure", exc_info=exc)
+            log.error("[http] the engine %s: %r", what, exc)
+            log.debug("[http] engine failure", exc_info=exc)
         finally:
             self.settled.set()
 
