@@ -21,9 +21,13 @@ import msgspec
 
 from actors.events import EngineBusy, EngineIdle
 from actors.runtime import Actor, ActorRef, Envelope, Failure
+from actors.drafter import DraftRound
+from actors.drafter import Forget as DrafterForget
+from actors.spec_rounds import SpecRounds
+from actors.verifier import Forget as VerifierForget
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
-from engine.ports import Backend, Clock, DecodeRow, Device, OpenRow, PrefillChunk, StepPlan, StepResult
+from engine.ports import Backend, Clock, DecodeRow, Device, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
 from engine.textstream import StopMatcher
 from engine.types import SamplingParams, Usage
 
@@ -201,8 +205,10 @@ class SchedulerCore:
         events: EventLog,
         prefix_cache: PrefixCache | None = None,
         cold: ColdLookup | None = None,
+        spec: SpecRounds | None = None,
     ):
         self.backend = backend
+        self.spec = spec  # speculative rounds, when the engine has a drafter
         self.cfg = cfg
         self.clock = clock
         self.events = events
@@ -225,6 +231,8 @@ class SchedulerCore:
         row.stop = StopMatcher(msg.params.stop)
         self.rows[msg.rid] = row
         self.queue.append(msg.rid)
+        if self.spec is not None:
+            self.spec.admit(msg.rid, msg.params)
         self.counters["admitted"] += 1
         self.counters["prompt_tokens"] += len(row.prompt)
         self.events.record("admit", now, rid=msg.rid, prompt=len(row.prompt), max_tokens=msg.params.max_tokens)
@@ -250,6 +258,8 @@ class SchedulerCore:
             row.detok.finalize()
             tail = row.stop.feed(row.detok.last_segment) + row.stop.flush()
         usage = Usage(prompt_tokens=len(row.prompt), completion_tokens=len(row.generated), cached_tokens=row.cached)
+        if self.spec is not None:
+            usage.speculation = self.spec.finish(row.rid)
         self.outbox.append(RowDelta(rid=row.rid, text=tail, finish_reason=reason, usage=usage, error=error))
         if was_queued:
             self.restoring.discard(row.rid)
@@ -330,6 +340,8 @@ class SchedulerCore:
     def plan(self) -> StepPlan:
         plan = StepPlan(close=self._closing, keep_cache=self._keep)
         self._closing, self._keep = [], set()
+        if self.spec is not None:
+            self.spec.defer_closing(plan, self._closing, self._keep)
         while self.queue and len(self.active) < self.cfg.max_batch:
             self._open(self.rows[self.queue.popleft()], plan)
         budget = self.cfg.prefill_chunk
@@ -346,7 +358,11 @@ class SchedulerCore:
         for rid in self.active:
             row = self.rows[rid]
             if row.state is RowState.DECODE:
-                plan.decode.append(DecodeRow(rid, row.next_input))
+                window = self.spec.window(row) if self.spec is not None else None
+                if window:
+                    plan.verify.append(VerifyRow(rid, window))
+                else:
+                    plan.decode.append(DecodeRow(rid, row.next_input))
         self.steps += 1
         self.events.record(
             "step",
@@ -356,6 +372,7 @@ class SchedulerCore:
             close=list(plan.close),
             prefill=[(c.rid, len(c.tokens)) for c in plan.prefill],
             decode=[d.rid for d in plan.decode],
+            **({"verify": [(v.rid, len(v.tokens) - 1) for v in plan.verify]} if plan.verify else {}),
         )
         return plan
 
@@ -373,8 +390,29 @@ class SchedulerCore:
             row = self.rows.get(rid)
             if row is None or row.state is not RowState.DECODE:
                 continue  # aborted while the step ran
+            if self.spec is not None and self.spec.collect(row, [token]):
+                continue  # a speculating row: emitted with the Verifier's verdict
             row.in_cache += 1
             self._emit(row, [token])
+        for rid, targets in result.verified.items():
+            row = self.rows.get(rid)
+            if row is not None and row.state is RowState.DECODE and self.spec is not None:
+                self.spec.collect(row, targets)
+
+    # ---- speculative rounds (actors.spec_rounds) ------------------------------
+    def draft_requests(self) -> list[Any]:
+        """``Draft`` requests for the decoding rows that speculate this step."""
+        if self.spec is None:
+            return []
+        rows = [self.rows[rid] for rid in self.active]
+        return self.spec.draft_requests([r for r in rows if r.state is RowState.DECODE])
+
+    def apply_verified(self, verified: Any) -> None:
+        """Emit the Verifier's verdicts; their trims go into the next plan."""
+        live = {rid: r for rid, r in self.rows.items() if r.state is RowState.DECODE}
+        self.spec.apply(verified, live, self._emit)
+        rounds = [(v.rid, v.accepted, len(v.tokens)) for v in verified.verdicts]
+        self.events.record("verified", self.clock.now(), n=self.steps, rounds=rounds)
 
     def fail_step(self, plan: StepPlan, error: str) -> None:
         """A step raised a per-request error: fail every row it touched."""
@@ -456,6 +494,8 @@ class Scheduler(Actor[Inbox]):
         output: Callable[[list[RowDelta]], Any],
         subscribers: list[ActorRef[Any]] | None = None,
         step_timeout_s: float | None = None,
+        drafter: ActorRef[Any] | None = None,
+        verifier: ActorRef[Any] | None = None,
     ):
         super().__init__()
         self.core = core
@@ -463,6 +503,8 @@ class Scheduler(Actor[Inbox]):
         self.output = output
         self.subscribers = list(subscribers or [])
         self.step_timeout_s = step_timeout_s
+        self.drafter = drafter  # speculation: both set with core.spec, or neither
+        self.verifier = verifier
         self.is_busy = False
         self._settle_waiters: list[Envelope[Inbox]] = []  # Settle asks held until the closes are put
 
@@ -545,8 +587,10 @@ class Scheduler(Actor[Inbox]):
 
     async def _step(self) -> None:
         core = self.core
+        draft_s = await self._draft()
         plan = core.plan()
         cost = core.backend.step_cost_s(plan)
+        t0 = core.clock.now()
         try:
             with anyio.fail_after(self.step_timeout_s) if self.step_timeout_s else _nullcontext():
                 result = await self.device.run(core.backend.step, plan, cost_s=cost)
@@ -558,14 +602,47 @@ class Scheduler(Actor[Inbox]):
             result = None
         if result is not None:
             core.apply(plan, result)
+            if core.spec is not None:
+                core.spec.note_step(plan, core.clock.now() - t0, draft_s)
+                await self._verify()
         core.events.record("step_end", core.clock.now(), n=core.steps)
         if self._settle_waiters and not core._closing:
             waiters, self._settle_waiters = self._settle_waiters, []
             for env in waiters:
                 env.answer(None)
+        self._forget()
         deltas = core.take_outbox()
         if deltas:
             await self.output(deltas)
+
+
+    # ---- speculative rounds: Draft before the step, Verify after it ------------
+    async def _draft(self) -> float:
+        """Get drafts for this step's speculating rows; the device seconds it took."""
+        drafts = self.core.draft_requests()
+        if not drafts or self.drafter is None:
+            return 0.0
+        answer = await self.drafter.ask(DraftRound(drafts=drafts))
+        self.core.spec.set_drafts(answer, drafts)
+        return answer.draft_s
+
+    async def _verify(self) -> None:
+        msg = self.core.spec.take_verify()
+        if msg is None:
+            return
+        self.core.apply_verified(await self.verifier.ask(msg))
+
+    def _forget(self) -> None:
+        if self.core.spec is None:
+            return
+        rids = self.core.spec.take_forgotten()
+        if not rids:
+            return
+        for ref, msg in ((self.drafter, DrafterForget(rids=rids)), (self.verifier, VerifierForget(rids=rids))):
+            try:
+                ref.tell_nowait(msg)
+            except Exception:  # a full inbox only delays freeing a finished row's state
+                log.warning("[scheduler] %s missed Forget rids=%s", ref.name, rids)
 
 
 class _nullcontext:

@@ -9,9 +9,12 @@ backend, and the per-request counters behind ``Usage.speculation``. A round:
    sending only the context tail the Drafter has not seen;
 2. ``window`` — the row's next batched step feeds ``[last, d1..dγ]`` as a
    ``VerifyRow`` (a row with no drafts decodes plainly, in the same step);
-3. ``collect`` — the step's target tokens for every speculating row wait for
-   the Verifier (``take_verify``), whose verdicts ``apply`` emits through the
-   Scheduler's ``_emit`` and turns into trims for the next step.
+3. ``collect`` — a row that fed drafts (or whose plain-decode ``hold`` ran
+   out, or that has not been given a γ yet) waits for the Verifier
+   (``take_verify``), whose verdicts ``apply`` emits through the Scheduler's
+   ``_emit`` and turns into trims for the next step. Any other row is emitted
+   by the Scheduler at once, as if it did not speculate: a row the Verifier put
+   on hold, or whose drafter had nothing to propose, costs no message.
 
 Trims are owed, not applied at once: a ``StepPlan`` applies close before trim,
 so a finishing row whose cache is kept for the prompt cache closes one step
@@ -20,11 +23,12 @@ later, after its trim (``defer_closing``).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from actors.drafter import Draft, DraftedRound
-from actors.verifier import Verified, Verify, Window
+from actors.verifier import StepCost, Verified, Verify, Window
 from engine.ports import StepPlan
 from engine.types import SamplingParams, SpecUsage
 
@@ -32,7 +36,9 @@ from engine.types import SamplingParams, SpecUsage
 @dataclass(slots=True)
 class RowSpec:
     fixed: int | None  # the request's num_draft_tokens (None = the engine's policy)
-    gamma: int = 0  # drafts to ask for next round; the first round is plain decode
+    gamma: int = 0  # drafts to ask for next round
+    hold: int = 0  # with gamma 0: plain rounds left before the Verifier is asked again
+    consult: bool = True  # send the next round to the Verifier even without drafts
     synced: int = 0  # context tokens the Drafter has
     drafts: list[int] = field(default_factory=list)
     off: bool = False  # the backend refused a window: plain decode from now on
@@ -45,11 +51,12 @@ class RowSpec:
 
 
 class SpecRounds:
-    def __init__(self, *, context_length: int, gamma_cap: int = 16):
+    def __init__(self, *, context_length: int, gamma_cap: int = 16, costs_kept: int = 64):
         self.context_length = context_length
         self.gamma_cap = gamma_cap
         self.rows: dict[int, RowSpec] = {}
         self.owed: dict[int, int] = {}  # rid -> tokens the backend must still trim
+        self.costs: deque[StepCost] = deque(maxlen=costs_kept)  # measured since the last Verify
         self._forgotten: list[int] = []
 
     # ---- rows ------------------------------------------------------------
@@ -128,22 +135,41 @@ class SpecRounds:
         return [row.next_input, *spec.drafts]
 
     def collect(self, row: Any, targets: list[int]) -> bool:
-        """Hold a speculating row's target tokens for the Verifier; False for a
-        row that does not speculate (the Scheduler emits it at once)."""
+        """Hold a row's target tokens for the Verifier (True), or leave a row
+        that needs no verdict this round to the Scheduler (False)."""
         spec = self.rows.get(row.rid)
         if spec is None:
+            return False
+        if not spec.drafts and not spec.consult:
+            spec.target_calls += 1
+            if spec.gamma == 0:
+                spec.hold -= 1
+                spec.consult = spec.hold <= 0
             return False
         spec.targets = list(targets)
         spec.fed = len(targets)  # the window, or 1 if the backend decoded only `last`
         return True
 
-    def take_verify(self, step_s: float, draft_s: float) -> Verify | None:
+    def note_step(self, plan: StepPlan, step_s: float, draft_s: float) -> None:
+        """Remember a measured step for adaptive γ (sent with the next Verify).
+        A step that also prefilled says nothing about decode cost."""
+        if plan.prefill or step_s <= 0 or not (plan.decode or plan.verify):
+            return
+        drafted = sum(len(v.tokens) - 1 for v in plan.verify)
+        gamma = max((len(v.tokens) - 1 for v in plan.verify), default=0)
+        rows = len(plan.decode) + len(plan.verify)
+        self.costs.append(StepCost(gamma=gamma, step_s=step_s, rows=rows, drafted=drafted, draft_s=draft_s))
+
+    def take_verify(self) -> Verify | None:
         windows = [
             Window(rid=rid, drafts=list(spec.drafts), targets=spec.targets, fixed_gamma=spec.fixed)
             for rid, spec in self.rows.items()
             if spec.targets is not None
         ]
-        return Verify(windows=windows, step_s=step_s, draft_s=draft_s) if windows else None
+        if not windows:
+            return None
+        costs, self.costs = list(self.costs), deque(maxlen=self.costs.maxlen)
+        return Verify(windows=windows, costs=costs)
 
     def apply(self, verified: Verified, rows: dict[int, Any], emit: Callable[[Any, list[int]], None]) -> None:
         """Emit each verdict's tokens and owe the trim of what the cache holds
@@ -160,7 +186,8 @@ class SpecRounds:
             spec.drafted += drafted
             spec.accepted += v.accepted
             spec.draft_rounds += 1 if drafted else 0
-            spec.gamma = v.gamma_next
+            spec.gamma, spec.hold = v.gamma_next, v.hold
+            spec.consult = False
             spec.off = spec.off or v.fallback
             if row is None:
                 continue

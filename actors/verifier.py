@@ -60,14 +60,24 @@ class Window(msgspec.Struct, frozen=True, kw_only=True):
     fixed_gamma: int | None = None  # the request's own num_draft_tokens
 
 
+class StepCost(msgspec.Struct, frozen=True, kw_only=True):
+    """A measured decode/verify step (no prefill in it): its device seconds, its
+    rows, its longest verify window (γ) and the drafting that preceded it."""
+
+    gamma: int
+    step_s: float
+    rows: int
+    drafted: int = 0
+    draft_s: float = 0.0
+
+
 class Verify(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Scheduler → Verifier (ask), after each step with speculating rows: judge
-    each window; ``step_s``/``draft_s`` are the measured device seconds of the
-    step and of the drafting before it (adaptive γ weighs them)."""
+    """Scheduler → Verifier (ask), after a step in which a row fed drafts or a
+    row's hold ran out: judge each window, and take the step costs measured
+    since the last Verify (adaptive γ weighs them)."""
 
     windows: list[Window]
-    step_s: float = 0.0
-    draft_s: float = 0.0
+    costs: list[StepCost] = []
 
 
 class Forget(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -84,6 +94,7 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     accepted: int  # drafts accepted
     tokens: list[int]  # accepted drafts + the correction or bonus token
     gamma_next: int  # drafts to propose next round (0 = plain decode)
+    hold: int = 0  # with gamma_next 0: rounds to decode plainly before the next Verify
     fallback: bool = False  # the backend refused the window: plain decode from now on
 
 
@@ -118,9 +129,8 @@ class VerifierCore:
         self.counters = SpecCounters()
 
     def verify(self, msg: Verify) -> Verified:
-        drafted_tokens = sum(len(w.drafts) for w in msg.windows if len(w.targets) == len(w.drafts) + 1)
-        longest = max((len(w.drafts) for w in msg.windows if len(w.targets) == len(w.drafts) + 1), default=0)
-        self.policy.observe_cost(longest, msg.step_s, drafted_tokens, msg.draft_s)
+        for c in msg.costs:
+            self.policy.observe_cost(c.gamma, c.step_s, c.rows, c.drafted, c.draft_s)
         return Verified(verdicts=[self._judge(w) for w in msg.windows])
 
     def _judge(self, w: Window) -> Verdict:
@@ -132,15 +142,19 @@ class VerifierCore:
             row.off = True
             self.counters.fallbacks += 1
             log.info("[verifier] fallback rid=%d reason=untrimmable-cache", w.rid)
-            return Verdict(rid=w.rid, accepted=0, tokens=list(w.targets), gamma_next=0, fallback=True)
+            return Verdict(rid=w.rid, accepted=0, tokens=list(w.targets), gamma_next=0, hold=1 << 30, fallback=True)
         k, tokens = accept_window(w.drafts, w.targets)
         self.counters.record(len(w.drafts), k)
         if w.drafts:
             self.policy.observe_round(row, len(w.drafts), k)
-        gamma = self.policy.choose(row)
-        row.gamma = gamma
+            gamma, hold = self.policy.choose(row)
+        elif row.gamma == 0 and row.consulted:
+            gamma, hold = self.policy.probe(row), 0  # a plain row whose hold ran out
+        else:
+            gamma, hold = self.policy.choose(row)  # the row's first round
+        row.gamma, row.consulted = gamma, True
         self.counters.gamma_chosen[gamma] = self.counters.gamma_chosen.get(gamma, 0) + 1
-        return Verdict(rid=w.rid, accepted=k, tokens=tokens, gamma_next=gamma)
+        return Verdict(rid=w.rid, accepted=k, tokens=tokens, gamma_next=gamma, hold=hold)
 
     def forget(self, rids: list[int]) -> None:
         for rid in rids:

@@ -32,6 +32,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError
 from engine.eventlog import EventLog
 from engine.ports import Backend, Clock, Device, InlineDevice, LoopClock
+from engine.spec_build import build_speculation, check_request
 from engine.types import Delta, SamplingParams, Usage
 
 log = logging.getLogger("ember.engine")
@@ -136,20 +137,32 @@ class Engine:
         self._portal_cm: Any = None
         self._open_cm: Any = None
         self.prefix_cache = self._make_prefix_cache()
+        self.speculation = build_speculation(config, backend, device, clock)  # None: off
+        spec = self.speculation
         self.core = SchedulerCore(
             backend,
             SchedulerConfig(max_batch=config.max_batch, prefill_chunk=config.prefill_chunk),
             clock,
             events,
             self.prefix_cache,
+            spec=spec.rounds if spec else None,
         )
-        self.scheduler = Scheduler(self.core, device, self._deliver, step_timeout_s=config.step_timeout_s)
+        self.scheduler = Scheduler(
+            self.core,
+            device,
+            self._deliver,
+            step_timeout_s=config.step_timeout_s,
+            drafter=spec.drafter.ref if spec else None,
+            verifier=spec.verifier.ref if spec else None,
+        )
         self.gateway = Gateway(
             GatewayConfig(max_batch=config.max_batch, max_queue=config.max_queue),
             backend.info,
             self.scheduler.ref,
         )
         self.actors: list[Actor[Any]] = [self.scheduler, self.gateway]
+        if spec is not None:
+            self.actors[:0] = [spec.drafter, spec.verifier]  # the Scheduler asks them
         self.cold_tier = self._make_cold_tier()
         if self.cold_tier is not None:
             self.actors.insert(0, self.cold_tier)  # its index is scanned before the first admission
@@ -370,6 +383,7 @@ class Engine:
         for the first token (a long prefill) to learn it.
         """
         self._check_alive()
+        check_request(params or SamplingParams(), self.speculation)
         tokens = self.encode(prompt)
         rid, stream = await self.gateway.ref.ask(Submit(tokens=tokens, params=params or SamplingParams(), ns=ns), nowait=True)
         return RequestStream(self.gateway.ref, rid, stream)
@@ -409,7 +423,9 @@ class Engine:
             "gateway": self.gateway.stats(),
             **({"prompt_cache": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
             **({"ssd_cache": self._ssd_stats()} if self.cold_tier is not None else {}),
+            **({"speculation": self.speculation.stats()} if self.speculation is not None else {}),
         }
+
 
     def _ssd_stats(self) -> dict[str, Any]:
         out = dict(self.cold_tier.stats())

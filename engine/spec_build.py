@@ -86,7 +86,8 @@ def _fake_core(name: str, fake_cfg: Any) -> DrafterCore:
 
 def _same_tokenizer(target: Any, draft: Any) -> bool:
     def vocab(tok: Any) -> dict[str, int] | None:
-        for t in (tok, getattr(tok, "_tokenizer", None), getattr(tok, "tokenizer", None)):
+        inner = getattr(tok, "_tok", tok)  # engine.mlx_tokenizer.MLXTokenizer wraps mlx-lm's wrapper
+        for t in (inner, getattr(inner, "_tokenizer", None), getattr(inner, "tokenizer", None)):
             if t is not None and hasattr(t, "get_vocab"):
                 return t.get_vocab()
         return None

@@ -20,15 +20,18 @@ most tokens per second, ``E(γ) / C(γ)``; γ = 0 is plain decode, ``E = 1``.
 * ``a_j`` is a moving average per request (requests differ: a file being
   edited accepts far more than free text), seeded from an engine-wide moving
   average for the same drafter so a new request starts from experience.
-* Costs are engine-wide (the device is shared) moving averages per γ. A γ not
-  measured yet is interpolated from its measured neighbours, or extrapolated
-  with a per-token slope; the γ just above the current choice is tried once
-  so that every useful γ gets measured.
-* When γ = 0 wins, the request decodes plainly and probes γ = 1 every
-  ``probe_every`` rounds to find out whether drafts started paying (the text
-  may have become repetitive). Each probe that does not turn speculation back
-  on doubles the interval, up to ``probe_max``, so a request where it never
-  pays spends at most ~1/``probe_max`` of its rounds probing.
+* Costs are engine-wide (the device is shared): the median of the last few
+  measured steps per (batch size bucket, γ) — a median, because one step
+  slowed by another process on the machine must not swing the choice. A γ
+  not measured yet is interpolated from its measured neighbours, or
+  extrapolated with a per-token slope; the γ just above the current choice is
+  tried once so that every useful γ gets measured.
+* When γ = 0 wins, the request decodes plainly for ``hold`` rounds — without
+  asking the Drafter or the Verifier anything — and then probes γ = 1 once to
+  find out whether drafts started paying (the text may have become
+  repetitive). Each probe that does not turn speculation back on doubles the
+  hold, up to ``probe_max``, so a request where it never pays spends at most
+  ~1/``probe_max`` of its rounds probing.
 
 The cost of a batched step is shared by its rows, so the per-row choice is a
 heuristic under batching: each row maximises its own tokens per step time.
@@ -38,11 +41,21 @@ A fixed γ (``EngineConfig.num_draft_tokens`` or the request's
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 ADAPTIVE_GAMMA_MAX = 6
 FIXED_GAMMA_MAX = 16
+
+
+def batch_bucket(rows: int) -> int:
+    """Steps are costed per batch size bucket: 1, 2, 4, 8, 16, ..."""
+    b = 1
+    while b < rows:
+        b *= 2
+    return b
 
 
 @dataclass(slots=True)
@@ -52,7 +65,7 @@ class RowPolicy:
     fixed: int | None
     accept: list[float]  # conditional acceptance per draft position (moving average)
     gamma: int = 0
-    rounds_paused: int = 0
+    consulted: bool = False  # has the Verifier chosen a γ for it yet?
     probe_every: int = 4
     probing: bool = False
     off: bool = False  # the row's cache cannot be trimmed: plain decode from now on
@@ -66,7 +79,7 @@ class GammaPolicy:
         gamma_max: int = ADAPTIVE_GAMMA_MAX,
         accept_prior: float = 0.5,
         accept_alpha: float = 0.15,
-        cost_alpha: float = 0.1,
+        cost_window: int = 16,
         slope_prior: float = 0.1,
         probe_first: int = 4,
         probe_max: int = 64,
@@ -76,22 +89,21 @@ class GammaPolicy:
         self.fixed = fixed
         self.gamma_max = gamma_max
         self.accept_alpha = accept_alpha
-        self.cost_alpha = cost_alpha
+        self.cost_window = cost_window
         self.slope_prior = slope_prior
         self.probe_first = probe_first
         self.probe_max = probe_max
         self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
-        self.step_s: dict[int, float] = {}  # γ of the step's longest window -> seconds
-        self.draft_token_s: float | None = None
+        self._steps: dict[int, dict[int, deque[float]]] = {}  # bucket -> γ -> recent step seconds
+        self._draft_s: deque[float] = deque(maxlen=cost_window * 4)  # per drafted token
+        self.bucket = 1  # batch size bucket of the latest step
 
     # ---- rows ------------------------------------------------------------
     def new_row(self, fixed: int | None) -> RowPolicy:
         if fixed is not None and not 0 <= fixed <= FIXED_GAMMA_MAX:
             raise ValueError(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}, got {fixed}")
         fixed = fixed if fixed is not None else self.fixed
-        row = RowPolicy(fixed=fixed, accept=list(self.accept), probe_every=self.probe_first)
-        row.gamma = self.choose(row)
-        return row
+        return RowPolicy(fixed=fixed, accept=list(self.accept), probe_every=self.probe_first)
 
     def observe_round(self, row: RowPolicy, drafted: int, accepted: int) -> None:
         """A round drafted ``drafted`` tokens and the first ``accepted`` matched."""
@@ -103,20 +115,30 @@ class GammaPolicy:
             g[j] += a * 0.2 * (hit - g[j])  # slower: it summarises many requests
 
     # ---- costs -----------------------------------------------------------
-    def observe_cost(self, gamma: int, step_s: float, drafted_tokens: int, draft_s: float) -> None:
-        """A step whose longest verify window had ``gamma`` drafts took ``step_s``;
-        drafting its ``drafted_tokens`` took ``draft_s``."""
+    def observe_cost(self, gamma: int, step_s: float, rows: int, drafted_tokens: int, draft_s: float) -> None:
+        """A step of ``rows`` rows whose longest verify window had ``gamma``
+        drafts took ``step_s``; drafting its ``drafted_tokens`` took ``draft_s``."""
+        self.bucket = batch_bucket(rows)
         if step_s > 0:
-            old = self.step_s.get(gamma)
-            self.step_s[gamma] = step_s if old is None else old + self.cost_alpha * (step_s - old)
+            table = self._steps.setdefault(self.bucket, {})
+            table.setdefault(gamma, deque(maxlen=self.cost_window)).append(step_s)
         if drafted_tokens > 0 and draft_s >= 0:
-            per = draft_s / drafted_tokens
-            old_d = self.draft_token_s
-            self.draft_token_s = per if old_d is None else old_d + self.cost_alpha * (per - old_d)
+            self._draft_s.append(draft_s / drafted_tokens)
 
-    def step_cost(self, gamma: int) -> float:
+    @property
+    def draft_token_s(self) -> float | None:
+        return statistics.median(self._draft_s) if self._draft_s else None
+
+    def _known(self, bucket: int) -> dict[int, float]:
+        table = self._steps.get(bucket)
+        if not table:  # nothing at this batch size yet: borrow the nearest measured one
+            near = min(self._steps, key=lambda b: abs(b.bit_length() - bucket.bit_length()), default=None)
+            table = self._steps.get(near, {}) if near is not None else {}
+        return {g: statistics.median(v) for g, v in table.items()}
+
+    def step_cost(self, gamma: int, bucket: int | None = None) -> float:
         """Measured step seconds for γ, or an estimate from the measured ones."""
-        known = self.step_s
+        known = self._known(self.bucket if bucket is None else bucket)
         if gamma in known:
             return known[gamma]
         if not known:
@@ -136,6 +158,9 @@ class GammaPolicy:
             return known[lo] + slope * (gamma - lo)
         return known[hi]  # only larger γ measured: assume no cheaper
 
+    def measured(self, gamma: int) -> bool:
+        return gamma in self._steps.get(self.bucket, {})
+
     def round_cost(self, gamma: int) -> float:
         return self.step_cost(gamma) + gamma * (self.draft_token_s or 0.0)
 
@@ -152,34 +177,31 @@ class GammaPolicy:
         rates = [self.expected_tokens(row.accept, g) / self.round_cost(g) for g in range(self.gamma_max + 1)]
         best = max(range(len(rates)), key=lambda g: (rates[g], -g))
         nxt = best + 1
-        if 0 < best and nxt <= self.gamma_max and nxt not in self.step_s:
+        if 0 < best and nxt <= self.gamma_max and not self.measured(nxt):
             return nxt  # measure the next γ once; it may be cheaper than estimated
         return best
 
-    def choose(self, row: RowPolicy) -> int:
-        """γ for the row's next round (0 = plain decode)."""
+    def choose(self, row: RowPolicy) -> tuple[int, int]:
+        """``(γ, hold)`` for the row's next round: γ = 0 is plain decode, and
+        ``hold`` is how many rounds to stay plain before asking again."""
         if row.off:
-            return 0
+            return 0, 1 << 30
         if row.fixed is not None:
-            return row.fixed
+            return row.fixed, (1 << 30 if row.fixed == 0 else 0)
+        g = self.best(row)
         if row.probing:  # the probe round just ran: keep its verdict
             row.probing = False
-            g = self.best(row)
-            if g == 0:
-                row.probe_every = min(self.probe_max, row.probe_every * 2)
-            else:
-                row.probe_every = self.probe_first
-            return g
-        g = self.best(row)
+            row.probe_every = self.probe_first if g > 0 else min(self.probe_max, row.probe_every * 2)
         if g > 0:
-            row.rounds_paused = 0
-            return g
-        row.rounds_paused += 1
-        if row.rounds_paused >= row.probe_every:
-            row.rounds_paused = 0
-            row.probing = True
-            return 1
-        return 0
+            return g, 0
+        return 0, row.probe_every
+
+    def probe(self, row: RowPolicy) -> int:
+        """A held row's hold ran out: draft once to refresh its acceptance."""
+        if row.off or row.fixed is not None:
+            return self.choose(row)[0]
+        row.probing = True
+        return 1
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -187,7 +209,10 @@ class GammaPolicy:
             "fixed_gamma": self.fixed,
             "gamma_max": self.gamma_max if self.fixed is None else self.fixed,
             "acceptance_prior_per_pos": [round(a, 4) for a in self.accept],
-            "step_s_by_gamma": {str(g): round(s, 6) for g, s in sorted(self.step_s.items())},
+            "step_s_by_gamma": {
+                f"b{b}": {str(g): round(statistics.median(v), 6) for g, v in sorted(t.items())}
+                for b, t in sorted(self._steps.items())
+            },
             "draft_token_s": None if self.draft_token_s is None else round(self.draft_token_s, 6),
         }
 

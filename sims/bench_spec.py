@@ -1,0 +1,233 @@
+"""Speculative decoding benchmark: a γ sweep for both drafters against no speculation.
+
+    python -m sims.bench_spec                         # bundled tiny + tiny-draft, 3 rounds
+    python -m sims.bench_spec --rounds 5 --tokens 256
+    python -m sims.bench_spec --model PATH --draft PATH --out results.md
+
+Every configuration runs as its own engine (same target weights, same
+process): speculation off (γ = 0), prompt lookup (``ngram``) and the draft
+model at γ = 1..4 and adaptive. Rounds are interleaved (round r runs every
+configuration once, in a rotated order), so a burst of load on this shared
+machine hits all of them alike; the report gives the median decode
+throughput per configuration and its ratio to speculation off measured in the
+same run. Decode throughput is (tokens - 1) / (time of the last token - time
+of the first token) per request, greedy, EOS ignored, so prefill is out.
+
+Workloads:
+
+* ``free``: open-ended continuations of short code prompts;
+* ``grounded``: continuing a file whose content repeats — a source excerpt
+  given twice, the prompt cut inside the second copy, so the continuation is
+  in the input;
+* ``batch4``: four ``free`` prompts at once (aggregate tokens/s), speculation
+  verified inside the running batch.
+
+Acceptance per γ is accepted / drafted over the run; for adaptive γ the
+histogram of chosen γ is printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FREE_PROMPTS = [
+    "def parse_args(argv):\n    ",
+    "class Cache:\n    def __init__(self, size):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    '"""Utilities for reading and writing files."""\n\n',
+]
+
+
+def grounded_prompts(tokenizer: Any, n: int = 3, excerpt_tokens: int = 160) -> list[list[int]]:
+    """Source excerpts given twice, cut a few tokens into the second copy."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out: list[list[int]] = []
+    for name in ("textwrap.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py"):
+        path = stdlib / name
+        if not path.is_file():
+            continue
+        ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+        start = len(ids) // 3
+        excerpt = ids[start : start + excerpt_tokens]
+        out.append(excerpt + excerpt[:12])
+        if len(out) == n:
+            break
+    return out
+
+
+@dataclass
+class Config:
+    name: str
+    drafter: str | None
+    gamma: int | None  # None with a drafter: adaptive
+    engine: Any = None
+    tps: dict[str, list[float]] = field(default_factory=dict)
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    rounds: dict[str, int] = field(default_factory=dict)
+
+
+async def stream_times(engine: Any, prompt: Any, params: Any) -> tuple[int, float, Any]:
+    """Tokens, seconds from the first token to the last, and usage."""
+    first = last = None
+    n = 0
+    usage = None
+    async for d in engine.agenerate(prompt, params):
+        if d.token_ids:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            n += len(d.token_ids)
+        if d.usage is not None:
+            usage = d.usage
+    return n, (last - first) if first and last else 0.0, usage
+
+
+async def run_workload(cfg: Config, workload: str, prompts: list[Any], params: Any) -> None:
+    engine = cfg.engine
+    if workload == "batch4":
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[stream_times(engine, p, params) for p in prompts])
+        tokens = sum(n for n, _, _ in results)
+        tps = tokens / (time.perf_counter() - t0)
+        usages = [u for _, _, u in results]
+    else:
+        tokens, secs, usages = 0, 0.0, []
+        for p in prompts:
+            n, s, u = await stream_times(engine, p, params)
+            tokens += n - 1
+            secs += s
+            usages.append(u)
+        tps = tokens / secs
+    cfg.tps.setdefault(workload, []).append(tps)
+    for u in usages:
+        spec = u.speculation if u is not None else None
+        if spec is not None:
+            cfg.drafted[workload] = cfg.drafted.get(workload, 0) + spec.drafted
+            cfg.accepted[workload] = cfg.accepted.get(workload, 0) + spec.accepted
+            cfg.rounds[workload] = cfg.rounds.get(workload, 0) + spec.target_calls
+
+
+def fmt_ratio(x: float) -> str:
+    return f"{x:.2f}×"
+
+
+def report(configs: list[Config], workloads: list[str], args: argparse.Namespace, meta: dict[str, str]) -> str:
+    base = configs[0]
+    lines = [
+        f"Command: `python -m sims.bench_spec {' '.join(sys.argv[1:])}`".rstrip(),
+        "",
+        f"Machine: {meta['machine']}; BLAS: {meta['blas']}; target `{meta['model']}`, "
+        f"drafter `{meta['draft']}`; {args.tokens} tokens per request, greedy, {args.rounds} rounds "
+        "(medians; ratios are against speculation off in the same run).",
+        "",
+    ]
+    for w in workloads:
+        b = statistics.median(base.tps[w])
+        lines += [
+            f"### {w}",
+            "",
+            "| config | tok/s (median) | speedup | acceptance | tokens / target call | spread (min–max tok/s) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in configs:
+            m = statistics.median(c.tps[w])
+            acc = c.accepted.get(w, 0) / c.drafted[w] if c.drafted.get(w) else None
+            per_call = None
+            if c.rounds.get(w):
+                per_call = (c.rounds[w] + c.accepted.get(w, 0)) / c.rounds[w]
+            lines.append(
+                f"| {c.name} | {m:.1f} | {fmt_ratio(m / b)} | "
+                f"{'–' if acc is None else f'{acc:.0%}'} | {'–' if per_call is None else f'{per_call:.2f}'} | "
+                f"{min(c.tps[w]):.1f}–{max(c.tps[w]):.1f} |"
+            )
+        lines.append("")
+    adaptive = [c for c in configs if c.drafter and c.gamma is None]
+    if adaptive:
+        lines += ["Adaptive γ chosen (all workloads, rounds per γ):", ""]
+        for c in adaptive:
+            st = c.engine.stats().get("speculation", {})
+            lines.append(f"- {c.name}: {st.get('gamma_chosen')}, policy {st.get('policy', {}).get('step_s_by_gamma')}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> str:
+    from engine import Engine, EngineConfig, SamplingParams
+
+    gammas = [int(g) for g in args.gammas.split(",")]
+    configs = [Config("off (γ=0)", None, None)]
+    for drafter, label in (("ngram", "ngram"), (args.draft, "draft")):
+        for g in gammas:
+            configs.append(Config(f"{label} γ={g}", drafter, g))
+        configs.append(Config(f"{label} adaptive", drafter, None))
+
+    base = dict(model=args.model, max_batch=8, prompt_cache_gib=0)
+    async with contextlib_stack() as stack:
+        for c in configs:
+            cfg = EngineConfig(**base, draft_model=c.drafter, num_draft_tokens=c.gamma)
+            c.engine = await stack.enter_async_context(Engine.open(cfg))
+        tok = configs[0].engine.tokenizer
+        prompts = {
+            "free": [tok.encode(p) for p in FREE_PROMPTS[: args.prompts]],
+            "grounded": grounded_prompts(tok, n=args.prompts),
+            "batch4": [tok.encode(p) for p in FREE_PROMPTS[:4]],
+        }
+        workloads = [w for w in args.workloads.split(",") if w in prompts]
+        params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+        warm = SamplingParams(max_tokens=8, ignore_eos=True)
+        for c in configs:  # first-call costs (kernels, allocations) stay out of the numbers
+            await c.engine.acomplete(prompts["free"][0], warm)
+        for r in range(args.rounds):
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
+            for w in workloads:
+                for c in order:
+                    await run_workload(c, w, prompts[w], params)
+            print(f"[bench_spec] round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        meta = {
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
+            "blas": os.environ.get("LD_PRELOAD", "") or "reference (no preload)",
+            "model": args.model,
+            "draft": args.draft,
+        }
+        return report(configs, workloads, args, meta)
+
+
+def contextlib_stack():
+    import contextlib
+
+    return contextlib.AsyncExitStack()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine.blas import maybe_reexec_with_openblas
+
+    maybe_reexec_with_openblas()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--draft", default="tiny-draft")
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=3, help="prompts per sequential workload")
+    ap.add_argument("--gammas", default="1,2,3,4")
+    ap.add_argument("--workloads", default="free,grounded,batch4")
+    ap.add_argument("--out", type=Path, default=None, help="also write the markdown report here")
+    args = ap.parse_args(argv)
+    text = asyncio.run(main_async(args))
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

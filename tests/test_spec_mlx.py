@@ -1,0 +1,162 @@
+"""Speculative decoding on MLX with the bundled pair (``tiny`` + ``tiny-draft``, fp32).
+
+Greedy speculation must be token-identical to decoding without it, for both
+drafters and γ = 1..4 and adaptive, with speculating rows verified inside the
+running batch next to a plain row, and with rounds that straddle the KV
+cache's 256-token allocation step. fp32 is what makes this exact: in bf16 a
+batched verify can drift from token-at-a-time decode at knife-edge ties (the
+reference's wrong-oracle lesson, docs/speculation.md).
+
+``EMBER_TEST_MODEL`` / ``EMBER_TEST_DRAFT_MODEL`` may point at another pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from engine import Engine, EngineConfig, InvalidRequest, SamplingParams  # noqa: E402
+from engine.models import resolve_model  # noqa: E402
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+MODEL = os.environ.get("EMBER_TEST_MODEL", "tiny")
+DRAFT = os.environ.get("EMBER_TEST_DRAFT_MODEL", "tiny-draft")
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # the MLX thread is a real thread
+
+
+def _paths():
+    try:
+        return resolve_model(MODEL), resolve_model(DRAFT)
+    except FileNotFoundError as exc:
+        pytest.skip(f"no model pair to test with: {exc}")
+
+
+def _fp32(path) -> bool:
+    cfg = json.loads((path / "config.json").read_text())
+    return cfg.get("torch_dtype", "float32") == "float32"
+
+
+def _base(**kw) -> EngineConfig:
+    model, _ = _paths()
+    if not _fp32(model):
+        pytest.skip(f"{model} is not fp32: greedy exactness of a batched verify is only claimed for fp32")
+    return EngineConfig(model=str(model), max_batch=8, prompt_cache_gib=0, **kw)
+
+
+TEXT = [
+    "def add(a, b):\n    return",
+    "for i in range(10):\n    print(i)\n" * 6,  # repetitive: prompt lookup proposes a lot
+    "import os\nimport sys\n\n",
+]
+
+
+def requests(tokenizer) -> list[tuple[list[int], SamplingParams]]:
+    with open(os.__file__, encoding="utf-8") as f:
+        long = tokenizer.encode(f.read())[:250]
+    reqs = [(tokenizer.encode(t), SamplingParams(max_tokens=40, ignore_eos=True)) for t in TEXT]
+    reqs.append((long, SamplingParams(max_tokens=24, ignore_eos=True)))  # rounds straddle offset 256
+    reqs.append((tokenizer.encode(TEXT[0]), SamplingParams(max_tokens=30, ignore_eos=True, speculate=False)))
+    return reqs
+
+
+async def run_all(cfg: EngineConfig) -> tuple[list[list[int]], list, dict]:
+    async with Engine.open(cfg) as engine:
+        reqs = requests(engine.tokenizer)
+        done = await asyncio.gather(*[engine.acomplete(p, sp) for p, sp in reqs])
+        stats = engine.stats().get("speculation", {})
+    return [c.token_ids for c in done], [c.usage for c in done], stats
+
+
+_REFERENCE: dict[str, list[list[int]]] = {}
+
+
+async def reference() -> list[list[int]]:
+    if "ref" not in _REFERENCE:
+        _REFERENCE["ref"], _, _ = await run_all(_base())
+    return _REFERENCE["ref"]
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4, None], ids=lambda g: f"gamma{g}")
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+async def test_greedy_speculation_is_token_identical(drafter, gamma):
+    _, draft = _paths()
+    want = await reference()
+    name = "ngram" if drafter == "ngram" else str(draft)
+    got, usages, stats = await run_all(_base(draft_model=name, num_draft_tokens=gamma))
+    assert got == want
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert usages[-1].speculation is None  # the plain row shared the batch
+    if gamma is not None:
+        assert max(int(g) for g in stats["gamma_chosen"]) <= gamma
+
+
+async def test_the_drafter_is_a_separate_smaller_model():
+    model, draft = _paths()
+    with pytest.raises(InvalidRequest, match="target model itself"):
+        async with Engine.open(_base(draft_model=str(model))):
+            pass
+    async with Engine.open(_base(draft_model=str(draft))) as engine:
+        dm = engine.speculation.drafter.core.model
+        from mlx.utils import tree_flatten
+
+        target = dict(tree_flatten(engine.backend.model.parameters()))
+        mine = dict(tree_flatten(dm.model.parameters()))
+        assert sum(v.size for v in mine.values()) < sum(v.size for v in target.values())
+        assert not {id(v) for v in mine.values()} & {id(v) for v in target.values()}
+        # its forwards run on the engine's one MLX thread
+        seen: set[int] = set()
+        orig = dm.generate
+
+        def generate(*a, **kw):
+            seen.add(threading.get_ident())
+            return orig(*a, **kw)
+
+        dm.generate = generate
+        c = await engine.acomplete(TEXT[1], SamplingParams(max_tokens=30, ignore_eos=True))
+        assert c.usage.speculation.drafted > 0
+        assert seen == {engine.device.thread_ident}
+
+
+async def test_sliding_window_target_falls_back_before_its_ring_wraps(tmp_path):
+    model, _ = _paths()
+    swa = tmp_path / "swa"
+    shutil.copytree(model, swa)
+    cfg = json.loads((swa / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention"] + ["full_attention"] * (cfg["num_hidden_layers"] - 1)
+    cfg["sliding_window"] = 64
+    (swa / "config.json").write_text(json.dumps(cfg))
+    base = EngineConfig(model=str(swa), prompt_cache_gib=0)
+    prompt, sp = TEXT[1][:60], SamplingParams(max_tokens=80, ignore_eos=True)
+    async with Engine.open(base) as engine:
+        want = (await engine.acomplete(prompt, sp)).token_ids
+    spec_cfg = EngineConfig(model=str(swa), prompt_cache_gib=0, draft_model="ngram", num_draft_tokens=3)
+    async with Engine.open(spec_cfg) as engine:
+        got = await engine.acomplete(prompt, sp)
+        stats = engine.stats()["speculation"]
+    assert got.token_ids == want
+    assert stats["fallbacks"] == 1  # once the ring would wrap: plain decode from then on
+    assert got.usage.speculation.drafted > 0  # it did speculate before that
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+async def test_sampled_speculation_is_reproducible_per_seed(drafter):
+    _, draft = _paths()
+    cfg = _base(draft_model="ngram" if drafter == "ngram" else str(draft), num_draft_tokens=3)
+    sp = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    async with Engine.open(cfg) as engine:
+        a = await engine.acomplete(TEXT[1], sp)
+        b = await engine.acomplete(TEXT[1], sp)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 40
+    assert a.usage.speculation.drafted > 0

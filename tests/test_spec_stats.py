@@ -1,0 +1,204 @@
+"""Speculation statistics, and the output distribution at temperature > 0.
+
+Distribution test (fake GPU, many seeded samples): with temperature 1.0 and
+top-k 3 every position has at most 3 candidates, so a 4-token completion has
+at most 81 outcomes. We draw N = 1500 completions with speculation (fake
+drafter agreeing with the target's argmax 80% of the time, γ = 3, so tokens
+2-4 come from one verify round) and N without, seeds disjoint, and compare the
+two outcome histograms with a chi-square test of homogeneity (cells with
+fewer than 10 samples in both arms together are pooled). Tolerance: the test
+fails when p < 0.001. The same statistic on a broken acceptance rule (accept
+every draft), on 600 samples, gives p < 1e-6, so the test can tell the
+difference.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import anyio
+import pytest
+from scipy.stats import chi2_contingency
+
+import actors.verifier as verifier_mod
+from engine import Engine, EngineConfig, SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+N = 1500
+N_BROKEN = 600
+PROMPT = list(b"sample me")
+
+
+async def sample(cfg: EngineConfig, seeds: range) -> Counter:
+    out: Counter = Counter()
+    in_flight = anyio.Semaphore(256)  # below the Gateway's inbox bound
+    async with Engine.open(cfg) as engine:
+
+        async def one(seed: int) -> None:
+            sp = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
+            async with in_flight:
+                c = await engine.acomplete(PROMPT, sp)
+            out[tuple(c.token_ids)] += 1
+
+        async with anyio.create_task_group() as tg:
+            for s in seeds:
+                tg.start_soon(one, s)
+    return out
+
+
+def homogeneity_p(a: Counter, b: Counter) -> float:
+    keys = sorted(set(a) | set(b))
+    big = [k for k in keys if a[k] + b[k] >= 10]
+    rows = [[a[k] for k in big], [b[k] for k in big]]
+    rest_a = sum(a.values()) - sum(rows[0])
+    rest_b = sum(b.values()) - sum(rows[1])
+    if rest_a + rest_b:
+        rows[0].append(rest_a)
+        rows[1].append(rest_b)
+    return float(chi2_contingency(rows).pvalue)
+
+
+BASE = EngineConfig(backend="fake", max_batch=64, max_queue=N, prompt_cache_gib=0)
+SPEC = EngineConfig(
+    backend="fake", max_batch=64, max_queue=N, prompt_cache_gib=0, draft_model="fake-draft:0.8", num_draft_tokens=3
+)
+
+
+async def test_sampled_output_distribution_is_the_targets(monkeypatch):
+    plain = await sample(BASE, range(N))
+    spec = await sample(SPEC, range(N, 2 * N))
+    assert len(plain) > 20  # a real distribution, not a few outcomes
+    assert homogeneity_p(plain, spec) > 1e-3
+
+    # Negative control: accepting every draft skews toward the drafter.
+    def accept_all(drafts, targets):
+        return len(drafts), list(drafts) + [targets[len(drafts)]]
+
+    monkeypatch.setattr(verifier_mod, "accept_window", accept_all)
+    broken = await sample(SPEC, range(N, N + N_BROKEN))
+    assert homogeneity_p(plain, broken) < 1e-6
+
+
+async def test_engine_counters_add_up_to_the_requests():
+    cfg = EngineConfig(backend="fake", draft_model="fake-draft:0.7", num_draft_tokens=4, max_batch=4)
+    usages = []
+    async with Engine.open(cfg) as engine:
+
+        async def one(i: int) -> None:
+            c = await engine.acomplete([i, i + 1, i + 2], SamplingParams(max_tokens=60, ignore_eos=True))
+            usages.append(c.usage.speculation)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, i)
+        stats = engine.stats()["speculation"]
+
+    for name in (
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
+    ):
+        assert name in stats
+    assert stats["spec_decode_num_draft_tokens"] == sum(u.drafted for u in usages)
+    assert stats["spec_decode_num_accepted_tokens"] == sum(u.accepted for u in usages)
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 4 and sum(per_pos) == stats["spec_decode_num_accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True)  # position j needs 1..j-1 accepted
+    drafts = stats["spec_decode_num_drafts"]
+    assert stats["mean_accept_len"] == pytest.approx(1 + stats["spec_decode_num_accepted_tokens"] / drafts, abs=1e-6)
+    assert stats["acceptance_rate"] == pytest.approx(
+        stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"], abs=1e-6
+    )
+    assert stats["drafter"] == "fake-draft:0.7" and stats["policy"]["mode"] == "fixed"
+    for u in usages:
+        assert 0 < u.accepted <= u.drafted
+        # every token came from a target forward: accepted drafts ride along
+        assert u.target_calls + u.accepted == 60
+        assert u.acceptance_rate == pytest.approx(u.accepted / u.drafted)
+        assert 1.0 < u.mean_accept_len <= 5.0
+
+
+async def test_adaptive_policy_reports_measured_costs():
+    cfg = EngineConfig(backend="fake", draft_model="fake-draft:0.9")
+    async with Engine.open(cfg) as engine:
+        await engine.acomplete([1, 2, 3], SamplingParams(max_tokens=80, ignore_eos=True))
+        policy = engine.stats()["speculation"]["policy"]
+    assert policy["mode"] == "adaptive"
+    measured = {int(g): s for g, s in policy["step_s_by_gamma"]["b1"].items()}  # one row: batch bucket 1
+    assert len(measured) >= 3
+    fake = cfg.fake  # one batched forward: decode_c + verify_b per window token
+    for g, s in measured.items():
+        assert s == pytest.approx(fake.decode_c + fake.verify_b * (g + 1), rel=1e-3)
+    assert policy["draft_token_s"] == pytest.approx(0.002, rel=0.05)  # the fake drafter: 2 ms a token, plus feeding
+
+
+# ---------------------------------------------------------------------------
+# The adaptive γ policy by hand.
+
+from engine.speculation import GammaPolicy  # noqa: E402
+
+
+def test_policy_costs_are_medians_so_one_slow_step_does_not_swing_them():
+    p = GammaPolicy()
+    for s in (0.010, 0.011, 0.010, 0.500, 0.012):
+        p.observe_cost(2, s, rows=1, drafted_tokens=2, draft_s=0.002)
+    assert p.step_cost(2) == pytest.approx(0.011)
+    assert p.draft_token_s == pytest.approx(0.001)
+
+
+def test_policy_interpolates_and_extrapolates_unmeasured_gammas():
+    p = GammaPolicy()
+    p.observe_cost(0, 0.010, rows=1, drafted_tokens=0, draft_s=0)
+    p.observe_cost(4, 0.018, rows=1, drafted_tokens=4, draft_s=0)
+    assert p.step_cost(2) == pytest.approx(0.014)
+    p.observe_cost(2, 0.014, rows=1, drafted_tokens=2, draft_s=0)
+    assert p.step_cost(6) == pytest.approx(0.022)  # the slope of the two largest measured
+    # another batch size borrows the nearest measured table until it has its own
+    assert p.step_cost(4, bucket=2) == pytest.approx(0.018)
+
+
+def test_policy_pauses_when_nothing_is_accepted_and_backs_off_its_probes():
+    p = GammaPolicy(probe_first=4, probe_max=16)
+    for g in range(7):
+        p.observe_cost(g, 0.010 + 0.002 * g, rows=1, drafted_tokens=g, draft_s=0.001 * g)
+    row = p.new_row(None)
+    for _ in range(10):
+        p.observe_round(row, 1, 0)
+    holds = []
+    assert p.choose(row) == (0, 4)
+    for _ in range(4):
+        assert p.probe(row) == 1
+        p.observe_round(row, 1, 0)
+        g, hold = p.choose(row)
+        assert g == 0
+        holds.append(hold)
+    assert holds == [8, 16, 16, 16]
+
+
+def test_policy_goes_deep_when_everything_is_accepted_and_resumes_after_a_probe():
+    p = GammaPolicy(gamma_max=4)
+    for g in range(5):
+        p.observe_cost(g, 0.010 + 0.001 * g, rows=1, drafted_tokens=g, draft_s=0)
+    row = p.new_row(None)
+    for _ in range(20):
+        p.observe_round(row, 4, 4)
+    assert p.choose(row) == (4, 0)
+    for _ in range(40):
+        p.observe_round(row, 1, 0)
+    assert p.choose(row)[0] == 0
+    p.probe(row)
+    for _ in range(40):
+        p.observe_round(row, 4, 4)  # the text turned repetitive
+    assert p.choose(row)[0] == 4 and row.probe_every == p.probe_first
+
+
+def test_fixed_gamma_is_fixed():
+    p = GammaPolicy(fixed=3)
+    row = p.new_row(None)
+    p.observe_round(row, 3, 0)
+    assert p.choose(row) == (3, 0)
+    assert p.choose(p.new_row(1)) == (1, 0)  # the request's own override
+    with pytest.raises(ValueError):
+        GammaPolicy(fixed=99)
