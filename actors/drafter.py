@@ -220,11 +220,10 @@ class ModelDrafterCore:
         return sum(self.model.cost_s(len(r.context) - _common_prefix(r.cached, r.context), 0) for r in rows)
 
     def draft(self, drafts: list[Draft]) -> list[Drafted]:
-        out = []
+        work: list[tuple[Draft, _ModelRow, list[int]]] = []
         for d in drafts:
             row = self.rows[d.rid]
             if d.gamma <= 0 or not row.context:
-                out.append(Drafted(rid=d.rid, tokens=[]))
                 continue
             self._rollback(row)
             feed = row.context[len(row.cached) :]
@@ -238,10 +237,17 @@ class ModelDrafterCore:
                     self.rebuilds += 1
                     row.cache, row.cached = self.model.new_cache(), []
                 feed = row.context[len(row.cached) :]
-            tokens = self.model.generate(row.cache, feed, d.gamma)
+            work.append((d, row, feed))
+        many = getattr(self.model, "generate_many", None)
+        if many is not None:
+            results = many([(row.cache, feed, d.gamma) for d, row, feed in work])
+        else:
+            results = [self.model.generate(row.cache, feed, d.gamma) for d, row, feed in work]
+        got: dict[int, list[int]] = {}
+        for (d, row, _), tokens in zip(work, results):
             row.cached = row.context + tokens[:-1]
-            out.append(Drafted(rid=d.rid, tokens=tokens))
-        return out
+            got[d.rid] = tokens
+        return [Drafted(rid=d.rid, tokens=got.get(d.rid, [])) for d in drafts]
 
     def cost_s(self, drafts: list[Draft]) -> float:
         cost = 0.0

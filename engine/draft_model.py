@@ -144,13 +144,13 @@ class MlxDraftModel:
             self._forward(cache, mx.array(tokens[i : i + self.prefill_chunk])[None])
             mx.eval([c.state for c in cache])
 
-    def generate(self, cache: list[Any], feed: list[int], k: int) -> list[int]:
+    def _lazy(self, cache: list[Any], feed: list[int], k: int) -> Any:
         mx = self._mx
         if len(feed) > self.prefill_chunk:
             self.feed(cache, feed[:-1])
             feed = feed[-1:]
-        # The k steps are built lazily and evaluated once: each step's argmax
-        # feeds the next as an array, so there is one sync per round, not k.
+        # The k steps are built lazily: each step's argmax feeds the next as an
+        # array, so nothing waits until the caller evaluates them all at once.
         logits = self._forward(cache, mx.array(feed)[None])
         y = mx.argmax(logits[:, -1, :], axis=-1)
         out = [y]
@@ -158,7 +158,17 @@ class MlxDraftModel:
             logits = self._forward(cache, y[:, None])
             y = mx.argmax(logits[:, -1, :], axis=-1)
             out.append(y)
-        return mx.concatenate(out).tolist()
+        return mx.concatenate(out)
+
+    def generate(self, cache: list[Any], feed: list[int], k: int) -> list[int]:
+        return self._lazy(cache, feed, k).tolist()
+
+    def generate_many(self, items: list[tuple[Any, list[int], int]]) -> list[list[int]]:
+        """Several rows' rounds as one graph and one evaluation (one sync per
+        round for all speculating rows, not one per row)."""
+        outs = [self._lazy(cache, feed, k) for cache, feed, k in items]
+        self._mx.eval(outs)
+        return [o.tolist() for o in outs]
 
     def cost_s(self, fed: int, drafted: int) -> float:
         return 0.0

@@ -117,13 +117,13 @@ async def test_the_drafter_is_a_separate_smaller_model():
         assert not {id(v) for v in mine.values()} & {id(v) for v in target.values()}
         # its forwards run on the engine's one MLX thread
         seen: set[int] = set()
-        orig = dm.generate
+        orig = dm.generate_many
 
-        def generate(*a, **kw):
+        def generate_many(*a, **kw):
             seen.add(threading.get_ident())
             return orig(*a, **kw)
 
-        dm.generate = generate
+        dm.generate_many = generate_many
         c = await engine.acomplete(TEXT[1], SamplingParams(max_tokens=30, ignore_eos=True))
         assert c.usage.speculation.drafted > 0
         assert seen == {engine.device.thread_ident}
