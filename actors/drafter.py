@@ -77,6 +77,7 @@ class DraftedRound(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
     drafted: list[Drafted]
     draft_s: float = 0.0
+    reset: list[int] = []  # rows whose context the Drafter dropped: resend it from 0
 
 
 # ---------------------------------------------------------------------------
@@ -274,6 +275,7 @@ class Drafter(Actor[Inbox]):
         self.core = core
         self.device = device
         self.clock = clock
+        self.faults = 0  # failed draft rounds (they degrade to plain decode)
 
     async def receive(self, msg: Inbox) -> Any:
         match msg:
@@ -293,9 +295,18 @@ class Drafter(Actor[Inbox]):
         core.extend(drafts)
         if not core.on_device:
             return DraftedRound(drafted=core.draft(drafts))
-        lagging = core.lagging(drafts)
-        if lagging:
-            await self.device.run(core.catch_up, lagging, cost_s=core.catch_up_cost_s(lagging))
-        t0 = self.clock.now()
-        drafted = await self.device.run(core.draft, drafts, cost_s=core.cost_s(drafts))
+        try:
+            lagging = core.lagging(drafts)
+            if lagging:
+                await self.device.run(core.catch_up, lagging, cost_s=core.catch_up_cost_s(lagging))
+            t0 = self.clock.now()
+            drafted = await self.device.run(core.draft, drafts, cost_s=core.cost_s(drafts))
+        except (MemoryError, RuntimeError) as exc:
+            # A drafter fault costs this round's drafts, never a request: drop
+            # the rows' draft caches (they may be half-updated) and rebuild later.
+            rids = [d.rid for d in drafts]
+            self.faults += 1
+            log.warning("[drafter] draft failed rows=%s: %r", rids, exc)
+            await self.device.run(core.forget, rids)
+            return DraftedRound(drafted=[Drafted(rid=rid, tokens=[]) for rid in rids], reset=rids)
         return DraftedRound(drafted=drafted, draft_s=self.clock.now() - t0)

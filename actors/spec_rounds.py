@@ -106,6 +106,9 @@ class SpecRounds:
         return out
 
     def set_drafts(self, answer: DraftedRound, asked: list[Draft]) -> None:
+        for rid in answer.reset:
+            if rid in self.rows:
+                self.rows[rid].synced = 0
         gammas = {d.rid: d.gamma for d in asked}
         for d in answer.drafted:
             spec = self.rows.get(d.rid)

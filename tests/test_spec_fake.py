@@ -487,3 +487,32 @@ async def test_adaptive_gamma_drafts_deeper_when_drafts_match():
     deep = sum(n for g, n in chosen.items() if g >= 3)
     assert deep > 0.5 * sum(chosen.values())
     assert on < 0.7 * off
+
+
+class FlakyDraftModel(FakeDraftModel):
+    """Fails one draft round with an out-of-memory error."""
+
+    def __init__(self, fail_at: int, **kw):
+        super().__init__(**kw)
+        self.calls, self.fail_at = 0, fail_at
+
+    def generate(self, cache, feed, k):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            cache.append(-1)  # half-updated, as a real failure may leave it
+            raise MemoryError("fake drafter: out of memory")
+        return super().generate(cache, feed, k)
+
+
+@pytest.mark.anyio
+async def test_a_drafter_fault_costs_drafts_not_requests():
+    cfg = EngineConfig(backend="fake", draft_model="fake-draft:0.9", num_draft_tokens=3)
+    prompt = list(b"keep going")
+    async with Engine.open(cfg) as engine:
+        engine.speculation.drafter.core.model = FlakyDraftModel(fail_at=5, agree=0.9)
+        c = await engine.acomplete(prompt, SamplingParams(max_tokens=60))
+        stats = engine.stats()["speculation"]
+    assert c.token_ids == [t for t in expected_tokens(prompt, 60) if t != EOS]
+    assert stats["draft_faults"] == 1
+    assert c.usage.speculation.drafted > 4 * 3  # it went on drafting after the fault...
+    assert c.usage.speculation.acceptance_rate > 0.7  # ...from a rebuilt cache, not the half-updated one
