@@ -83,6 +83,7 @@ def load_mlx_backend(config: EngineConfig) -> tuple["MLXBackend", ThreadDevice]:
     except BaseException:
         device.close()
         raise
+    device.after_each = backend.run_ahead
     return backend, device
 
 
@@ -172,6 +173,8 @@ class MLXBackend:
         self._rows: dict[int, _Row] = {}
         self._batch = DecodeBatch()
         self._pending: _Pending | None = None
+        self._ahead: tuple[mx.array, dict[int, int]] | None = None  # due for run_ahead
+        self._ahead_error: Exception | None = None
         self.steps = 0
         self.counters = {"pipelined": 0, "undone": 0}
 
@@ -248,7 +251,7 @@ class MLXBackend:
         """After a failed step, drop the state it may have left half-updated: the
         rows it touched and the whole batch (a later step for a dropped row
         reports a per-row error)."""
-        self._pending = None
+        self._pending = self._ahead = None
         touched = {o.rid for o in plan.open} | {c.rid for c in plan.prefill}
         touched |= {d.rid for d in plan.decode} | {v.rid for v in plan.verify} | {r for r, _ in plan.trim}
         touched |= set(self._batch.rids)
@@ -260,6 +263,11 @@ class MLXBackend:
     def _step(self, plan: StepPlan) -> StepResult:
         res = StepResult()
         self.steps += 1
+        self._ahead = None  # a device without the run-ahead hook: nothing was queued
+        if self._ahead_error is not None:
+            exc, self._ahead_error = self._ahead_error, None
+            self._pending = None
+            raise exc
         pend, self._pending = self._pending, None
         if pend is not None and not self._pending_fits(pend, plan):
             self._undo(pend)
@@ -314,16 +322,17 @@ class MLXBackend:
                 row.fed += len(toks)
 
         all_decoded = not verifying and len(batch) > 0 and len(work) == len(batch)
+        ahead = None
         if self.pipeline and all_decoded and len(step_tokens) == len(outputs):
-            self._launch(mx.concatenate(step_tokens) if len(step_tokens) > 1 else step_tokens[0])
+            ahead = mx.concatenate(step_tokens) if len(step_tokens) > 1 else step_tokens[0]
 
         # Caches handed out are evaluated, so the prompt-cache tiers may copy them
         # from another thread (an unevaluated array is bound to this thread's stream).
         mx.eval([toks for _, _, toks in outputs], [c.state for cache in res.closed.values() for c in cache])
         for rids, widths, toks in outputs:
             self._collect(rids, widths, toks, verify_rids, res)
-        if self._pending is not None:
-            self._pending.inputs = {rid: res.tokens[rid] for rid in self._pending.rids}
+        if ahead is not None and any(self._rows[rid].emitted < self._rows[rid].max_tokens for rid in batch.rids):
+            self._ahead = (ahead, {rid: res.tokens[rid] for rid in batch.rids})
         if plan.prefill or self.steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         return res
@@ -480,16 +489,33 @@ class MLXBackend:
                 self._rows[rid].emitted += 1
 
     # ---- the queued step -----------------------------------------------------
-    def _launch(self, tokens: mx.array) -> None:
+    def run_ahead(self) -> None:
+        """Queue the next decode step of the batch, if the last step left one due.
+
+        ``MLXThread`` calls this right after it has handed a step's result to the
+        event loop, so the forward runs while the loop works on that result (on
+        MLX's CPU backend ``async_eval`` computes most of a decode graph before
+        it returns, so queueing inside ``step`` would delay the result instead).
+        On a device that never calls it, nothing runs ahead.
+        """
+        due, self._ahead = self._ahead, None
+        if due is None:
+            return
+        tokens, inputs = due
+        with mx.stream(generation_stream):
+            try:
+                self._launch(tokens, inputs)
+            except Exception as exc:  # noqa: BLE001 - the next step raises it
+                self._ahead_error = exc
+
+    def _launch(self, tokens: mx.array, inputs: dict[int, int]) -> None:
         batch = self._batch
         rows = [self._rows[rid] for rid in batch.rids]
-        if all(r.emitted + 1 >= r.max_tokens for r in rows):
-            return  # every row ends with this token: nothing to run ahead for
         keys = [(r, r.sampler.key) for r in rows if not r.sampler.greedy]
         logits = self.model(tokens[:, None], cache=batch.cache)
         nxt = self._sample_last(logits, [r.sampler for r in rows])
+        self._pending = _Pending(list(batch.rids), inputs, nxt, keys)
         mx.async_eval(nxt)
-        self._pending = _Pending(list(batch.rids), {}, nxt, keys)
 
     def _pending_fits(self, pend: _Pending, plan: StepPlan) -> bool:
         """Does the plan decode exactly the queued rows with the queued inputs?"""

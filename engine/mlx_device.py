@@ -8,6 +8,10 @@ token) it is a visible share of every token (docs/bench-engine.md). Here the
 thread reads jobs from a ``SimpleQueue`` and settles an asyncio future with
 one ``call_soon_threadsafe``; ``submit``/``call`` (loading, tests, the
 drafter) go through the same queue, so there is still exactly one MLX thread.
+
+``after_each`` runs on the thread right after each call's result has been
+handed back: the backend's ``run_ahead`` uses it to compute the next decode
+step while the event loop consumes the last one.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import queue
+import logging
 import threading
 from typing import Any, Callable, TypeVar
 
 from engine.device import ThreadDevice
 
 T = TypeVar("T")
+log = logging.getLogger("ember.mlx")
 
 
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -39,6 +45,7 @@ class MLXThread(ThreadDevice):
         # Not ThreadDevice.__init__: its pool is replaced by one plain thread.
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._init = init
+        self.after_each: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._closed = False
         self._thread.start()
@@ -57,6 +64,11 @@ class MLXThread(ThreadDevice):
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 value, ok = exc, False
             done(ok, value)
+            if self.after_each is not None:
+                try:
+                    self.after_each()
+                except Exception:  # the hook reports its own failures; the thread must live
+                    log.exception("[mlx] after_each hook failed")
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         if self._closed:

@@ -82,31 +82,37 @@ def machine() -> dict[str, Any]:
 # legs
 
 
-def bare_decode(model: Any, tok: Any, n: int) -> tuple[float, float]:
-    """(decode tok/s, process CPU ms per token) of one mlx_lm.stream_generate run."""
+def bare_decode(model: Any, tok: Any, n: int) -> tuple[float, float, float]:
+    """(decode tok/s, process CPU ms per token, median ms between tokens) of one
+    mlx_lm.stream_generate run."""
     from mlx_lm import stream_generate
 
-    first, cpu, count = 0.0, 0.0, 0
+    stamps, cpu = [], 0.0
     for _ in stream_generate(model, tok, PROMPT, max_tokens=n):
-        count += 1
-        if count == 1:
-            first, cpu = time.perf_counter(), time.process_time()
-    return (count - 1) / (time.perf_counter() - first), 1e3 * (time.process_time() - cpu) / (count - 1)
+        stamps.append(time.perf_counter())
+        if len(stamps) == 1:
+            cpu = time.process_time()
+    count = len(stamps) - 1
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return count / (stamps[-1] - stamps[0]), 1e3 * (time.process_time() - cpu) / count, 1e3 * med(gaps)
 
 
-async def engine_decode(engine: Any, n: int) -> tuple[float, float]:
-    """(decode tok/s, process CPU ms per token) of one Engine request."""
+async def engine_decode(engine: Any, n: int) -> tuple[float, float, float]:
+    """(decode tok/s, process CPU ms per token, median ms between tokens) of one
+    Engine request (one delta per token)."""
     from engine.types import SamplingParams
 
-    first, cpu, count = None, 0.0, 0
+    stamps, cpu, count = [], 0.0, 0
     async for d in engine.agenerate(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True)):
-        if first is None and d.token_ids:
-            first, cpu = time.perf_counter(), time.process_time()
-            count = len(d.token_ids) - 1
+        if not d.token_ids:
+            continue
+        stamps.append(time.perf_counter())
+        if len(stamps) == 1:
+            cpu = time.process_time()
         else:
             count += len(d.token_ids)
-    assert first is not None
-    return count / (time.perf_counter() - first), 1e3 * (time.process_time() - cpu) / count
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return count / (stamps[-1] - stamps[0]), 1e3 * (time.process_time() - cpu) / count, 1e3 * med(gaps)
 
 
 async def engine_aggregate(engine: Any, conc: int, n: int) -> float:
@@ -136,6 +142,53 @@ def bare_prefill(model: Any, tok: Any, n_prompt: int) -> float:
     ids = (tok.encode(PROMPT * 200))[:n_prompt]
     out = next(iter(stream_generate(model, tok, ids, max_tokens=1)))
     return out.prompt_tps
+
+
+async def cpu_breakdown(engine: Any, model: Any, tok: Any, n: int, rounds: int = 3) -> dict[str, float]:
+    """Median CPU ms per decoded token, per thread: bare mlx-lm (caller thread
+    vs MLX/BLAS workers) and the Engine (event loop, the MLX thread in
+    ``backend.step`` and the run-ahead hook, MLX/BLAS workers)."""
+    from mlx_lm import stream_generate
+
+    from engine.types import SamplingParams
+
+    backend, device = engine.backend, engine.device
+    step, ahead, dev = backend.step, getattr(device, "after_each", None), [0.0]
+
+    def timed(fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                dev[0] += time.thread_time() - t
+
+        return run
+
+    backend.step = timed(step)
+    if ahead is not None:
+        device.after_each = timed(ahead)  # the next step's forward runs here (MLXThread)
+    rows: dict[str, list[float]] = {k: [] for k in ("bare_caller", "bare_workers", "loop", "mlx_thread", "workers")}
+    try:
+        for _ in range(rounds):
+            p0, t0 = time.process_time(), time.thread_time()
+            for _ in stream_generate(model, tok, PROMPT, max_tokens=n):
+                pass
+            caller = time.thread_time() - t0
+            rows["bare_caller"].append(caller)
+            rows["bare_workers"].append(time.process_time() - p0 - caller)
+            dev[0] = 0.0
+            p0, t0 = time.process_time(), time.thread_time()
+            await engine.acomplete(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True))
+            loop = time.thread_time() - t0
+            rows["loop"].append(loop)
+            rows["mlx_thread"].append(dev[0])
+            rows["workers"].append(time.process_time() - p0 - loop - dev[0])
+    finally:
+        del backend.step
+        if ahead is not None:
+            device.after_each = ahead
+    return {k: 1e3 * med(v) / n for k, v in rows.items()}
 
 
 def logprob_drift(model: Any, tok: Any, batch: int, n: int) -> float:
@@ -205,9 +258,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.rounds):
             a.append(bare_decode(model, tok, args.tokens))
             b.append(await engine_decode(engine, args.tokens))
-        ra, rb = [x for x, _ in a], [x for x, _ in b]
+        ra, rb = [x[0] for x in a], [x[0] for x in b]
         out["single"] = {"bare": ra, "engine": rb, "bare_med": med(ra), "engine_med": med(rb), "ratio": med(rb) / med(ra),
-                         "bare_cpu_ms": med([c for _, c in a]), "engine_cpu_ms": med([c for _, c in b])}
+                         "bare_cpu_ms": med([x[1] for x in a]), "engine_cpu_ms": med([x[1] for x in b]),
+                         "bare_gap_ms": med([x[2] for x in a]), "engine_gap_ms": med([x[2] for x in b])}
+        out["cpu"] = await cpu_breakdown(engine, model, tok, args.tokens)
         if args.profile:
             out["profile"] = await profile_engine(engine, args.tokens)
         if not args.single_only:
@@ -291,8 +346,18 @@ def table(res: dict[str, Any], ref: dict[str, Any] | None, command: str) -> str:
         "|---|---|---|---|",
         f"| median of {len(s['bare'])} alternating rounds | {s['bare_med']:.0f} | {s['engine_med']:.0f} | **{s['ratio']:.3f}** |",
         f"| all rounds | {', '.join(f'{x:.0f}' for x in s['bare'])} | {', '.join(f'{x:.0f}' for x in s['engine'])} | |",
+        f"| median time between tokens, ms (median over rounds) | {s['bare_gap_ms']:.3f} | {s['engine_gap_ms']:.3f} "
+        f"| {s['bare_gap_ms'] / s['engine_gap_ms']:.3f} |",
         f"| process CPU ms per token (median) | {s['bare_cpu_ms']:.2f} | {s['engine_cpu_ms']:.2f} "
         f"| {s['bare_cpu_ms'] / s['engine_cpu_ms']:.3f} |",
+    ]
+    c = res["cpu"]
+    lines += [
+        "",
+        "| CPU ms per decoded token (median of 3) | caller / event loop | MLX thread (step + run-ahead) | MLX + BLAS workers | total |",
+        "|---|---|---|---|---|",
+        f"| bare mlx-lm | {c['bare_caller']:.3f} | (the caller) | {c['bare_workers']:.3f} | {c['bare_caller'] + c['bare_workers']:.3f} |",
+        f"| Engine | {c['loop']:.3f} | {c['mlx_thread']:.3f} | {c['workers']:.3f} | {c['loop'] + c['mlx_thread'] + c['workers']:.3f} |",
     ]
     if "aggregate" in res:
         lines += ["", "| concurrent requests | Engine aggregate tok/s | mlx_lm.batch_generate tok/s | Engine / mlx-lm |",
