@@ -71,9 +71,10 @@ class Server:
         return self.proc.wait(timeout)
 
 
-def start_server(ssd_dir: str | Path, log: Path, *, model: str = "fake", extra: list[str] | None = None, env: dict[str, str] | None = None, timeout_s: float = 120.0) -> Server:
+def start_server(ssd_dir: str | Path | None, log: Path, *, model: str = "fake", extra: list[str] | None = None, env: dict[str, str] | None = None, timeout_s: float = 120.0) -> Server:
     """Start ``ember serve`` on a free port and wait until it says it serves."""
-    args = [sys.executable, "-m", "transport.cli", "serve", "--port", "0", "--ssd-cache", str(ssd_dir), "--log-level", "info"]
+    args = [sys.executable, "-m", "transport.cli", "serve", "--port", "0", "--log-level", "info"]
+    args += ["--ssd-cache", str(ssd_dir)] if ssd_dir is not None else []
     args += ["--fake-gpu"] if model == "fake" else ["--model", model]
     args += extra or []
     full_env = {**os.environ, **(env or {})}
@@ -126,7 +127,7 @@ class ColdServerOracle:
     """A second server with no prompt cache at all: every answer is a cold prefill."""
 
     def __init__(self, model: str, workdir: Path) -> None:
-        self.server = start_server(workdir / "cold-ssd", workdir / "cold.log", model=model, extra=["--prompt-cache", "0"])
+        self.server = start_server(None, workdir / "cold.log", model=model, extra=["--prompt-cache", "0"])
         self.memo: dict[tuple[tuple[int, ...], int], str] = {}
 
     def answer(self, prompt: list[int], max_tokens: int) -> str:
@@ -262,8 +263,8 @@ def run(kills: int, seed: int, *, model: str = "fake", workdir: Path | None = No
 
 
 def _words(rng: random.Random, vocab: int | None, n: int) -> list[int]:
-    if vocab is None:  # a real tokenizer: ids well inside any vocabulary
-        return [rng.randrange(100, 1000) for _ in range(n)]
+    if vocab is None:  # a real tokenizer: ids inside any vocabulary of 256 or more
+        return [rng.randrange(3, 256) for _ in range(n)]
     return [rng.randrange(32, 127) for _ in range(n)]  # printable: the text compares cleanly
 
 
