@@ -587,10 +587,10 @@ class Scheduler(Actor[Inbox]):
 
     async def _step(self) -> None:
         core = self.core
+        started = core.clock.now()
         draft_s = await self._draft()
         plan = core.plan()
         cost = core.backend.step_cost_s(plan)
-        t0 = core.clock.now()
         try:
             with anyio.fail_after(self.step_timeout_s) if self.step_timeout_s else _nullcontext():
                 result = await self.device.run(core.backend.step, plan, cost_s=cost)
@@ -603,13 +603,14 @@ class Scheduler(Actor[Inbox]):
         if result is not None:
             core.apply(plan, result)
             if core.spec is not None:
-                core.spec.note_step(plan, core.clock.now() - t0, draft_s)
                 await self._verify()
         core.events.record("step_end", core.clock.now(), n=core.steps)
         if self._settle_waiters and not core._closing:
             waiters, self._settle_waiters = self._settle_waiters, []
             for env in waiters:
                 env.answer(None)
+        if core.spec is not None:  # the time from this step's start to the next one's is its cost
+            core.spec.note_step(plan, started, draft_s, ok=result is not None, more=core.has_work())
         self._forget()
         deltas = core.take_outbox()
         if deltas:

@@ -57,6 +57,7 @@ class SpecRounds:
         self.rows: dict[int, RowSpec] = {}
         self.owed: dict[int, int] = {}  # rid -> tokens the backend must still trim
         self.costs: deque[StepCost] = deque(maxlen=costs_kept)  # measured since the last Verify
+        self._open_step: tuple[int, int, int, float, float] | None = None  # costed at the next start
         self._forgotten: list[int] = []
 
     # ---- rows ------------------------------------------------------------
@@ -153,15 +154,22 @@ class SpecRounds:
         spec.fed = len(targets)  # the window, or 1 if the backend decoded only `last`
         return True
 
-    def note_step(self, plan: StepPlan, step_s: float, draft_s: float) -> None:
-        """Remember a measured step for adaptive γ (sent with the next Verify).
-        A step that also prefilled says nothing about decode cost."""
-        if plan.prefill or step_s <= 0 or not (plan.decode or plan.verify):
+    def note_step(self, plan: StepPlan, started: float, draft_s: float, *, ok: bool, more: bool) -> None:
+        """Cost a step for adaptive γ (sent with the next Verify): the time from
+        its start to the next step's start — drafting, the device step, the
+        Verifier and the emission all included, and a decode the backend ran
+        ahead (pipelined) counted at what it really costs per token. A step
+        that also prefilled, failed, or was followed by an idle wait is not
+        costed."""
+        prev, self._open_step = self._open_step, None
+        if prev is not None:
+            gamma, rows, drafted, d_s, t = prev
+            self.costs.append(StepCost(gamma=gamma, step_s=started - t, rows=rows, drafted=drafted, draft_s=d_s))
+        if not ok or not more or plan.prefill or not (plan.decode or plan.verify):
             return
         drafted = sum(len(v.tokens) - 1 for v in plan.verify)
         gamma = max((len(v.tokens) - 1 for v in plan.verify), default=0)
-        rows = len(plan.decode) + len(plan.verify)
-        self.costs.append(StepCost(gamma=gamma, step_s=step_s, rows=rows, drafted=drafted, draft_s=draft_s))
+        self._open_step = (gamma, len(plan.decode) + len(plan.verify), drafted, draft_s, started)
 
     def take_verify(self) -> Verify | None:
         windows = [

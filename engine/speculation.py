@@ -12,20 +12,23 @@ A round with γ drafts yields ``E(γ) = 1 + Σ_{i≤γ} Π_{j≤i} a_j`` tokens 
 average, where ``a_j`` is the probability that draft ``j`` is accepted given
 that drafts ``1..j-1`` were (sample-and-match stops at the first mismatch, so
 that conditional is exactly what each round observes). It costs
-``C(γ) = step(γ) + γ · draft_token``: the measured device time of a batched
-step whose longest verify window had γ drafts, plus the drafter's measured
-time per drafted token. The policy picks the γ in ``0..gamma_max`` with the
+``C(γ)``: the measured time of a round whose longest verify window had γ
+drafts, from the start of its step to the start of the next — drafting, the
+device step, the Verifier's answer and the emission included, and a plain
+decode the backend ran ahead of time counted at its real per-token cost.
+The policy picks the γ in ``0..gamma_max`` with the
 most tokens per second, ``E(γ) / C(γ)``; γ = 0 is plain decode, ``E = 1``.
 
 * ``a_j`` is a moving average per request (requests differ: a file being
   edited accepts far more than free text), seeded from an engine-wide moving
   average for the same drafter so a new request starts from experience.
-* Costs are engine-wide (the device is shared): the median of the last few
-  measured steps per (batch size bucket, γ) — a median, because one step
-  slowed by another process on the machine must not swing the choice. A γ
+* Costs are engine-wide (the device is shared): a low quantile (the 25th
+  percentile) of the last few measured steps per (batch size bucket, γ) —
+  not a mean, because a step slowed by another process on the machine, or
+  by a late thread wakeup, must not swing the choice. A γ
   not measured yet is interpolated from its measured neighbours, or
   extrapolated with a per-token slope; the γ just above the current choice is
-  tried once so that every useful γ gets measured.
+  tried until it has a few samples, so that every useful γ gets measured.
 * When γ = 0 wins, the request decodes plainly for ``hold`` rounds — without
   asking the Drafter or the Verifier anything — and then probes γ = 1 once to
   find out whether drafts started paying (the text may have become
@@ -41,13 +44,21 @@ A fixed γ (``EngineConfig.num_draft_tokens`` or the request's
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 ADAPTIVE_GAMMA_MAX = 6
 FIXED_GAMMA_MAX = 16
+
+
+def low_quantile(samples: Iterable[float], q: float = 0.25) -> float:
+    """A low quantile of recent timings. Interference only ever adds time
+    (another process, a thread wakeup that came late), so the low end of the
+    samples is the device's own cost; a median still moves when the machine
+    is loaded for half the window."""
+    xs = sorted(samples)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def batch_bucket(rows: int) -> int:
@@ -64,6 +75,7 @@ class RowPolicy:
 
     fixed: int | None
     accept: list[float]  # conditional acceptance per draft position (moving average)
+    seen: list[int] = field(default_factory=list)  # rounds that judged each position
     gamma: int = 0
     consulted: bool = False  # has the Verifier chosen a γ for it yet?
     probe_every: int = 4
@@ -80,6 +92,7 @@ class GammaPolicy:
         accept_prior: float = 0.5,
         accept_alpha: float = 0.15,
         cost_window: int = 16,
+        min_samples: int = 4,
         slope_prior: float = 0.1,
         probe_first: int = 4,
         probe_max: int = 64,
@@ -90,6 +103,7 @@ class GammaPolicy:
         self.gamma_max = gamma_max
         self.accept_alpha = accept_alpha
         self.cost_window = cost_window
+        self.min_samples = min_samples
         self.slope_prior = slope_prior
         self.probe_first = probe_first
         self.probe_max = probe_max
@@ -103,7 +117,9 @@ class GammaPolicy:
         if fixed is not None and not 0 <= fixed <= FIXED_GAMMA_MAX:
             raise ValueError(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}, got {fixed}")
         fixed = fixed if fixed is not None else self.fixed
-        return RowPolicy(fixed=fixed, accept=list(self.accept), probe_every=self.probe_first)
+        return RowPolicy(
+            fixed=fixed, accept=list(self.accept), seen=[0] * self.gamma_max, probe_every=self.probe_first
+        )
 
     def observe_round(self, row: RowPolicy, drafted: int, accepted: int) -> None:
         """A round drafted ``drafted`` tokens and the first ``accepted`` matched."""
@@ -111,6 +127,7 @@ class GammaPolicy:
         a, g = self.accept_alpha, self.accept
         for j in range(min(evaluated, self.gamma_max)):
             hit = 1.0 if j < accepted else 0.0
+            row.seen[j] += 1
             row.accept[j] += a * (hit - row.accept[j])
             g[j] += a * 0.2 * (hit - g[j])  # slower: it summarises many requests
 
@@ -127,14 +144,14 @@ class GammaPolicy:
 
     @property
     def draft_token_s(self) -> float | None:
-        return statistics.median(self._draft_s) if self._draft_s else None
+        return low_quantile(self._draft_s) if self._draft_s else None
 
     def _known(self, bucket: int) -> dict[int, float]:
         table = self._steps.get(bucket)
         if not table:  # nothing at this batch size yet: borrow the nearest measured one
             near = min(self._steps, key=lambda b: abs(b.bit_length() - bucket.bit_length()), default=None)
             table = self._steps.get(near, {}) if near is not None else {}
-        return {g: statistics.median(v) for g, v in table.items()}
+        return {g: low_quantile(v) for g, v in table.items()}
 
     def step_cost(self, gamma: int, bucket: int | None = None) -> float:
         """Measured step seconds for γ, or an estimate from the measured ones."""
@@ -156,13 +173,35 @@ class GammaPolicy:
             else:
                 slope = self.slope_prior * known[lo]
             return known[lo] + slope * (gamma - lo)
-        return known[hi]  # only larger γ measured: assume no cheaper
+        # Only larger γ measured (a request that speculated from its first
+        # round): extrapolate down along the measured slope, else the prior's.
+        above = sorted(known)
+        if len(above) >= 2:
+            g1, g2 = above[0], above[1]
+            slope = max(0.0, (known[g2] - known[g1]) / (g2 - g1))
+            est = known[hi] - slope * (hi - gamma)
+        else:
+            est = 0.0
+        return max(est, known[hi] / (1.0 + self.slope_prior * (hi - gamma)))
 
     def measured(self, gamma: int) -> bool:
-        return gamma in self._steps.get(self.bucket, {})
+        """Enough samples of this γ at this batch size that one unlucky step
+        cannot rule it out for good."""
+        return len(self._steps.get(self.bucket, {}).get(gamma, ())) >= self.min_samples
 
     def round_cost(self, gamma: int) -> float:
-        return self.step_cost(gamma) + gamma * (self.draft_token_s or 0.0)
+        """Seconds per round at γ; the measured step time is start to start,
+        so it already holds the drafting."""
+        if gamma in self._known(self.bucket):
+            return self.step_cost(gamma)
+        return self.step_cost(gamma) + self._draft_extra(gamma)
+
+    def _draft_extra(self, gamma: int) -> float:
+        """For an estimated γ: drafting time the estimate's measured neighbours
+        do not already hold (their step times include their own drafting)."""
+        known = self._known(self.bucket)
+        below = max((g for g in known if g < gamma), default=0)
+        return (gamma - below) * (self.draft_token_s or 0.0) if known else 0.0
 
     # ---- choice ----------------------------------------------------------
     @staticmethod
@@ -173,12 +212,26 @@ class GammaPolicy:
             total += run
         return total
 
+    @staticmethod
+    def effective_accept(row: RowPolicy) -> list[float]:
+        """Acceptance per position; a position this request never reached
+        borrows the one before it, so a request that accepts everything at
+        γ = 1 is expected to keep accepting deeper, and gets to find out."""
+        out = list(row.accept)
+        for j in range(1, len(out)):
+            if not row.seen[j] and row.seen[j - 1]:
+                out[j] = out[j - 1]
+            elif not row.seen[j]:
+                out[j] = min(out[j], out[j - 1])
+        return out
+
     def best(self, row: RowPolicy) -> int:
-        rates = [self.expected_tokens(row.accept, g) / self.round_cost(g) for g in range(self.gamma_max + 1)]
+        accept = self.effective_accept(row)
+        rates = [self.expected_tokens(accept, g) / self.round_cost(g) for g in range(self.gamma_max + 1)]
         best = max(range(len(rates)), key=lambda g: (rates[g], -g))
         nxt = best + 1
         if 0 < best and nxt <= self.gamma_max and not self.measured(nxt):
-            return nxt  # measure the next γ once; it may be cheaper than estimated
+            return nxt  # measure the next γ; it may be cheaper than estimated
         return best
 
     def choose(self, row: RowPolicy) -> tuple[int, int]:
@@ -210,7 +263,7 @@ class GammaPolicy:
             "gamma_max": self.gamma_max if self.fixed is None else self.fixed,
             "acceptance_prior_per_pos": [round(a, 4) for a in self.accept],
             "step_s_by_gamma": {
-                f"b{b}": {str(g): round(statistics.median(v), 6) for g, v in sorted(t.items())}
+                f"b{b}": {str(g): round(low_quantile(v), 6) for g, v in sorted(t.items())}
                 for b, t in sorted(self._steps.items())
             },
             "draft_token_s": None if self.draft_token_s is None else round(self.draft_token_s, 6),
