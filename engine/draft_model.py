@@ -116,8 +116,10 @@ class MlxDraftModel:
     def __init__(self, path: str | pathlib.Path):
         import mlx.core as mx
         from mlx_lm import load
+        from mlx_lm.generate import generation_stream
 
         self._mx = mx
+        self._stream = generation_stream  # the target's stream on this thread: one queue of work
         self.path = pathlib.Path(path)
         self.model, self.tokenizer = load(str(self.path))
         self.vocab_size = int(self.model.args.vocab_size) if hasattr(self.model, "args") else None
@@ -140,9 +142,10 @@ class MlxDraftModel:
 
     def feed(self, cache: list[Any], tokens: list[int]) -> None:
         mx = self._mx
-        for i in range(0, len(tokens), self.prefill_chunk):
-            self._forward(cache, mx.array(tokens[i : i + self.prefill_chunk])[None])
-            mx.eval([c.state for c in cache])
+        with mx.stream(self._stream):
+            for i in range(0, len(tokens), self.prefill_chunk):
+                self._forward(cache, mx.array(tokens[i : i + self.prefill_chunk])[None])
+                mx.eval([c.state for c in cache])
 
     def _lazy(self, cache: list[Any], feed: list[int], k: int) -> Any:
         mx = self._mx
@@ -161,13 +164,14 @@ class MlxDraftModel:
         return mx.concatenate(out)
 
     def generate(self, cache: list[Any], feed: list[int], k: int) -> list[int]:
-        return self._lazy(cache, feed, k).tolist()
+        return self.generate_many([(cache, feed, k)])[0]
 
     def generate_many(self, items: list[tuple[Any, list[int], int]]) -> list[list[int]]:
         """Several rows' rounds as one graph and one evaluation (one sync per
         round for all speculating rows, not one per row)."""
-        outs = [self._lazy(cache, feed, k) for cache, feed, k in items]
-        self._mx.eval(outs)
+        with self._mx.stream(self._stream):
+            outs = [self._lazy(cache, feed, k) for cache, feed, k in items]
+            self._mx.eval(outs)
         return [o.tolist() for o in outs]
 
     def cost_s(self, fed: int, drafted: int) -> float:
