@@ -69,10 +69,12 @@ async def one_round(arm: str, model: str, ssd: Path, rng: random.Random, prefix_
 
         flush_task = None
         times: list[float] = []
+        cpu: list[float] = []  # process CPU (all threads): steadier than wall time on a shared machine
         pending_during = 0
         async for d in engine.agenerate([rng.randrange(3, vocab) for _ in range(16)], SamplingParams(max_tokens=decode_tokens, ignore_eos=True)):
             if d.token_ids:
                 times.append(time.perf_counter())
+                cpu.append(time.process_time())
             if flush_task is None:  # every arm asks (a no-op without the tier): the same loop everywhere
                 flush_task = asyncio.ensure_future(engine.aflush())  # forces the snapshot mid-decode
             if arm != "off" and len(times) == decode_tokens // 2:
@@ -84,6 +86,7 @@ async def one_round(arm: str, model: str, ssd: Path, rng: random.Random, prefix_
     return {
         "arm": arm,
         "decode_tok_s": round(tok_s, 2),
+        "cpu_ms_per_token": round((cpu[-1] - cpu[0]) * 1000 / (len(cpu) - 1), 4),
         "entry_bytes": entry_bytes,
         "pending_spill_bytes_mid_decode": pending_during,
         "flush_durable": None if report is None else report.durable,
@@ -108,10 +111,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {arm: statistics.median(x["decode_tok_s"] for x in rows if x["arm"] == arm) for arm in ARMS}
+    cpu = {arm: statistics.median(x["cpu_ms_per_token"] for x in rows if x["arm"] == arm) for arm in ARMS}
     by_round = {(x["round"], x["arm"]): x["decode_tok_s"] for x in rows}
     paired = {arm: [by_round[(r, arm)] / by_round[(r, "off")] for r in range(args.rounds)] for arm in ("on", "ungated")}
     return {
         "medians_tok_s": med,
+        "medians_cpu_ms_per_token": cpu,
         "paired_median": {arm: round(statistics.median(v), 4) for arm, v in paired.items()},
         "paired": {arm: [round(x, 3) for x in v] for arm, v in paired.items()},
         "rows": rows,
@@ -130,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     res = asyncio.run(run(args))
     med, pm = res["medians_tok_s"], res["paired_median"]
     print(f"[bench_writebehind] median decode tok/s: off={med['off']:.1f} on={med['on']:.1f} ungated={med['ungated']:.1f}")
+    cpu = res["medians_cpu_ms_per_token"]
+    print(f"[bench_writebehind] median CPU ms/token: off={cpu['off']:.3f} on={cpu['on']:.3f} ungated={cpu['ungated']:.3f}")
     print(f"[bench_writebehind] paired per-round ratios on/off={res['paired']['on']} ungated/off={res['paired']['ungated']}")
     print(f"[bench_writebehind] median paired on/off={pm['on']:.3f} (contract >= 0.98)  ungated/off={pm['ungated']:.3f}")
     print(f"[bench_writebehind] load average {load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -6,21 +6,15 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.durability import (
-    Completed,
-    DurabilityCoordinator,
+from actors.durability import Completed, DurabilityCoordinator, Flush, IdleGate, Spill
+from actors.durability_core import (
     DurabilityCore,
     DurabilitySettings,
-    Flush,
     FlushFinished,
     FlushReport,
-    IdleGate,
     IllegalTransition,
     Record,
     RecState,
-    SnapshotTaken,
-    Spill,
-    StoreDone,
     TakeSnapshot,
     WriteItem,
     settings_from,
@@ -70,14 +64,14 @@ def clones(tokens: list[int], ns: str = "", nbytes: int = 10) -> SpillItem:
 
 
 def run_write(core: DurabilityCore, cold: FakeCold, ok: bool = True) -> FlushReport | None:
-    """Play the shell for one write: the WriteItem effect → StoreDone."""
+    """Play the shell for one write: the WriteItem effect → store_done."""
     effects = core.take_effects()
     writes = [e for e in effects if isinstance(e, WriteItem)]
     assert len(writes) == 1, effects
     item = writes[0].item
     if ok:
         cold.durable.add(item.key)
-    core.store_done(StoreDone(seq=item.seq, ok=ok))
+    core.store_done(item.seq, ok)
     return finished(core)
 
 
@@ -95,7 +89,7 @@ def answer_snapshot(core: DurabilityCore, present: bool = True) -> None:
     assert len(snaps) == 1, effects
     s = snaps[0]
     item = clones(s.tokens, s.ns) if present else None
-    core.snapshot_taken(SnapshotTaken(ns=s.ns, tokens=s.tokens), item)
+    core.snapshot_taken(s.ns, s.tokens, item)
 
 
 # ---------------------------------------------------------------------------
@@ -174,10 +168,10 @@ def test_flush_forces_one_key_at_a_time():
     core.flush()
     first = core.take_effects()
     assert [type(e) for e in first] == [TakeSnapshot]  # the second waits for the first to be durable
-    core.snapshot_taken(SnapshotTaken(ns="", tokens=[1]), clones([1]))
+    core.snapshot_taken("", [1], clones([1]))
     effects = core.take_effects()
     assert [type(e) for e in effects] == [WriteItem]
-    core.store_done(StoreDone(seq=effects[0].item.seq, ok=True))
+    core.store_done(effects[0].item.seq, True)
     assert [type(e) for e in core.take_effects()] == [TakeSnapshot]
 
 
@@ -223,9 +217,9 @@ def test_an_eviction_spill_carries_a_dirty_key_and_a_vanished_snapshot_finds_it_
     core.tick()
     snaps = [e for e in core.take_effects() if isinstance(e, TakeSnapshot)]
     assert len(snaps) == 2
-    core.snapshot_taken(SnapshotTaken(ns="", tokens=[3, 4]), clones([3, 4]))  # in flight now
+    core.snapshot_taken("", [3, 4], clones([3, 4]))  # in flight now
     core.spill(clones([5, 6]))  # the evicted entry's own clones queue behind it
-    core.snapshot_taken(SnapshotTaken(ns="", tokens=[5, 6]), None)
+    core.snapshot_taken("", [5, 6], None)
     assert core.records[("", (5, 6))].state is RecState.QUEUED
     run_write(core, cold)
     run_write(core, cold)
@@ -278,7 +272,7 @@ def test_a_drop_from_the_queue_leaves_the_key_dirty():
     clock.t = DEBOUNCE
     core.tick()
     for s in [e for e in core.take_effects() if isinstance(e, TakeSnapshot)]:
-        core.snapshot_taken(SnapshotTaken(ns=s.ns, tokens=s.tokens), clones(s.tokens))
+        core.snapshot_taken(s.ns, s.tokens, clones(s.tokens))
     # [1] in flight, [2] dropped when [3] came (cap 15 < 20 queued bytes)
     assert core.records[("", (2,))].state is RecState.FAILED
     assert core.queue.dropped == 1
