@@ -46,7 +46,7 @@ import json
 import logging
 import pathlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -83,7 +83,7 @@ def load_mlx_backend(config: EngineConfig) -> tuple["MLXBackend", ThreadDevice]:
     except BaseException:
         device.close()
         raise
-    device.after_each = backend.run_ahead
+    device.after_each = lambda: backend.run_ahead(device.idle)
     return backend, device
 
 
@@ -129,13 +129,11 @@ class _Row:
 
 
 @dataclass(slots=True)
-class _Pending:
-    """A decode step queued ahead (see the module docstring)."""
+class _Ahead:
+    """A decode step of the whole batch computed ahead (see the module docstring)."""
 
-    rids: list[int]  # batch order at launch
-    inputs: dict[int, int]  # rid -> the token it fed
-    tokens: mx.array  # [B] its sampled tokens, lazy
-    keys: list[tuple[_Row, mx.array]]  # PRNG keys before it, to undo it
+    tokens: mx.array  # [B] its sampled tokens, in batch order
+    keys: list[tuple[_Row, mx.array]]  # the sampled rows' PRNG keys before it, to undo it
 
 
 class MLXBackend:
@@ -172,8 +170,13 @@ class MLXBackend:
         )
         self._rows: dict[int, _Row] = {}
         self._batch = DecodeBatch()
-        self._pending: _Pending | None = None
-        self._ahead: tuple[mx.array, dict[int, int]] | None = None  # due for run_ahead
+        # Decode steps computed ahead of the Scheduler at most. One: deeper runs
+        # measured slower, as their graph building holds the GIL the event loop
+        # needs and a plan that arrives waits for the forward in progress.
+        self.max_ahead = 1
+        self._queued: list[_Ahead] = []  # steps computed ahead, oldest first
+        self._queued_inputs: dict[int, int] = {}  # what the oldest one fed: the last tokens returned
+        self._due: mx.array | None = None  # inputs of the next step to run ahead
         self._ahead_error: Exception | None = None
         self.steps = 0
         self.counters = {"pipelined": 0, "undone": 0}
@@ -251,7 +254,7 @@ class MLXBackend:
         """After a failed step, drop the state it may have left half-updated: the
         rows it touched and the whole batch (a later step for a dropped row
         reports a per-row error)."""
-        self._pending = self._ahead = None
+        self._queued, self._due = [], None
         touched = {o.rid for o in plan.open} | {c.rid for c in plan.prefill}
         touched |= {d.rid for d in plan.decode} | {v.rid for v in plan.verify} | {r for r, _ in plan.trim}
         touched |= set(self._batch.rids)
@@ -263,16 +266,15 @@ class MLXBackend:
     def _step(self, plan: StepPlan) -> StepResult:
         res = StepResult()
         self.steps += 1
-        self._ahead = None  # a device without the run-ahead hook: nothing was queued
+        self._due = None  # a device without the run-ahead hook ran nothing ahead
         if self._ahead_error is not None:
             exc, self._ahead_error = self._ahead_error, None
-            self._pending = None
             raise exc
-        pend, self._pending = self._pending, None
-        if pend is not None and not self._pending_fits(pend, plan):
-            self._undo(pend)
-            pend = None
-        pend_tokens = self._close(plan, res, pend)
+        queued, self._queued = self._queued, []
+        if queued and not self._queue_fits(plan):
+            self._undo(queued)
+            queued = []
+        queued_tokens = self._close(plan, res, queued)
         self._open(plan, res)
         self._trim(plan, res)
         self._prefill(plan, res)
@@ -297,12 +299,17 @@ class MLXBackend:
 
         outputs: list[tuple[list[int], list[int] | None, Any]] = []  # (rids, widths, tokens)
         step_tokens: list[mx.array] = []  # [B] per group, for the next queued step
-        if pend is not None:
+        if queued:
+            queued.pop(0)  # this step's result
             for rid in batch.rids:
                 self._rows[rid].fed += 1
-            outputs.append((list(batch.rids), None, pend_tokens))
-            step_tokens.append(pend_tokens)
+            outputs.append((list(batch.rids), None, queued_tokens[0]))
+            step_tokens.append(queued_tokens[0])
+            queued_tokens = queued_tokens[1:]
             self.counters["pipelined"] += 1
+            if joiners and queued:
+                self._undo(queued)  # computed without the rows joining now
+                queued, queued_tokens = [], []
         elif any(rid in batch for rid in work):
             inputs = [work.get(rid, []) for rid in batch.rids]
             logits = batch.forward(self.model, inputs)
@@ -325,21 +332,28 @@ class MLXBackend:
         ahead = None
         if self.pipeline and all_decoded and len(step_tokens) == len(outputs):
             ahead = mx.concatenate(step_tokens) if len(step_tokens) > 1 else step_tokens[0]
+        if ahead is None and queued:
+            self._undo(queued)
+            queued = []
+        for q, toks in zip(queued, queued_tokens):
+            q.tokens = toks  # without the rows that closed
 
         # Caches handed out are evaluated, so the prompt-cache tiers may copy them
         # from another thread (an unevaluated array is bound to this thread's stream).
         mx.eval([toks for _, _, toks in outputs], [c.state for cache in res.closed.values() for c in cache])
         for rids, widths, toks in outputs:
             self._collect(rids, widths, toks, verify_rids, res)
-        if ahead is not None and any(self._rows[rid].emitted < self._rows[rid].max_tokens for rid in batch.rids):
-            self._ahead = (ahead, {rid: res.tokens[rid] for rid in batch.rids})
+        if ahead is not None:
+            self._queued = queued
+            self._queued_inputs = {rid: res.tokens[rid] for rid in batch.rids}
+            self._due = queued[-1].tokens if queued else ahead
         if plan.prefill or self.steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         return res
 
     # ---- phases --------------------------------------------------------------
-    def _close(self, plan: StepPlan, res: StepResult, pend: _Pending | None) -> mx.array | None:
-        """Close rows; return the queued step's tokens for the rows that stay."""
+    def _close(self, plan: StepPlan, res: StepResult, queued: list[_Ahead]) -> list[mx.array]:
+        """Close rows; return each queued step's tokens for the rows that stay."""
         leaving: list[int] = []
         for rid in plan.close:
             row = self._rows.pop(rid, None)
@@ -349,21 +363,18 @@ class MLXBackend:
                 leaving.append(rid)
             elif rid in plan.keep_cache:
                 res.closed[rid] = row.cache
-        if pend is None:
-            if leaving:
-                res.closed.update(self._batch.remove(leaving, plan.keep_cache))
-            return None
-        tokens = pend.tokens
-        if leaving:
-            gone = set(leaving)
-            stay = [i for i, rid in enumerate(self._batch.rids) if rid not in gone]
-            kept = self._batch.remove(leaving, plan.keep_cache)
-            for cache in kept.values():
-                for c in cache:
-                    c.trim(1)  # the queued step's token was never confirmed
-            res.closed.update(kept)
-            tokens = tokens[mx.array(stay)] if stay else tokens[:0]
-        return tokens
+        tokens = [q.tokens for q in queued]
+        if not leaving:
+            return tokens
+        gone = set(leaving)
+        stay = [i for i, rid in enumerate(self._batch.rids) if rid not in gone]
+        kept = self._batch.remove(leaving, plan.keep_cache)
+        for cache in kept.values():
+            for c in cache:
+                c.trim(len(queued))  # tokens fed by steps run ahead were never confirmed
+        res.closed.update(kept)
+        index = mx.array(stay) if stay else None
+        return [t[index] if index is not None else t[:0] for t in tokens]
 
     def _open(self, plan: StepPlan, res: StepResult) -> None:
         for o in plan.open:
@@ -488,51 +499,61 @@ class MLXBackend:
                 res.tokens[rid] = arr.item()
                 self._rows[rid].emitted += 1
 
-    # ---- the queued step -----------------------------------------------------
-    def run_ahead(self) -> None:
-        """Queue the next decode step of the batch, if the last step left one due.
+    # ---- running ahead -------------------------------------------------------
+    def run_ahead(self, idle: Callable[[], bool] = lambda: False) -> None:
+        """Compute the batch's next decode step(s) while nobody waits for the device.
 
         ``MLXThread`` calls this right after it has handed a step's result to the
         event loop, so the forward runs while the loop works on that result (on
         MLX's CPU backend ``async_eval`` computes most of a decode graph before
         it returns, so queueing inside ``step`` would delay the result instead).
-        On a device that never calls it, nothing runs ahead.
+        Up to ``max_ahead`` steps: the first whenever one is due, more only
+        while ``idle()`` says no call is waiting. On a device that never calls
+        this, nothing runs ahead.
         """
-        due, self._ahead = self._ahead, None
-        if due is None:
-            return
-        tokens, inputs = due
         with mx.stream(generation_stream):
             try:
-                self._launch(tokens, inputs)
+                while self._due is not None and len(self._queued) < self.max_ahead:
+                    self._launch()
+                    if not idle():
+                        break
             except Exception as exc:  # noqa: BLE001 - the next step raises it
+                self._due = None
                 self._ahead_error = exc
 
-    def _launch(self, tokens: mx.array, inputs: dict[int, int]) -> None:
-        batch = self._batch
+    def _launch(self) -> None:
+        batch, tokens = self._batch, self._due
         rows = [self._rows[rid] for rid in batch.rids]
+        depth = len(self._queued)
+        if all(r.emitted + depth >= r.max_tokens for r in rows):
+            self._due = None  # every row has all its tokens by then
+            return
         keys = [(r, r.sampler.key) for r in rows if not r.sampler.greedy]
         logits = self.model(tokens[:, None], cache=batch.cache)
         nxt = self._sample_last(logits, [r.sampler for r in rows])
-        self._pending = _Pending(list(batch.rids), inputs, nxt, keys)
         mx.async_eval(nxt)
+        self._queued.append(_Ahead(nxt, keys))
+        self._due = nxt
 
-    def _pending_fits(self, pend: _Pending, plan: StepPlan) -> bool:
-        """Does the plan decode exactly the queued rows with the queued inputs?"""
+    def _queue_fits(self, plan: StepPlan) -> bool:
+        """Does the plan decode exactly the batch's rows with the tokens the
+        oldest step run ahead fed?"""
         closed = set(plan.close)
         batch = self._batch
         if any(v.rid in batch for v in plan.verify) or any(rid in batch and rid not in closed for rid, _ in plan.trim):
             return False
         fed = {d.rid: d.token for d in plan.decode if d.rid in batch}
-        stay = [rid for rid in pend.rids if rid not in closed]
-        return len(fed) == len(stay) and all(fed.get(rid) == pend.inputs[rid] for rid in stay)
+        stay = [rid for rid in batch.rids if rid not in closed]
+        want = self._queued_inputs
+        return len(fed) == len(stay) and all(fed.get(rid) == want.get(rid) for rid in stay)
 
-    def _undo(self, pend: _Pending) -> None:
+    def _undo(self, queued: list[_Ahead]) -> None:
+        """Take back steps run ahead: their tokens leave the cache, keys go back."""
         for c in self._batch.cache:
-            c.trim(1)
-        for row, key in pend.keys:
+            c.trim(len(queued))
+        for row, key in queued[0].keys:
             row.sampler.key = key
-        self.counters["undone"] += 1
+        self.counters["undone"] += len(queued)
 
     # ---- introspection (tests, stats) ------------------------------------------
     def row_cache(self, rid: int) -> list[Any]:
@@ -542,9 +563,8 @@ class MLXBackend:
             return row.cache
         i = self._batch.index(rid)
         cache = [c.extract(i) for c in self._batch.cache]
-        if self._pending is not None:
-            for c in cache:
-                c.trim(1)
+        for c in cache:
+            c.trim(c.offset - row.fed)  # steps run ahead are not the row's yet
         return cache
 
     def stats(self) -> dict[str, Any]:

@@ -70,6 +70,10 @@ class MLXThread(ThreadDevice):
                 except Exception:  # the hook reports its own failures; the thread must live
                     log.exception("[mlx] after_each hook failed")
 
+    def idle(self) -> bool:
+        """No call is waiting for the thread (a hint: one may arrive right after)."""
+        return self._jobs.empty()
+
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         if self._closed:
             raise RuntimeError("the MLX thread is closed")

@@ -244,6 +244,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from engine.api import Engine
     from engine.config import EngineConfig
+    from engine.eventlog import EventLog
     from engine.models import resolve_model
 
     path = str(resolve_model(args.model))
@@ -251,7 +252,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     tok.eos_token_ids = set()
     out: dict[str, Any] = {"model": args.model, "machine": machine()}
     config = EngineConfig(backend="mlx", model=path, max_batch=max(args.concurrency), prompt_cache_gib=0)
-    async with Engine.open(config) as engine:
+    # As the HTTP server runs it: the event log hashes but keeps no records.
+    async with Engine.open(config, events=EventLog(keep=False)) as engine:
         bare_decode(model, tok, 32)  # warm both
         await engine_decode(engine, 32)
         a, b = [], []
@@ -404,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     maybe_reexec_with_openblas()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per single-stream request")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
     ap.add_argument("--agg-rounds", type=int, default=3)

@@ -53,14 +53,21 @@ def mlx():
 
 
 class Rig:
-    """Drives one backend with hand-written plans and checks rows against mlx-lm."""
+    """Drives one backend with hand-written plans and checks rows against mlx-lm.
 
-    def __init__(self, backend: MLXBackend, device):
-        self.b, self.d = backend, device
+    ``deep``: after every step the backend runs ahead as far as it may
+    (``max_ahead`` steps), several steps queued ahead of the plans.
+    """
+
+    def __init__(self, backend: MLXBackend, device, deep: bool = False):
+        self.b, self.d, self.deep = backend, device, deep
         self.next_rid = 1000 * (id(self) % 997)
 
     def step(self, **kw) -> object:
-        return self.d.call(self.b.step, StepPlan(**kw))
+        res = self.d.call(self.b.step, StepPlan(**kw))
+        if self.deep:
+            self.d.call(self.b.run_ahead, lambda: True)
+        return res
 
     def ids(self, text: str) -> list[int]:
         return self.b.tokenizer.encode(text)
@@ -109,10 +116,12 @@ class Rig:
         return rid
 
 
-@pytest.fixture
-def rig(mlx):
-    r = Rig(*mlx)
+@pytest.fixture(params=[False, True], ids=["ahead-1", "ahead-4"])
+def rig(mlx, request):
+    r = Rig(*mlx, deep=request.param)
+    r.b.max_ahead = 4 if request.param else 1
     yield r
+    r.b.max_ahead = 1
     leftover = list(r.b._rows)  # a failed test must not leave rows in the shared batch
     if leftover:
         r.step(close=leftover)
@@ -241,7 +250,7 @@ def test_a_plan_that_skips_a_row_undoes_the_queued_step(rig):
     out_a, out_b = [res.tokens[a]], [res.tokens[b]]
     res = rig.step(decode=[DecodeRow(a, out_a[-1])])  # b sits this step out
     out_a.append(res.tokens[a])
-    assert rig.b.counters["undone"] == undone + 1
+    assert rig.b.counters["undone"] > undone
     assert rig.kv_error(b, pb) < KV_TOL  # b holds its prompt, nothing queued
     for _ in range(6):
         res = rig.step(decode=[DecodeRow(a, out_a[-1]), DecodeRow(b, out_b[-1])])
