@@ -24,7 +24,7 @@ effects (snapshot asks, the writer, one timer) and answers flushes.
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Mapping, Protocol, assert_never
 
 import anyio
 import msgspec
@@ -156,6 +156,8 @@ class IdleGate:
             case EngineIdle():
                 self.busy = False
                 self._idle.set()
+            case _:
+                assert_never(msg)
 
     async def wait_turn(self) -> None:
         while self.busy:
@@ -232,6 +234,8 @@ class DurabilityCoordinator(Actor[Inbox]):
                 core.flush()
             case DurabilityStats():
                 return core.stats()
+            case _:
+                assert_never(msg)
         return None
 
     def _run_effects(self) -> None:
@@ -247,6 +251,8 @@ class DurabilityCoordinator(Actor[Inbox]):
                     waiters, self._flush_waiters = self._flush_waiters, []
                     for env in waiters:
                         env.answer(eff.report)
+                case _:
+                    assert_never(eff)
         due = self.core.next_due()
         if due != self._timer_due:
             if self._timer_scope is not None:
@@ -289,7 +295,7 @@ class DurabilityCoordinator(Actor[Inbox]):
         turn, the next gate call or the end of the store closes it) so a test
         can check on the event log that no write step overlaps a GPU step.
         """
-        record = self.core._record
+        record = self.core.record
         stepping = False
 
         async def turn() -> None:

@@ -298,7 +298,7 @@ class DurabilityCore:
         if item is None or item.seq != seq:
             return  # the queue was closed while it was being written
         self.queue.settle(item, ok)
-        self._record("write_done", seq=item.seq, ok=ok)
+        self.record("write_done", seq=item.seq, ok=ok)
         if not ok:
             log.warning("[durability] store failed tokens=%d kind=%s error=%s", len(item.tokens), item.kind, error)
         rec = self.records.get(item.key)
@@ -319,7 +319,7 @@ class DurabilityCore:
             for rec in self.records.values():
                 rec.due = None
             log.info("[durability] flush start dirty=%d pending_spills=%d", len(self.records), self.queue.pending)
-            self._record("flush_start", dirty=len(self.records), pending_spills=self.queue.pending)
+            self.record("flush_start", dirty=len(self.records), pending_spills=self.queue.pending)
         self._advance_flush()
 
     @property
@@ -375,7 +375,7 @@ class DurabilityCore:
             "[durability] flush done durable=%s flushed=%d missing=%d pending=%d elapsed_ms=%.1f",
             durable, run.flushed, run.missing, len(self.records), report.elapsed_ms,
         )
-        self._record("flush_end", durable=durable, flushed=run.flushed, missing=run.missing)
+        self.record("flush_end", durable=durable, flushed=run.flushed, missing=run.missing)
         self.effects.append(FlushFinished(report))
 
     # ---- internals -----------------------------------------------------------
@@ -435,7 +435,7 @@ class DurabilityCore:
 
     def _dropped(self, dropped: list[SpillItem]) -> None:
         for item in dropped:
-            self._record("spill_dropped", seq=item.seq, bytes=item.nbytes)
+            self.record("spill_dropped", seq=item.seq, bytes=item.nbytes)
             rec = self.records.get(item.key)
             if rec is not None and rec.item is item:
                 self._fail(rec, "dropped from the spill queue")
@@ -449,7 +449,7 @@ class DurabilityCore:
             rec.move(RecState.STORING)
         self.effects.append(WriteItem(item))
 
-    def _record(self, event: str, **fields: Any) -> None:
+    def record(self, event: str, **fields: Any) -> None:
         if self.events is not None:
             self.events.record(event, self.clock.now(), **fields)
 

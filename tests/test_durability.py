@@ -487,3 +487,4 @@ def test_a_waiting_key_the_ssd_already_covers_retires_without_a_write():
     # its file serves [1, 2] by trimming: no second snapshot, no second write
     assert report is not None and report.durable and report.flushed == 2
     assert core.queue.stored == 1 and core.take_effects() == []
+
