@@ -1,7 +1,7 @@
 """The MLX backend: ``engine.ports.Backend`` on an mlx-lm model.
 
-Every method runs on one dedicated thread (``engine.device.ThreadDevice``),
-which owns MLX: loading, forwards, cache surgery. Any mlx-lm model directory
+Every method runs on one dedicated thread (``engine.mlx_device.MLXThread``, a
+``ThreadDevice``), which owns MLX: loading, forwards, cache surgery. Any mlx-lm model directory
 works; a "cache" is an mlx-lm prompt cache (``make_prompt_cache(model)``).
 
 Why not ``mlx_lm.BatchGenerator``. It is a scheduler of its own: it decides
@@ -21,21 +21,23 @@ Design:
   ONE forward over all of them. A row joins at its first decode/verify (its
   first step runs on a batch of the joiners, then they are ``extend``ed in) and
   leaves on close (``extract`` for the prompt cache, then ``filter``).
-* Pipelining: like ``generate_step`` and ``GenerationBatch``, after a pure
-  decode step the next decode forward is queued (``mx.async_eval``) on the
-  sampled tokens *before* their values are returned, so MLX computes step
-  n+1 while the event loop runs the Scheduler and streams token n. The next
-  plan normally decodes the same rows with exactly those tokens and takes the
-  queued result. If it does anything else to the batch (a trim, a verify, a
-  different token, a row left out) the queued step is undone: ``trim(1)`` of
-  the batch cache and the rows' PRNG keys put back. Rows that close just drop
-  their queued token (``extract`` then ``trim``). Only for models whose caches
-  are all plain ``KVCache`` (trimmable); others run unpipelined.
+* Running ahead: after a pure decode step the backend marks the next decode
+  step due, and the MLX thread runs it (``run_ahead``) right after handing
+  the result to the event loop, so MLX computes token n+1 while the loop
+  runs the Scheduler and streams token n (on MLX's CPU backend
+  ``async_eval`` computes most of a graph before it returns, so queueing it
+  inside ``step`` like ``generate_step`` does would delay the result). The
+  next plan normally decodes the same rows with exactly those tokens and
+  takes the result. If it does anything else to the batch (a trim, a verify,
+  a different token, a row left out) the steps run ahead are undone:
+  ``trim`` of the batch cache and the rows' PRNG keys put back. Rows that
+  close just drop the tokens fed ahead (``extract`` then ``trim``). Only for
+  models whose caches are all plain ``KVCache`` (trimmable).
 * Verify (``VerifyRow``): the window goes through the same batched forward;
   rows with shorter windows (decode rows: 1 token) are right-padded and the
   padding is rolled away, and every position's token is returned. Trims after
   a verify are per row (``DecodeBatch.trim``). This is the seam for
-  speculative decoding; pipelining stays off around verify steps.
+  speculative decoding; nothing runs ahead after a verify step.
 """
 
 from __future__ import annotations

@@ -266,6 +266,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                          "bare_gap_ms": med([x[2] for x in a]), "engine_gap_ms": med([x[2] for x in b])}
         out["cpu"] = await cpu_breakdown(engine, model, tok, args.tokens)
         if args.profile:
+            out["timeline"] = await timeline(engine, args.tokens)
             out["profile"] = await profile_engine(engine, args.tokens)
         if not args.single_only:
             agg: dict[int, dict[str, float]] = {}
@@ -314,6 +315,54 @@ async def profile_engine(engine: Any, n: int) -> str:
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
         text.append(f"--- {name} ---\n{s.getvalue()}")
     return "\n".join(text)
+
+
+async def timeline(engine: Any, n: int) -> dict[str, float]:
+    """Median ms per step of one single-stream request: the loop's hop to the
+    MLX thread, the step itself, the hop back, the loop's own work between
+    steps, and the run-ahead forward after each step."""
+    from engine.types import SamplingParams
+
+    device = engine.device
+    run, ahead = device.run, getattr(device, "after_each", None)
+    spans: dict[str, list[float]] = {k: [] for k in ("to_device", "step", "to_loop", "loop", "run_ahead")}
+    last = [0.0]
+
+    async def traced(fn: Any, *args: Any, cost_s: float = 0.0) -> Any:
+        t0 = time.perf_counter()
+        if last[0]:
+            spans["loop"].append(t0 - last[0])
+        box: list[float] = []
+
+        def timed(*a: Any) -> Any:
+            box.append(time.perf_counter())
+            try:
+                return fn(*a)
+            finally:
+                box.append(time.perf_counter())
+
+        out = await run(timed, *args, cost_s=cost_s)
+        last[0] = time.perf_counter()
+        spans["to_device"].append(box[0] - t0)
+        spans["step"].append(box[1] - box[0])
+        spans["to_loop"].append(last[0] - box[1])
+        return out
+
+    def traced_ahead() -> None:
+        t = time.perf_counter()
+        ahead()
+        spans["run_ahead"].append(time.perf_counter() - t)
+
+    device.run = traced
+    if ahead is not None:
+        device.after_each = traced_ahead
+    try:
+        await engine.acomplete(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True))
+    finally:
+        del device.run
+        if ahead is not None:
+            device.after_each = ahead
+    return {k: 1e3 * med(v) for k, v in spans.items() if v}
 
 
 def reference_blas(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -428,6 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     body = table(res, ref, command.strip())
     print(body)
     if "profile" in res:
+        print("step timeline, median ms:", {k: round(v, 3) for k, v in res["timeline"].items()})
         print(res["profile"])
     write_report(args.out, body)
     print(f"\n[bench_engine] wrote {args.out}")
