@@ -268,7 +268,11 @@ class ColdStore:
             log.warning("[cold_tier] cannot delete %s: %r", path, exc)
 
     # ---- the index (no I/O) --------------------------------------------------
-    def load_index(self, scan: ScanResult) -> None:
+    def load_index(self, scan: ScanResult) -> list[ColdEntry]:
+        """Rebuild the index from a scan; returns the least recently used
+        entries evicted to fit the cap (their files are to be deleted). A
+        crash can bring back unlinks that were never made durable, so the
+        folder may hold more than the cap at startup."""
         self._by_ns.clear()
         self._paths.clear()
         self.entry_bytes = 0
@@ -278,6 +282,18 @@ class ColdStore:
         self.counters["mismatch_deleted"] += scan.mismatch_deleted
         for path, header, size, _ in sorted(scan.found, key=lambda f: (f[3], f[0])):  # oldest use first
             self._add(ColdEntry(path, header.ns, as_tokens(header.tokens), size, header.trimmable(), self._next_seq()))
+        victims: list[ColdEntry] = []
+        for e in self.entries():
+            if self.bytes <= self.max_bytes:
+                break
+            self._remove_path(e.path)
+            victims.append(e)
+        self.counters["evictions"] += len(victims)
+        return victims
+
+    def recover(self) -> None:
+        """Scan, index and trim to the cap in one synchronous call (tools, tests)."""
+        self.delete_files([v.path for v in self.load_index(self.scan_files())])
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -487,7 +503,9 @@ class ColdTier(Actor[Inbox]):
     # ---- lifecycle -----------------------------------------------------------
     async def started(self) -> None:
         scan = await self.io(self.store.scan_files)
-        self.store.load_index(scan)
+        over = self.store.load_index(scan)
+        if over:
+            await self.io(self.store.delete_files, [v.path for v in over])
         log.info(
             "[cold_tier] scan dir=%s entries=%d bytes=%d reaped_tmp=%d deleted=%d",
             self.store.dir, len(self.store), self.store.bytes, scan.reaped_tmp, scan.corrupt_deleted + scan.mismatch_deleted,
