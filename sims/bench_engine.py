@@ -435,7 +435,9 @@ def table(res: dict[str, Any], ref: dict[str, Any] | None, command: str) -> str:
             "difference| over 64 decode steps: "
             + ", ".join(f"{d:.1e} at B={b}" for b, d in res["drift"].items()) + ".",
         ]
-    lines += ["", f"Backend counters: `{res.get('backend')}`"]
+    b = res.get("backend") or {}
+    lines += ["", f"Decode steps served from a step run ahead: {b.get('pipelined', 0)}; run-ahead steps undone: "
+              f"{b.get('undone', 0)}."]
     return "\n".join(lines)
 
 
