@@ -18,6 +18,7 @@ step, hung step, out-of-memory) are seeded knobs.
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import math
 from typing import Any
@@ -175,12 +176,18 @@ def _advance(h: int, token: int) -> int:
     return (h * HASH_MUL + token + 1) % HASH_MOD
 
 
+@functools.lru_cache(maxsize=8192)
 def fake_logits(seed: int, h: int, vocab: int, eos_bias: float = 0.0) -> np.ndarray:
-    """Logits after a context whose running hash is ``h``."""
+    """Logits after a context whose running hash is ``h`` (read-only).
+
+    Memoized: seeding a generator per token dominates the fake GPU's cost, and
+    the same contexts recur (the oracle re-deriving a request's tokens, the
+    fake drafter, shared prefixes), so sims replay about twice as fast."""
     rng = np.random.Generator(np.random.PCG64([seed, h]))
     logits = rng.standard_normal(vocab).astype(np.float32) * 3.0
     logits[ByteTokenizer.EOS] += eos_bias - 4.0
     logits[ByteTokenizer.EOS + 1 :] = -np.inf  # spare ids never appear
+    logits.flags.writeable = False
     return logits
 
 
