@@ -253,7 +253,11 @@ class FakeBackend:
     def __init__(self, cfg: FakeGPUConfig = FakeGPUConfig()):
         self.cfg = cfg
         self.tokenizer = ByteTokenizer()
-        fp = hashlib.blake2b(msgspec.json.encode(cfg), digest_size=8).hexdigest()
+        # The model's identity only: the cost model and fault knobs change how a
+        # step behaves, not what it computes, so a restart with other fault
+        # settings (a simulation's next run) still finds its own SSD entries.
+        model = (cfg.seed, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.context_length, cfg.eos_bias)
+        fp = hashlib.blake2b(msgspec.json.encode(model), digest_size=8).hexdigest()
         self.info = ModelInfo(
             model_id=f"fake-gpu-{cfg.seed}",
             vocab_size=ByteTokenizer.vocab_size,
