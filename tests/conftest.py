@@ -8,8 +8,25 @@ in their module with plain "asyncio".
 
 from __future__ import annotations
 
+import os
+
 import async_solipsism
 import pytest
+
+from engine.blas import maybe_reexec_with_openblas, reexec_env
+
+
+def pytest_configure(config):
+    # MLX's Linux CPU wheel links a reference BLAS; the MLX tests run several
+    # times faster with OpenBLAS preloaded, which only works from process start.
+    # So a plain `pytest` re-executes itself once with it (EMBER_NO_OPENBLAS=1
+    # opts out). Capturing is stopped first so the new process owns the terminal.
+    if reexec_env(os.environ) is None:
+        return
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.stop_global_capturing()
+    maybe_reexec_with_openblas()
 
 
 @pytest.fixture
