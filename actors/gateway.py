@@ -94,7 +94,7 @@ class Gateway(Actor[Inbox]):
                 f"the model's context of {self.info.context_length} tokens",
                 "max_tokens" if len(msg.tokens) < self.info.context_length else "prompt",
             )
-        if any(t < 0 or t >= self.info.vocab_size for t in msg.tokens):
+        if any(type(t) is not int or t < 0 or t >= self.info.vocab_size for t in msg.tokens):
             raise InvalidRequest("a prompt token id is outside the vocabulary", "prompt")
         if p.temperature < 0 or not math.isfinite(p.temperature):
             raise InvalidRequest("temperature must be a finite number >= 0", "temperature")

@@ -248,7 +248,9 @@ class Engine:
         clock = clock or LoopClock()
         if backend is None:
             backend, device = build_backend(config, clock)
-        events = events if events is not None else EventLog()
+        # Records are kept for tests and sims (the fake GPU); a serving engine keeps
+        # only the running digest so the log cannot grow without bound.
+        events = events if events is not None else EventLog(keep=config.backend == "fake")
         events.start(clock.now())
         engine = cls(config, backend, device or InlineDevice(clock), clock, events)
         try:
@@ -437,6 +439,10 @@ class Engine:
     @classmethod
     def start(cls, config: EngineConfig | None = None, **kw: Any) -> "Engine":
         """Start an engine on a background event-loop thread (blocking portal)."""
+        if (config or EngineConfig()).backend == "mlx" and kw.get("backend") is None:
+            # mlx_lm must be first imported on a thread that outlives the process's
+            # use of it: imported on the portal's thread, the process aborts at exit.
+            import engine.mlx_backend  # noqa: F401
         portal_cm = start_blocking_portal()
         portal = portal_cm.__enter__()
         try:

@@ -235,3 +235,12 @@ def test_start_stop_leaves_no_thread_behind():
     assert deltas[-1].finish_reason == "length"
     engine.stop()
     assert threading.active_count() == before
+
+
+async def test_non_integer_token_ids_are_a_clear_error_not_a_dead_engine():
+    async with Engine.open(FAKE) as engine:
+        with pytest.raises(InvalidRequest):
+            await engine.acomplete([1, "x", 2.5], SamplingParams(max_tokens=2))  # type: ignore[list-item]
+        assert engine.dead is None
+        c = await engine.acomplete([1, 2], SamplingParams(max_tokens=2))
+        assert c.token_ids == expected_tokens([1, 2], 2)
