@@ -6,6 +6,7 @@ check)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -237,3 +238,52 @@ def test_sweep_seed_ranges_and_one_run(capsys):
         sweep.parse_seeds("a-b")
     o = sweep.run_one("agent", 2, twice=True)
     assert o.ok and o.reproduce == "python -m sims.run --scenario agent --seed 2"
+
+
+# ---------------------------------------------------------------------------
+# Live replay against `ember serve --fake-gpu` (127.0.0.1, a few seconds).
+
+
+def test_replay_against_ember_serve_with_a_crash_and_a_flush(tmp_path, capsys):
+    from sims import replay
+    from sims.trace import Flush, Header, Request, Restart, Trace
+
+    turn = "<|system|>" + "You are a coding agent. " * 20
+    events = [
+        Request(id=0, t=0.0, session="a", text=turn + "<|user|>first", max_tokens=8),
+        Request(id=1, t=0.5, session="b", text=turn + "<|user|>other", max_tokens=8),
+        Request(id=2, t=1.0, session="a", continues="a", text="<|tool|>ok", max_tokens=8),
+        Flush(t=1.5),
+        Restart(t=2.0, crash=True, down_s=0.5),
+        Request(id=3, t=2.2, session="a", continues="a", text="<|tool|>after the crash", max_tokens=8),
+        Request(id=4, t=2.4, session="c", tokens=list(b"token ids work too"), max_tokens=4),
+    ]
+    path = tmp_path / "t.ndjson"
+    Trace(Header(kind="test"), events).write(path)
+    out = tmp_path / "out"
+    cmd = f"{sys.executable} -m transport.cli serve --fake-gpu --port {{port}} --log-level warning --ssd-cache {tmp_path / 'ssd'}"
+    rc = replay.main(["--server-cmd", cmd, "--trace", str(path), "--out", str(out), "--time-scale", "1.0"])
+    report = capsys.readouterr().out
+    assert rc == 0, report + (out / "server.log").read_text()
+    assert "answered: 5 of 5, failed 0" in report
+    assert "| TTFT |" in report and "| inter-token |" in report
+    assert "| crash | exit status -9" in report and "| flush | HTTP 200, durable=True" in report
+    assert (out / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    samples = [json.loads(line) for line in (out / "samples.ndjson").read_text().splitlines()]
+    assert [s["id"] for s in samples] == [0, 1, 2, 3, 4] and all(s["ok"] and s["ttft_s"] > 0 for s in samples)
+    # the continuation after the crash found its prefix again (restored from the SSD tier)
+    assert samples[3]["cached_tokens"] > len(turn)
+
+
+def test_replay_report_math():
+    from sims.replay import Mark, Sample, pct, report_markdown, summarize
+    from sims.trace import Header, Trace
+
+    assert pct([], 50) is None and pct([3.0, 1.0, 2.0], 50) == 2.0 and pct([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+    a = Sample(id=0, session="a", start=0.0, end=2.0, ttft_s=0.1, itl_s=[0.01, 0.03], completion_tokens=10, prompt_tokens=100, cached_tokens=80, ok=True, attempts=1)
+    b = Sample(id=1, session="b", start=1.0, end=4.0, errors=["HTTP 503: draining", "ConnectError: refused"], attempts=2)
+    m = summarize([a, b])
+    assert m["ok"] == 1 and m["failed"] == 1 and m["errors"] == {"HTTP 503": 1, "ConnectError": 1}
+    assert m["span_s"] == 4.0 and m["tokens_per_s"] == 2.5 and m["cached_ratio"] == 0.8
+    text = report_markdown("http://x", Trace(Header(kind="k")), 1.0, [a, b], [Mark(1.5, "crash", "exit status -9")], None)
+    assert "| 1.5 | crash | exit status -9 |" in text and "80.0% (80 of 100" in text
