@@ -90,7 +90,18 @@ DRAFT_CONFIG = {
     "vocab_size": VOCAB_SIZE,
 }
 
-DEMO_PROMPTS = ["def ", "import os\n", "class Foo:\n    def __init__(self"]
+DEMO_PROMPTS = [
+    "def ",
+    "import os\n",
+    "class Foo:\n    def __init__(self",
+    "    def __repr__(self):\n",
+    "for i in range(",
+    "if __name__ == ",
+    '"""',
+    "    def read(self, n=-1):\n        ",
+    "try:\n    import ",
+    "        raise ValueError(",
+]
 
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -234,6 +245,19 @@ def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> np.ndarr
     n = (len(tokens) - 1) // seq_len
     idx = np.linspace(0, n - 1, num=min(n, max_windows)).astype(np.int64)
     return np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in idx])
+
+
+def top1_agreement(a, b, windows: np.ndarray, batch: int = 16) -> float:
+    """Fraction of held-out positions where both models' argmax agree."""
+    import mlx.core as mx
+
+    hit, n = 0, 0
+    for i in range(0, len(windows), batch):
+        x = mx.array(windows[i : i + batch, :-1])
+        h = (mx.argmax(a(x), axis=-1) == mx.argmax(b(x), axis=-1)).sum()
+        hit += h.item()
+        n += x.size
+    return hit / n
 
 
 def evaluate(model, windows: np.ndarray, batch: int = 16):
@@ -443,6 +467,7 @@ def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray) -> dict
         "target_top1": ta,
         "draft_loss": dl,
         "draft_top1": da,
+        "draft_target_top1_agreement": top1_agreement(target, draft, heldout_wins),
     }
     log(f"held-out: target loss {tl:.3f} top1 {ta:.3f} | draft loss {dl:.3f} top1 {da:.3f}")
 
@@ -461,8 +486,12 @@ def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray) -> dict
         log(f"--- prompt {p!r}: target distinct-4 {d['target_distinct4']:.3f}, "
             f"draft distinct-4 {d['draft_distinct4']:.3f}")
         log(p + d["target_text"])
-    res["mean_target_distinct4"] = float(np.mean([d["target_distinct4"] for d in res["demos"]]))
-    res["mean_draft_distinct4"] = float(np.mean([d["draft_distinct4"] for d in res["demos"]]))
+    for who in ("target", "draft"):
+        r = [d[f"{who}_distinct4"] for d in res["demos"]]
+        res[f"mean_{who}_distinct4_first3"] = float(np.mean(r[:3]))
+        res[f"mean_{who}_distinct4"] = float(np.mean(r))
+    log(f"mean target distinct-4: first 3 prompts {res['mean_target_distinct4_first3']:.3f}, "
+        f"all {len(r)} prompts {res['mean_target_distinct4']:.3f}")
 
     ids = tok.encode("import os\n")
     # alternate, repeat, take the medians: the machine is shared and noisy
@@ -507,12 +536,15 @@ def main(argv=None):
                     help="exact step count (overrides --minutes-target)")
     ap.add_argument("--steps-draft", type=int, default=None,
                     help="exact step count (overrides --minutes-draft)")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr-target", type=float, default=3e-3)
     ap.add_argument("--lr-draft", type=float, default=5e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    ap.add_argument("--measure-only", action="store_true",
+                    help="only re-measure the models already in --out (no training); "
+                         "updates 'measurements' in their training_log.json")
     ap.add_argument("--quick", action="store_true",
                     help="tiny smoke run (few files, few steps) into a temp dir")
     args = ap.parse_args(argv)
@@ -543,6 +575,20 @@ def main(argv=None):
     log(f"python {sys.version.split()[0]}, stdlib {stdlib_dir()}, out {out}")
 
     train_files, heldout_files = collect_corpus(max_files=max_files)
+    if args.measure_only:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(out / "tiny"))
+        heldout_wins = eval_windows(encode_files(hf, heldout_files), args.seq_len, heldout_n)
+        res = measure(out / "tiny", out / "tiny-draft", heldout_wins)
+        for sub in ("tiny", "tiny-draft"):
+            f = out / sub / "training_log.json"
+            if f.exists():
+                meta = json.loads(f.read_text())
+                meta["measurements"] = res
+                f.write_text(json.dumps(meta, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in res.items() if k != "demos"}, indent=1))
+        return res
     log(f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files, "
         f"{sum(len(t) for _, t in train_files) / 1e6:.1f}M train chars")
 
