@@ -179,6 +179,7 @@ class MLXBackend:
         self._queued: list[_Ahead] = []  # steps computed ahead, oldest first
         self._queued_inputs: dict[int, int] = {}  # what the oldest one fed: the last tokens returned
         self._due: mx.array | None = None  # inputs of the next step to run ahead
+        self._built: mx.array | None = None  # a step built ahead, not yet being computed
         self._ahead_error: Exception | None = None
         self.steps = 0
         self.counters = {"pipelined": 0, "undone": 0}
@@ -256,7 +257,7 @@ class MLXBackend:
         """After a failed step, drop the state it may have left half-updated: the
         rows it touched and the whole batch (a later step for a dropped row
         reports a per-row error)."""
-        self._queued, self._due = [], None
+        self._queued, self._due, self._built = [], None, None
         touched = {o.rid for o in plan.open} | {c.rid for c in plan.prefill}
         touched |= {d.rid for d in plan.decode} | {v.rid for v in plan.verify} | {r for r, _ in plan.trim}
         touched |= set(self._batch.rids)
@@ -268,7 +269,7 @@ class MLXBackend:
     def _step(self, plan: StepPlan) -> StepResult:
         res = StepResult()
         self.steps += 1
-        self._due = None  # a device without the run-ahead hook ran nothing ahead
+        self._due = self._built = None  # without the run-ahead hook a built step is computed when read
         if self._ahead_error is not None:
             exc, self._ahead_error = self._ahead_error, None
             raise exc
@@ -345,12 +346,17 @@ class MLXBackend:
         mx.eval([toks for _, _, toks in outputs], [c.state for cache in res.closed.values() for c in cache])
         for rids, widths, toks in outputs:
             self._collect(rids, widths, toks, verify_rids, res)
+        if plan.prefill or self.steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
         if ahead is not None:
             self._queued = queued
             self._queued_inputs = {rid: res.tokens[rid] for rid in batch.rids}
             self._due = queued[-1].tokens if queued else ahead
-        if plan.prefill or self.steps % CLEAR_CACHE_EVERY == 0:
-            mx.clear_cache()
+            if len(queued) < self.max_ahead:
+                # Build the next step's graph now, while the event loop waits for
+                # this result (its Python and ours would fight over the GIL);
+                # the MLX thread computes it once the result is handed over.
+                self._build_ahead()
         return res
 
     # ---- phases --------------------------------------------------------------
@@ -515,15 +521,21 @@ class MLXBackend:
         """
         with mx.stream(generation_stream):
             try:
-                while self._due is not None and len(self._queued) < self.max_ahead:
-                    self._launch()
-                    if not idle():
-                        break
+                if self._built is not None:
+                    built, self._built = self._built, None
+                    mx.async_eval(built)
+                while idle() and self._due is not None and len(self._queued) < self.max_ahead:
+                    self._build_ahead()
+                    if self._built is not None:
+                        built, self._built = self._built, None
+                        mx.async_eval(built)
             except Exception as exc:  # noqa: BLE001 - the next step raises it
-                self._due = None
+                self._due = self._built = None
                 self._ahead_error = exc
 
-    def _launch(self) -> None:
+    def _build_ahead(self) -> None:
+        """Queue the graph of the batch's next decode step (computed later by
+        ``run_ahead``, or when a step reads it)."""
         batch, tokens = self._batch, self._due
         rows = [self._rows[rid] for rid in batch.rids]
         depth = len(self._queued)
@@ -533,9 +545,8 @@ class MLXBackend:
         keys = [(r, r.sampler.key) for r in rows if not r.sampler.greedy]
         logits = self.model(tokens[:, None], cache=batch.cache)
         nxt = self._sample_last(logits, [r.sampler for r in rows])
-        mx.async_eval(nxt)
         self._queued.append(_Ahead(nxt, keys))
-        self._due = nxt
+        self._due = self._built = nxt
 
     def _queue_fits(self, plan: StepPlan) -> bool:
         """Does the plan decode exactly the batch's rows with the tokens the

@@ -34,7 +34,7 @@ PROMPTS = [
     "def add(a, b):\n    return",
     "import os\nimport sys\n\n",
     "class Point:\n    def __init__(self, x, y):\n",
-    "for i in range(10):\n    print(i)\n" * 6,
+    "".join(f"value_{i} = compute({i * 7 % 13}, name='item{i}')\n" for i in range(12)),
 ]
 
 

@@ -33,9 +33,18 @@ PROMPTS = [
     "import os\nimport sys\n\n",
     "class Point:\n    def __init__(self, x, y):\n",
     "# Utilities for parsing\n",
-    "for i in range(10):\n    print(i)\n" * 8,  # several prefill chunks
 ]
 N = 32
+
+
+def long_text(tok: Any, n_tokens: int) -> str:
+    """Python-looking text of more than ``n_tokens`` tokens (distinct lines, so
+    the tokenizer cannot fold it into a few long tokens)."""
+    lines: list[str] = []
+    while len(tok.encode("".join(lines))) <= n_tokens:
+        i = len(lines)
+        lines.append(f"value_{i} = compute({i * 7 % 13}, name='item{i}', scale={i / 4})\n")
+    return "".join(lines)
 
 
 @pytest.fixture
@@ -80,11 +89,11 @@ GREEDY = SamplingParams(max_tokens=N, ignore_eos=True)
 async def test_greedy_matches_mlx_lm(path, ref):
     messages = [{"role": "user", "content": "Write a function."}]
     chat_ids = ref[1].apply_chat_template(messages, add_generation_prompt=True)
-    expected = [mlx_run(ref, p) for p in PROMPTS]
+    prompts = PROMPTS + [long_text(ref[1], 3 * CHUNK)]  # the last one takes several prefill chunks
+    expected = [mlx_run(ref, p) for p in prompts]
     chat_expected = mlx_tokens(ref, chat_ids)
-    assert len(ref[1].encode(PROMPTS[-1])) > 2 * CHUNK
     async with Engine.open(cfg(path)) as engine:
-        got = [await engine.acomplete(p, GREEDY) for p in PROMPTS]
+        got = [await engine.acomplete(p, GREEDY) for p in prompts]
         chat_tokens: list[int] = []
         async for d in engine.achat(messages, GREEDY):
             chat_tokens += d.token_ids
@@ -119,8 +128,7 @@ async def test_prompt_cache_hit_gives_the_cold_tokens(path, ref, extra):
 
 
 async def test_event_loop_runs_during_a_long_prefill(path, ref):
-    prompt = ref[1].encode(PROMPTS[4] * 8)
-    assert len(prompt) > 1000
+    prompt = ref[1].encode(long_text(ref[1], 1200))
     ticks_in_prefill = 0
     done = False
     async with Engine.open(cfg(path, prefill_chunk=4096)) as engine:
@@ -143,7 +151,7 @@ async def test_event_loop_runs_during_a_long_prefill(path, ref):
 
 
 async def test_chunked_prefill_progress_is_in_stats(path, ref):
-    prompt = ref[1].encode(PROMPTS[4] * 3)
+    prompt = ref[1].encode(long_text(ref[1], 8 * CHUNK))
     total = len(prompt) - 1
     async with Engine.open(cfg(path)) as engine:
         probe = StepProbe(engine)
