@@ -1,0 +1,212 @@
+"""The simulated world around the engine: virtual time, the recording disk,
+and the host that starts, kills and restarts engines.
+
+``SimLoop`` is the event loop (virtual time, deadlock detection); the
+``RecordingDisk`` puts every disk mutation in the event log; ``Host`` runs
+one engine at a time for a ``sims.run.Simulation``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import async_solipsism
+
+from engine.api import Engine
+from engine.errors import EngineDead
+from engine.eventlog import EventLog
+
+if TYPE_CHECKING:
+    from sims.run import Simulation
+
+
+def derive(seed: int, label: str) -> int:
+    """An independent seed for one part of the run (trace, GPU faults, disk…)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{label}".encode(), digest_size=8).digest(), "little")
+
+
+class _ExactClock:
+    """Virtual time as a plain float that lands exactly on each timer.
+
+    async_solipsism counts whole microseconds and rounds each advance, so
+    ``ticks * 1e-6`` can sit a hair below an anyio deadline (say 48.2916):
+    anyio's ``CancelScope`` then re-arms its timer for the same instant
+    forever, and the loop spins without time moving (a ResolutionWarning).
+    Advancing by exactly the loop's timeout reaches ``when`` itself."""
+
+    resolution = 1e-9
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def time(self) -> float:
+        return self.t
+
+    def advance(self, delta: float) -> None:
+        self.t += delta
+
+
+class SimLoop(async_solipsism.EventLoop):
+    """``async_solipsism.EventLoop`` (virtual time, deadlock detection) on ``_ExactClock``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sim_clock = _ExactClock()
+        self._selector.clock = self._sim_clock
+        self._clock_resolution = _ExactClock.resolution
+
+    def time(self) -> float:
+        return self._sim_clock.t
+
+
+class PowerLoss(EngineDead):
+    """The simulator pulled the plug (the engine gets no drain and no flush)."""
+
+
+# ---------------------------------------------------------------------------
+# The disk the SSD tier sees: the FaultyDisk, with every write in the event log.
+
+
+class RecordingDisk:
+    """Delegates to ``engine.disk.FaultyDisk`` and records each mutation, so
+    checkers see disk writes in the same order as GPU steps."""
+
+    def __init__(self, inner: Any, events: EventLog, clock: Any):
+        self.inner = inner
+        self.events = events
+        self.clock = clock
+        self.paths: dict[int, str] = {}
+
+    def _rec(self, kind: str, **f: Any) -> None:
+        self.events.record(kind, self.clock.now(), **f)
+
+    def open(self, path: str, *, write: bool = False) -> int:
+        fh = self.inner.open(path, write=write)
+        self.paths[fh] = path
+        if write:
+            self._rec("disk_open", path=path)
+        return fh
+
+    def close(self, fh: int) -> None:
+        self.paths.pop(fh, None)
+        self.inner.close(fh)
+
+    def write(self, fh: int, offset: int, data: Any) -> None:
+        self._rec("disk_write", path=self.paths.get(fh, "?"), off=offset, n=memoryview(data).nbytes)
+        self.inner.write(fh, offset, data)
+
+    def read(self, fh: int, offset: int, n: int) -> bytes:
+        return self.inner.read(fh, offset, n)
+
+    def fsync(self, fh: int) -> None:
+        self._rec("disk_fsync", path=self.paths.get(fh, "?"))
+        self.inner.fsync(fh)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._rec("disk_rename", src=src, dst=dst)
+        self.inner.rename(src, dst)
+
+    def fsync_dir(self, path: str) -> None:
+        self._rec("disk_fsync_dir", path=path)
+        self.inner.fsync_dir(path)
+
+    def unlink(self, path: str) -> None:
+        self._rec("disk_unlink", path=path)
+        self.inner.unlink(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return self.inner.listdir(path)
+
+    def stat(self, path: str) -> Any:
+        return self.inner.stat(path)
+
+    def makedirs(self, path: str) -> None:
+        self.inner.makedirs(path)
+
+    def touch(self, path: str) -> None:
+        self.inner.touch(path)
+
+
+# ---------------------------------------------------------------------------
+# One engine at a time: started, crashed, restarted.
+
+
+@dataclass(frozen=True)
+class _Cmd:
+    kind: str  # "crash" (power loss), "graceful", "died" (the engine crashed itself), "stop"
+    gen: int = 0
+    down_s: float = 2.0
+
+
+class Host:
+    """Runs the engine; restarts it when the trace says so, when the
+    simulator pulls the plug, or when it died on its own (a hung GPU step)."""
+
+    def __init__(self, sim: "Simulation"):
+        self.sim = sim
+        self.engine: Engine | None = None
+        self.gen = 0
+        self._up = anyio.Event()
+        self._send, self._recv = anyio.create_memory_object_stream[_Cmd](64)
+        self.restarts = {"graceful": 0, "crash": 0, "died": 0}
+        self.last_engine: Engine | None = None
+
+    async def current(self) -> tuple[Engine, int]:
+        while self.engine is None:
+            await self._up.wait()
+        return self.engine, self.gen
+
+    def command(self, cmd: _Cmd) -> None:
+        self._send.send_nowait(cmd)
+
+    def restart(self, crash: bool, down_s: float) -> None:
+        """Restart the engine that is up now; a server that is already down
+        (restarting) has no process to kill, so the command lapses."""
+        if self.engine is not None:
+            self.command(_Cmd("crash" if crash else "graceful", self.gen, down_s))
+
+    def died(self, gen: int) -> None:
+        if gen == self.gen and self.engine is not None:
+            self.command(_Cmd("died", gen))
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        sim = self.sim
+        started = False
+        while True:
+            self.gen += 1
+            async with sim.engine_class.open(sim.config, backend=sim.make_backend(self.gen), clock=sim.clock, events=sim.log) as engine:
+                self.engine = engine
+                sim.record("sim_up", gen=self.gen)
+                sim.after_up(engine)
+                self._up.set()
+                if not started:
+                    task_status.started()
+                    started = True
+                while True:
+                    cmd = await self._recv.receive()
+                    if cmd.kind == "stop" or cmd.gen == self.gen:
+                        break  # restarts and deaths of an engine already gone lapse
+                self.engine = None
+                self._up = anyio.Event()
+                if cmd.kind in self.restarts:
+                    self.restarts[cmd.kind] += 1
+                sim.record("sim_restart", gen=self.gen, how=cmd.kind)
+                if cmd.kind == "crash":
+                    sim.went_down(engine)  # what it held at the instant the power went
+                    sim.power_loss()
+                    engine.dead = PowerLoss("the simulator cut the power")
+                    engine.ready = False
+                    if engine._actor_scope is not None:  # the process is gone: no drain, no flush
+                        engine._actor_scope.cancel()
+            if cmd.kind != "crash":
+                sim.went_down(engine)  # after its drain, shutdown flush and stop
+            sim.record("sim_down", gen=self.gen)
+            self.last_engine = engine
+            if cmd.kind == "stop":
+                self._send.close()
+                self._recv.close()
+                return
+            await anyio.sleep(cmd.down_s)
