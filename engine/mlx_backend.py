@@ -45,7 +45,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import logging
 import pathlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -62,8 +61,6 @@ from engine.mlx_batch import DecodeBatch, merge_caches
 from engine.mlx_sampling import RowSampler, row_seed
 from engine.mlx_tokenizer import MLXTokenizer
 from engine.ports import ModelInfo, StepPlan, StepResult
-
-log = logging.getLogger("ember.mlx")
 
 # config.json keys that describe the checkpoint, not the computation graph.
 _METADATA_KEYS = frozenset(
