@@ -92,6 +92,22 @@ def _config_fingerprint(config: dict[str, Any], kv_scheme: list[str]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _weights_digest(path: pathlib.Path, block: int = 1 << 16) -> str:
+    """A cheap identity of the weight files: names, sizes and three sampled blocks
+    of each (start — the safetensors header —, middle, end). Retrained weights
+    with an unchanged config must not reuse SSD entries made by the old ones,
+    and hashing every byte of a multi-GB model at each start would be slow."""
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for at in (0, max(0, size // 2 - block // 2), max(0, size - block)):
+                fh.seek(at)
+                h.update(fh.read(block))
+    return h.hexdigest()[:16]
+
+
 def _tokenizer_hash(path: pathlib.Path) -> str:
     h = hashlib.sha256()
     names = ["tokenizer.json"] if (path / "tokenizer.json").is_file() else sorted(
@@ -148,6 +164,7 @@ class MLXBackend:
         tokenizer_hash: str,
         engine_seed: int = 0,
         pipeline: bool = True,
+        weights_digest: str = "",
     ):
         self.model = model
         self.tokenizer = MLXTokenizer(tokenizer)
@@ -157,6 +174,8 @@ class MLXBackend:
         floats = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
         first = next(floats, None)
         kv_scheme = [type(c).__name__ for c in probe] + [str(first.dtype if first is not None else "")]
+        if weights_digest:
+            kv_scheme.append(f"weights:{weights_digest}")
         text_cfg = config.get("text_config") or {}
         vocab = config.get("vocab_size") or text_cfg.get("vocab_size") or len(self.tokenizer)
         self.info = ModelInfo(
@@ -193,6 +212,7 @@ class MLXBackend:
             model_id=config.model_name or str(config.model),
             tokenizer_hash=_tokenizer_hash(path),
             engine_seed=config.seed,
+            weights_digest=_weights_digest(path),
         )
 
     # ---- caches --------------------------------------------------------------

@@ -492,3 +492,24 @@ def test_mlx_thread_runs_everything_on_one_thread():
     assert set(seen) == {dev.thread_ident} and dev.thread_ident != threading.get_ident()
     with pytest.raises(RuntimeError):
         dev.submit(where, 1)
+
+
+def test_retrained_weights_change_the_fingerprint(tmp_path):
+    """SSD entries are keyed by the fingerprint: new weights under an unchanged
+    config must not restore KV computed by the old ones."""
+    import shutil
+
+    import mlx.core as mx
+
+    from engine.mlx_backend import _weights_digest
+    from engine.models import resolve_model
+
+    src = resolve_model("tiny")
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(src, a)
+    shutil.copytree(src, b)
+    assert _weights_digest(a) == _weights_digest(b)
+    weights = mx.load(str(b / "model.safetensors"))
+    weights = {k: (v * 1.001 if k.endswith("norm.weight") or "embed" in k else v) for k, v in weights.items()}
+    mx.save_safetensors(str(b / "model.safetensors"), weights, metadata={"format": "mlx"})
+    assert _weights_digest(a) != _weights_digest(b)
