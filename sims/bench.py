@@ -289,7 +289,7 @@ async def run(args: argparse.Namespace) -> Results:
                         res.add("ttft1k_cold", who, cold.ttft_s * 1000)
                         res.add("ttft1k_warm", who, warm.ttft_s * 1000)
                         res.add("ttft1k_warm_cached_tokens", who, warm.cached_tokens)
-                    if "ttft8k" in legs or "restart" in legs:
+                    if ("ttft8k" in legs or "restart" in legs) and rnd < args.long_rounds:
                         progress(f"{tag}: ttft8k")
                         p8k = prompts.of(args.long_tokens, offset=40000 + 50 * rnd, nonce=uuid.uuid4().hex)
                         cold = await stream_completion(client, srv.url, p8k, 1)
@@ -352,7 +352,7 @@ def report(res: Results, args: argparse.Namespace) -> str:
     lines = [
         "# Ember vs mlx_lm.server, side by side",
         "",
-        f"Command: `python -m sims.bench --rounds {args.rounds}" + (f" --legs {args.legs}" if args.legs else "") + f" --gamma {args.gamma}`",
+        f"Command: `python -m sims.bench --rounds {args.rounds}" + (f" --legs {args.legs}" if args.legs else "") + f" --gamma {args.gamma} --long-rounds {args.long_rounds}`",
         "",
         f"Machine: {machine_line()}. Model: bundled `{args.model}`. {args.rounds} rounds, alternating which server goes first; medians.",
         "Absolute numbers on this shared machine are noisy: quote the ratios.",
@@ -435,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--legs", default="", help=f"comma-separated subset of {','.join(LEGS)}")
     ap.add_argument("--gamma", type=int, default=2, help="γ for the speculation leg")
     ap.add_argument("--long-tokens", type=int, default=8000)
+    ap.add_argument("--long-rounds", type=int, default=3, help="rounds that run the long-prompt legs (ttft8k, restart)")
     ap.add_argument("--out", default="docs/bench-vs-mlx-lm.md")
     args = ap.parse_args(argv)
     res = asyncio.run(run(args))
