@@ -149,7 +149,7 @@ class VerifierCore:
             self.policy.observe_round(row, len(w.drafts), k)
             gamma, hold = self.policy.choose(row)
         elif row.gamma == 0 and row.consulted:
-            gamma, hold = self.policy.probe(row), 0  # a plain row whose hold ran out
+            gamma, hold = self.policy.after_hold(row)  # a plain row whose hold ran out
         else:
             gamma, hold = self.policy.choose(row)  # the row's first round
         row.gamma, row.consulted = gamma, True

@@ -11,24 +11,29 @@ Adaptive γ
 A round with γ drafts yields ``E(γ) = 1 + Σ_{i≤γ} Π_{j≤i} a_j`` tokens on
 average, where ``a_j`` is the probability that draft ``j`` is accepted given
 that drafts ``1..j-1`` were (sample-and-match stops at the first mismatch, so
-that conditional is exactly what each round observes). It costs
-``C(γ)``: the measured time of a round whose longest verify window had γ
-drafts, from the start of its step to the start of the next — drafting, the
+that conditional is exactly what each round observes). A round's cost is
+measured from the start of its step to the start of the next — drafting, the
 device step, the Verifier's answer and the emission included, and a plain
-decode the backend ran ahead of time counted at its real per-token cost.
-The policy picks the γ in ``0..gamma_max`` with the
-most tokens per second, ``E(γ) / C(γ)``; γ = 0 is plain decode, ``E = 1``.
+decode the backend ran ahead of time counted at its real per-token cost —
+and modelled as ``C = base + per_row·rows + per_draft·drafts`` (drafts = all
+the draft tokens the step fed). The policy picks the γ in ``0..gamma_max``
+with the most tokens per second, ``E(γ) / C(γ)`` with every row of the
+current batch assumed to draft γ: in a batch the windows share one forward,
+so drafting deeper costs ``per_draft·rows`` per extra token — a full batch
+already uses the device, and there speculation turns itself off. γ = 0 is
+plain decode, ``E = 1``.
 
 * ``a_j`` is a moving average per request (requests differ: a file being
   edited accepts far more than free text), seeded from an engine-wide moving
-  average for the same drafter so a new request starts from experience.
-* Costs are engine-wide (the device is shared): a low quantile (the 25th
-  percentile) of the last few measured steps per (batch size bucket, γ) —
-  not a mean, because a step slowed by another process on the machine, or
-  by a late thread wakeup, must not swing the choice. A γ
-  not measured yet is interpolated from its measured neighbours, or
-  extrapolated with a per-token slope; the γ just above the current choice is
-  tried until it has a few samples, so that every useful γ gets measured.
+  average for the same drafter so a new request starts from experience; a
+  position the request never reached borrows the one before it.
+* The cost model is fitted engine-wide (the device is shared) by least
+  squares over the 25th percentile of the rounds seen at each (rows, drafts)
+  — not means, because a round slowed by another process on the machine, or
+  by a late thread wakeup, must not swing the choice. Before any round with
+  drafts was measured, a draft token is priced at ``slope_prior`` of a plain
+  round; the γ just above the current choice is tried until it has a few
+  samples, so the fit sees the γ it is choosing between.
 * When γ = 0 wins, the request decodes plainly for ``hold`` rounds — without
   asking the Drafter or the Verifier anything — and then probes γ = 1 once to
   find out whether drafts started paying (the text may have become
@@ -36,9 +41,8 @@ most tokens per second, ``E(γ) / C(γ)``; γ = 0 is plain decode, ``E = 1``.
   hold, up to ``probe_max``, so a request where it never pays spends at most
   ~1/``probe_max`` of its rounds probing.
 
-The cost of a batched step is shared by its rows, so the per-row choice is a
-heuristic under batching: each row maximises its own tokens per step time.
-A fixed γ (``EngineConfig.num_draft_tokens`` or the request's
+Under batching the choice is a heuristic: rows differ in acceptance, and each
+row chooses as if the others drafted like it. A fixed γ (``EngineConfig.num_draft_tokens`` or the request's
 ``num_draft_tokens``) bypasses all of this.
 """
 
@@ -47,6 +51,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+import numpy as np
 
 ADAPTIVE_GAMMA_MAX = 6
 FIXED_GAMMA_MAX = 16
@@ -61,14 +67,6 @@ def low_quantile(samples: Iterable[float], q: float = 0.25) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def batch_bucket(rows: int) -> int:
-    """Steps are costed per batch size bucket: 1, 2, 4, 8, 16, ..."""
-    b = 1
-    while b < rows:
-        b *= 2
-    return b
-
-
 @dataclass(slots=True)
 class RowPolicy:
     """One request's speculation state inside the Verifier."""
@@ -80,6 +78,7 @@ class RowPolicy:
     consulted: bool = False  # has the Verifier chosen a γ for it yet?
     probe_every: int = 4
     probing: bool = False
+    exploring: bool = False  # decoding one round plainly to measure its cost
     off: bool = False  # the row's cache cannot be trimmed: plain decode from now on
 
 
@@ -91,7 +90,7 @@ class GammaPolicy:
         gamma_max: int = ADAPTIVE_GAMMA_MAX,
         accept_prior: float = 0.5,
         accept_alpha: float = 0.15,
-        cost_window: int = 16,
+        cost_window: int = 256,
         min_samples: int = 4,
         slope_prior: float = 0.1,
         probe_first: int = 4,
@@ -108,9 +107,12 @@ class GammaPolicy:
         self.probe_first = probe_first
         self.probe_max = probe_max
         self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
-        self._steps: dict[int, dict[int, deque[float]]] = {}  # bucket -> γ -> recent step seconds
-        self._draft_s: deque[float] = deque(maxlen=cost_window * 4)  # per drafted token
-        self.bucket = 1  # batch size bucket of the latest step
+        self._samples: deque[tuple[int, int, float]] = deque(maxlen=cost_window)  # (rows, drafts, s)
+        self._draft_s: deque[float] = deque(maxlen=64)  # per drafted token, for the stats
+        self._coef: tuple[tuple[float, float], tuple[float, float, float] | None] = ((1.0, 0.0), None)
+        self._floor = 1e-9
+        self._fit_due = False
+        self.rows_now = 1  # rows in the latest step
 
     # ---- rows ------------------------------------------------------------
     def new_row(self, fixed: int | None) -> RowPolicy:
@@ -133,12 +135,13 @@ class GammaPolicy:
 
     # ---- costs -----------------------------------------------------------
     def observe_cost(self, gamma: int, step_s: float, rows: int, drafted_tokens: int, draft_s: float) -> None:
-        """A step of ``rows`` rows whose longest verify window had ``gamma``
-        drafts took ``step_s``; drafting its ``drafted_tokens`` took ``draft_s``."""
-        self.bucket = batch_bucket(rows)
+        """A round of ``rows`` rows that fed ``drafted_tokens`` drafts in all
+        (its longest window had ``gamma``) took ``step_s`` start to start, of
+        which drafting took ``draft_s``."""
+        self.rows_now = max(1, rows)
         if step_s > 0:
-            table = self._steps.setdefault(self.bucket, {})
-            table.setdefault(gamma, deque(maxlen=self.cost_window)).append(step_s)
+            self._samples.append((max(1, rows), drafted_tokens, step_s))
+            self._fit_due = True
         if drafted_tokens > 0 and draft_s >= 0:
             self._draft_s.append(draft_s / drafted_tokens)
 
@@ -146,62 +149,85 @@ class GammaPolicy:
     def draft_token_s(self) -> float | None:
         return low_quantile(self._draft_s) if self._draft_s else None
 
-    def _known(self, bucket: int) -> dict[int, float]:
-        table = self._steps.get(bucket)
-        if not table:  # nothing at this batch size yet: borrow the nearest measured one
-            near = min(self._steps, key=lambda b: abs(b.bit_length() - bucket.bit_length()), default=None)
-            table = self._steps.get(near, {}) if near is not None else {}
-        return {g: low_quantile(v) for g, v in table.items()}
+    def _points(self) -> dict[tuple[int, int], float]:
+        groups: dict[tuple[int, int], list[float]] = {}
+        for r, d, s in self._samples:
+            groups.setdefault((r, d), []).append(s)
+        return {k: low_quantile(v) for k, v in groups.items()}
 
-    def step_cost(self, gamma: int, bucket: int | None = None) -> float:
-        """Measured step seconds for γ, or an estimate from the measured ones."""
-        known = self._known(self.bucket if bucket is None else bucket)
-        if gamma in known:
-            return known[gamma]
-        if not known:
-            return 1.0 + self.slope_prior * gamma  # arbitrary unit: only ratios matter
-        lo = max((g for g in known if g < gamma), default=None)
-        hi = min((g for g in known if g > gamma), default=None)
-        if lo is not None and hi is not None:
-            w = (gamma - lo) / (hi - lo)
-            return known[lo] + w * (known[hi] - known[lo])
-        if lo is not None:
-            below = sorted(g for g in known if g >= 1)
-            if len(below) >= 2:
-                g1, g2 = below[-2], below[-1]
-                slope = max(0.0, (known[g2] - known[g1]) / (g2 - g1))
-            else:
-                slope = self.slope_prior * known[lo]
-            return known[lo] + slope * (gamma - lo)
-        # Only larger γ measured (a request that speculated from its first
-        # round): extrapolate down along the measured slope, else the prior's.
-        above = sorted(known)
-        if len(above) >= 2:
-            g1, g2 = above[0], above[1]
-            slope = max(0.0, (known[g2] - known[g1]) / (g2 - g1))
-            est = known[hi] - slope * (hi - gamma)
+    @staticmethod
+    def _lstsq(rows: np.ndarray, drafts: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+        """``(a, per_row, per_draft)``; a column that never varied is left out
+        (its coefficient 0, its effect in ``a``). Negative slopes are noise: 0."""
+        cols, names = [np.ones(len(y))], ["a"]
+        if len(set(rows.tolist())) > 1:
+            cols.append(rows)
+            names.append("r")
+        if len(set(drafts.tolist())) > 1:
+            cols.append(drafts)
+            names.append("d")
+        coef, *_ = np.linalg.lstsq(np.stack(cols, axis=1), y, rcond=None)
+        got = dict(zip(names, (float(c) for c in coef)))
+        return got["a"], max(0.0, got.get("r", 0.0)), max(0.0, got.get("d", 0.0))
+
+    def _fit(self) -> tuple[tuple[float, float], tuple[float, float, float] | None]:
+        """Two linear models over the 25th percentile of the rounds seen at each
+        (rows, drafts): plain rounds ``p0 + p1·rows``, and rounds with verify
+        windows ``v0 + v1·rows + v2·drafts``. Two, because the first draft
+        costs a jump, not a slope: a round with a verify window is never
+        computed ahead (the backend pipelines plain decode only) and a batch
+        with windows of different widths pays for the padding."""
+        if not self._fit_due:
+            return self._coef
+        self._fit_due = False
+        pts = self._points()
+        plain = [(r, s) for (r, d), s in pts.items() if d == 0]
+        spec = [(r, d, s) for (r, d), s in pts.items() if d > 0]
+        if plain:
+            a, per_row, _ = self._lstsq(
+                np.array([r for r, _ in plain], float), np.zeros(len(plain)), np.array([s for _, s in plain])
+            )
+            p = (a, per_row)
+        elif spec:  # no plain round measured yet: a prior below the cheapest verify round
+            p = (min(s / (1 + self.slope_prior * d / r) for r, d, s in spec), 0.0)
         else:
-            est = 0.0
-        return max(est, known[hi] / (1.0 + self.slope_prior * (hi - gamma)))
+            p = (1.0, 0.0)
+        v = None
+        if spec:
+            r_, d_, s_ = (np.array(col, float) for col in zip(*spec))
+            v = self._lstsq(r_, d_, s_)
+            if len(set(d_.tolist())) == 1:  # one draft count seen: the prior's slope through it
+                slope = self.slope_prior * p[0] / float(r_.mean())
+                v = (v[0] - slope * float(d_[0]), v[1], slope)
+        ys = list(pts.values())
+        self._floor = 0.5 * min(ys) if ys else 1e-9  # a fit through noisy points must not promise free rounds
+        self._coef = (p, v)
+        return self._coef
+
+    def round_cost(self, gamma: int, rows: int | None = None) -> float:
+        """Seconds of a round in which each of ``rows`` rows drafts γ tokens.
+
+        Rows of a batch are assumed alike: in a batch the verify windows of
+        all rows share one forward, so the cost of drafting deeper grows with
+        the batch — a batch already fills the device, and speculation there
+        can only lose (the per-row choice would not see that if each row
+        priced its window alone)."""
+        b = self.rows_now if rows is None else rows
+        (p0, p1), v = self._fit()
+        plain = p0 + p1 * b
+        if gamma == 0:
+            return max(self._floor, plain)
+        if v is None:  # nothing with drafts measured yet: a draft token costs slope_prior of a plain round
+            return max(self._floor, plain * (1 + self.slope_prior * gamma))
+        v0, v1, v2 = v
+        return max(self._floor, v0 + v1 * b + v2 * b * gamma)
 
     def measured(self, gamma: int) -> bool:
-        """Enough samples of this γ at this batch size that one unlucky step
-        cannot rule it out for good."""
-        return len(self._steps.get(self.bucket, {}).get(gamma, ())) >= self.min_samples
-
-    def round_cost(self, gamma: int) -> float:
-        """Seconds per round at γ; the measured step time is start to start,
-        so it already holds the drafting."""
-        if gamma in self._known(self.bucket):
-            return self.step_cost(gamma)
-        return self.step_cost(gamma) + self._draft_extra(gamma)
-
-    def _draft_extra(self, gamma: int) -> float:
-        """For an estimated γ: drafting time the estimate's measured neighbours
-        do not already hold (their step times include their own drafting)."""
-        known = self._known(self.bucket)
-        below = max((g for g in known if g < gamma), default=0)
-        return (gamma - below) * (self.draft_token_s or 0.0) if known else 0.0
+        """Enough rounds at this batch size with this many drafts per row that
+        one unlucky round cannot rule it out for good."""
+        b = self.rows_now
+        n = sum(1 for r, d, _ in self._samples if r == b and d == b * gamma)
+        return n >= self.min_samples
 
     # ---- choice ----------------------------------------------------------
     @staticmethod
@@ -227,12 +253,22 @@ class GammaPolicy:
 
     def best(self, row: RowPolicy) -> int:
         accept = self.effective_accept(row)
-        rates = [self.expected_tokens(accept, g) / self.round_cost(g) for g in range(self.gamma_max + 1)]
+        b = self.rows_now
+        rates = [self.expected_tokens(accept, g) / self.round_cost(g, b) for g in range(self.gamma_max + 1)]
         best = max(range(len(rates)), key=lambda g: (rates[g], -g))
         nxt = best + 1
         if 0 < best and nxt <= self.gamma_max and not self.measured(nxt):
             return nxt  # measure the next γ; it may be cheaper than estimated
         return best
+
+    def _explore_plain(self, row: RowPolicy) -> bool:
+        """Rows that speculate from their first round never show what a plain
+        round costs at this batch size, and the fit then has no anchor: every
+        row of the batch sees the same gap and decodes one round plainly."""
+        if self.measured(0) or row.exploring:
+            return False
+        row.exploring = True
+        return True
 
     def choose(self, row: RowPolicy) -> tuple[int, int]:
         """``(γ, hold)`` for the row's next round: γ = 0 is plain decode, and
@@ -246,15 +282,26 @@ class GammaPolicy:
             row.probing = False
             row.probe_every = self.probe_first if g > 0 else min(self.probe_max, row.probe_every * 2)
         if g > 0:
-            return g, 0
+            return (0, 1) if self._explore_plain(row) else (g, 0)
         return 0, row.probe_every
 
-    def probe(self, row: RowPolicy) -> int:
-        """A held row's hold ran out: draft once to refresh its acceptance."""
+    def after_hold(self, row: RowPolicy) -> tuple[int, int]:
+        """A held row's hold ran out: choose again after a plain exploration
+        round, else draft once (γ = 1) to refresh its acceptance."""
+        if row.exploring:
+            row.exploring = False
+            return self.choose(row)
         if row.off or row.fixed is not None:
-            return self.choose(row)[0]
+            return self.choose(row)
         row.probing = True
-        return 1
+        return 1, 0
+
+    def _fit_snapshot(self) -> dict[str, Any]:
+        (p0, p1), v = self._fit()
+        out: dict[str, Any] = {"plain": {"base": round(p0, 6), "per_row": round(p1, 6)}}
+        if v is not None:
+            out["verify"] = dict(zip(("base", "per_row", "per_draft"), (round(c, 6) for c in v)))
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -262,10 +309,8 @@ class GammaPolicy:
             "fixed_gamma": self.fixed,
             "gamma_max": self.gamma_max if self.fixed is None else self.fixed,
             "acceptance_prior_per_pos": [round(a, 4) for a in self.accept],
-            "step_s_by_gamma": {
-                f"b{b}": {str(g): round(low_quantile(v), 6) for g, v in sorted(t.items())}
-                for b, t in sorted(self._steps.items())
-            },
+            "round_s_by_rows_drafts": {f"{r}x{d}": round(v, 6) for (r, d), v in sorted(self._points().items())},
+            "round_s_fit": self._fit_snapshot(),
             "draft_token_s": None if self.draft_token_s is None else round(self.draft_token_s, 6),
         }
 

@@ -126,13 +126,15 @@ async def test_adaptive_policy_reports_measured_costs():
         await engine.acomplete([1, 2, 3], SamplingParams(max_tokens=80, ignore_eos=True))
         policy = engine.stats()["speculation"]["policy"]
     assert policy["mode"] == "adaptive"
-    measured = {int(g): s for g, s in policy["step_s_by_gamma"]["b1"].items()}  # one row: batch bucket 1
+    measured = {int(k.split("x")[1]): v for k, v in policy["round_s_by_rows_drafts"].items() if k.startswith("1x")}
     assert len(measured) >= 3
     fake = cfg.fake
-    for g, s in measured.items():
-        # start to start: one batched forward (decode_c + verify_b per window
-        # token) plus the fake drafter's 2 ms per token and 20 us per token fed
-        assert s == pytest.approx(fake.decode_c + fake.verify_b * (g + 1) + 0.002 * g, abs=5e-5)
+    assert measured[0] == pytest.approx(fake.decode_c + fake.decode_d)  # a plain round, explored once
+    for d, s in measured.items():
+        if d:  # start to start: one forward (decode_c + verify_b per window token) plus
+            # the fake drafter's 2 ms per token and 20 us per token fed
+            assert s == pytest.approx(fake.decode_c + fake.verify_b * (d + 1) + 0.002 * d, abs=5e-5)
+    assert policy["round_s_fit"]["verify"]["per_draft"] == pytest.approx(fake.verify_b + 0.002, rel=0.05)
     assert policy["draft_token_s"] == pytest.approx(0.002, rel=0.05)
 
 
@@ -142,23 +144,45 @@ async def test_adaptive_policy_reports_measured_costs():
 from engine.speculation import GammaPolicy  # noqa: E402
 
 
-def test_policy_costs_are_low_quantiles_so_slow_steps_do_not_swing_them():
+def test_policy_costs_are_low_quantiles_so_slow_rounds_do_not_swing_them():
     p = GammaPolicy()
-    for s in (0.010, 0.030, 0.011, 0.500, 0.012, 0.040, 0.010, 0.090):  # half the steps interfered with
+    for s in (0.010, 0.030, 0.011, 0.500, 0.012, 0.040, 0.010, 0.090):  # half the rounds interfered with
+        p.observe_cost(0, s, rows=1, drafted_tokens=0, draft_s=0.0)
+    for s in (0.014, 0.015, 0.200, 0.014):
         p.observe_cost(2, s, rows=1, drafted_tokens=2, draft_s=0.002)
-    assert p.step_cost(2) == pytest.approx(0.011)
+    assert p.round_cost(0) == pytest.approx(0.011)
+    assert p.round_cost(2) == pytest.approx(0.014)
     assert p.draft_token_s == pytest.approx(0.001)
 
 
-def test_policy_interpolates_and_extrapolates_unmeasured_gammas():
+def test_policy_cost_model_plain_and_verify_rounds_linear_in_rows_and_drafts():
     p = GammaPolicy()
+    assert p.round_cost(3) == pytest.approx(1.0 + 0.1 * 3)  # nothing measured: the prior, in units
     p.observe_cost(0, 0.010, rows=1, drafted_tokens=0, draft_s=0)
+    assert p.round_cost(4) == pytest.approx(0.010 * (1 + 0.1 * 4))  # no drafts measured yet: the prior slope
     p.observe_cost(4, 0.018, rows=1, drafted_tokens=4, draft_s=0)
-    assert p.step_cost(2) == pytest.approx(0.014)
+    assert p.round_cost(2) == pytest.approx(0.016)  # one draft count seen: the prior slope through it
     p.observe_cost(2, 0.014, rows=1, drafted_tokens=2, draft_s=0)
-    assert p.step_cost(6) == pytest.approx(0.022)  # the slope of the two largest measured
-    # another batch size borrows the nearest measured table until it has its own
-    assert p.step_cost(4, bucket=2) == pytest.approx(0.018)
+    assert p.round_cost(3) == pytest.approx(0.016)
+    assert p.round_cost(6) == pytest.approx(0.022)
+    # one batch size seen: rows cost nothing extra, but every row's drafts do
+    assert p.round_cost(2, rows=2) == pytest.approx(0.010 + 0.002 * 2 * 2)
+    p.observe_cost(0, 0.012, rows=2, drafted_tokens=0, draft_s=0)
+    assert p.round_cost(0, rows=3) == pytest.approx(0.014)
+
+
+def test_policy_turns_speculation_off_in_a_full_batch():
+    p = GammaPolicy(gamma_max=4)
+    for rows, drafts, s in ((1, 0, 0.005), (1, 1, 0.006), (1, 2, 0.007), (4, 0, 0.008), (4, 4, 0.014), (4, 8, 0.020)):
+        for _ in range(4):
+            p.observe_cost(0, s, rows=rows, drafted_tokens=drafts, draft_s=0)
+    row = p.new_row(None)
+    for i in range(40):
+        p.observe_round(row, 1, i % 2)  # every other draft accepted
+    p.rows_now = 1
+    assert p.best(row) > 0  # alone, a row gains from drafting
+    p.rows_now = 4
+    assert p.best(row) == 0  # four rows already fill the forward
 
 
 def test_policy_pauses_when_nothing_is_accepted_and_backs_off_its_probes():
@@ -171,7 +195,7 @@ def test_policy_pauses_when_nothing_is_accepted_and_backs_off_its_probes():
     holds = []
     assert p.choose(row) == (0, 4)
     for _ in range(4):
-        assert p.probe(row) == 1
+        assert p.after_hold(row) == (1, 0)
         p.observe_round(row, 1, 0)
         g, hold = p.choose(row)
         assert g == 0
@@ -182,7 +206,8 @@ def test_policy_pauses_when_nothing_is_accepted_and_backs_off_its_probes():
 def test_policy_goes_deep_when_everything_is_accepted_and_resumes_after_a_probe():
     p = GammaPolicy(gamma_max=4)
     for g in range(5):
-        p.observe_cost(g, 0.010 + 0.001 * g, rows=1, drafted_tokens=g, draft_s=0)
+        for _ in range(4):
+            p.observe_cost(g, 0.010 + 0.001 * g, rows=1, drafted_tokens=g, draft_s=0)
     row = p.new_row(None)
     for _ in range(20):
         p.observe_round(row, 4, 4)
@@ -190,7 +215,7 @@ def test_policy_goes_deep_when_everything_is_accepted_and_resumes_after_a_probe(
     for _ in range(40):
         p.observe_round(row, 1, 0)
     assert p.choose(row)[0] == 0
-    p.probe(row)
+    p.after_hold(row)
     for _ in range(40):
         p.observe_round(row, 4, 4)  # the text turned repetitive
     assert p.choose(row)[0] == 4 and row.probe_every == p.probe_first
@@ -204,3 +229,17 @@ def test_fixed_gamma_is_fixed():
     assert p.choose(p.new_row(1)) == (1, 0)  # the request's own override
     with pytest.raises(ValueError):
         GammaPolicy(fixed=99)
+
+
+def test_policy_explores_a_plain_round_when_it_never_saw_one():
+    p = GammaPolicy(gamma_max=4)
+    for _ in range(4):
+        p.observe_cost(2, 0.012, rows=1, drafted_tokens=2, draft_s=0)
+    row = p.new_row(None)
+    for _ in range(20):
+        p.observe_round(row, 2, 2)
+    assert p.choose(row) == (0, 1)  # one plain round, to anchor the cost of γ = 0
+    for _ in range(4):
+        p.observe_cost(0, 0.010, rows=1, drafted_tokens=0, draft_s=0)
+    assert p.after_hold(row)[0] > 0  # then back to drafting, not a probe from γ = 1
+    assert not row.probing
