@@ -96,10 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         for fut in as_completed(futures):
             o = fut.result()
             outcomes.append(o)
+            if not o.ok:  # at once, so a long sweep that is cut short still says what failed
+                line = f"FAIL {o.reproduce}: {o.findings[0] if o.findings else ''}"
+                if bar is not None:
+                    bar.write(line)
+                else:
+                    print(line, flush=True)
             if bar is not None:
                 bar.update(1)
-                if not o.ok:
-                    bar.write(f"FAIL {o.reproduce}")
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t0
