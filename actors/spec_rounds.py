@@ -41,6 +41,7 @@ class RowSpec:
     consult: bool = True  # send the next round to the Verifier even without drafts
     synced: int = 0  # context tokens the Drafter has
     drafts: list[int] = field(default_factory=list)
+    empty: int = 0  # rounds at γ > 0 whose drafter proposed nothing, since the last verdict
     off: bool = False  # the backend refused a window: plain decode from now on
     targets: list[int] | None = None  # this step's target tokens, until the verdict
     fed: int = 0  # tokens this step fed into the row's cache
@@ -146,6 +147,8 @@ class SpecRounds:
             return False
         if not spec.drafts and not spec.consult:
             spec.target_calls += 1
+            if spec.gamma > 0:
+                spec.empty += 1
             if spec.gamma == 0:
                 spec.hold -= 1
                 spec.consult = spec.hold <= 0
@@ -173,7 +176,7 @@ class SpecRounds:
 
     def take_verify(self) -> Verify | None:
         windows = [
-            Window(rid=rid, drafts=list(spec.drafts), targets=spec.targets, fixed_gamma=spec.fixed)
+            Window(rid=rid, drafts=list(spec.drafts), targets=spec.targets, fixed_gamma=spec.fixed, empty=spec.empty)
             for rid, spec in self.rows.items()
             if spec.targets is not None
         ]
@@ -198,7 +201,7 @@ class SpecRounds:
             spec.accepted += v.accepted
             spec.draft_rounds += 1 if drafted else 0
             spec.gamma, spec.hold = v.gamma_next, v.hold
-            spec.consult = False
+            spec.consult, spec.empty = False, 0
             spec.off = spec.off or v.fallback
             if row is None:
                 continue

@@ -58,6 +58,7 @@ class Window(msgspec.Struct, frozen=True, kw_only=True):
     drafts: list[int]
     targets: list[int]
     fixed_gamma: int | None = None  # the request's own num_draft_tokens
+    empty: int = 0  # rounds since the last window in which the drafter proposed nothing
 
 
 class StepCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,6 +127,7 @@ class VerifierCore:
     def __init__(self, policy: GammaPolicy):
         self.policy = policy
         self.rows: dict[int, RowPolicy] = {}
+        policy.live = self.rows  # the policy weighs a row's choice against the rest of the batch
         self.counters = SpecCounters()
 
     def verify(self, msg: Verify) -> Verified:
@@ -145,6 +147,7 @@ class VerifierCore:
             return Verdict(rid=w.rid, accepted=0, tokens=list(w.targets), gamma_next=0, hold=1 << 30, fallback=True)
         k, tokens = accept_window(w.drafts, w.targets)
         self.counters.record(len(w.drafts), k)
+        self.policy.observe_hits(row, w.empty, bool(w.drafts))
         if w.drafts:
             self.policy.observe_round(row, len(w.drafts), k)
             gamma, hold = self.policy.choose(row)

@@ -38,8 +38,15 @@ plain decode, ``E = 1``.
   asking the Drafter or the Verifier anything — and then probes γ = 1 once to
   find out whether drafts started paying (the text may have become
   repetitive). Each probe that does not turn speculation back on doubles the
-  hold, up to ``probe_max``, so a request where it never pays spends at most
-  ~1/``probe_max`` of its rounds probing.
+  hold, up to ``probe_max``; and the hold is never shorter than what keeps
+  probing under ``probe_budget`` (2%) of the time, given what a verify round
+  costs over a plain one at this batch size.
+* In a batch a row must also pay for the others: its γ is chosen for the
+  most tokens per second of the whole batch, the other rows drafting as they
+  do now (their acceptance, and how often their drafter proposes anything),
+  and it decodes plainly when the batch as a whole would be faster with
+  nobody drafting — otherwise every row, seeing the verify round already paid
+  for by the others, keeps drafting and all are worse off.
 
 Under batching the choice is a heuristic: rows differ in acceptance, and each
 row chooses as if the others drafted like it. A fixed γ (``EngineConfig.num_draft_tokens`` or the request's
@@ -48,6 +55,7 @@ row chooses as if the others drafted like it. A fixed γ (``EngineConfig.num_dra
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -79,6 +87,7 @@ class RowPolicy:
     probe_every: int = 4
     probing: bool = False
     exploring: bool = False  # decoding one round plainly to measure its cost
+    hit: float = 1.0  # how often its drafter had something to propose (prompt lookup may not)
     off: bool = False  # the row's cache cannot be trimmed: plain decode from now on
 
 
@@ -95,6 +104,8 @@ class GammaPolicy:
         slope_prior: float = 0.1,
         probe_first: int = 4,
         probe_max: int = 64,
+        probe_budget: float = 0.02,
+        probe_cap: int = 512,
     ):
         if fixed is not None and not 0 <= fixed <= FIXED_GAMMA_MAX:
             raise ValueError(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}, got {fixed}")
@@ -106,6 +117,8 @@ class GammaPolicy:
         self.slope_prior = slope_prior
         self.probe_first = probe_first
         self.probe_max = probe_max
+        self.probe_budget = probe_budget
+        self.probe_cap = probe_cap
         self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=cost_window)  # (rows, drafts, s)
         self._draft_s: deque[float] = deque(maxlen=64)  # per drafted token, for the stats
@@ -113,6 +126,7 @@ class GammaPolicy:
         self._floor = 1e-9
         self._fit_due = False
         self.rows_now = 1  # rows in the latest step
+        self.live: dict[int, RowPolicy] = {}  # every speculating row (the Verifier's table)
 
     # ---- rows ------------------------------------------------------------
     def new_row(self, fixed: int | None) -> RowPolicy:
@@ -213,20 +227,13 @@ class GammaPolicy:
         can only lose (the per-row choice would not see that if each row
         priced its window alone)."""
         b = self.rows_now if rows is None else rows
-        (p0, p1), v = self._fit()
-        plain = p0 + p1 * b
-        if gamma == 0:
-            return max(self._floor, plain)
-        if v is None:  # nothing with drafts measured yet: a draft token costs slope_prior of a plain round
-            return max(self._floor, plain * (1 + self.slope_prior * gamma))
-        v0, v1, v2 = v
-        return max(self._floor, v0 + v1 * b + v2 * b * gamma)
+        return self._cost(b, b * gamma)
 
-    def measured(self, gamma: int) -> bool:
-        """Enough rounds at this batch size with this many drafts per row that
-        one unlucky round cannot rule it out for good."""
+    def measured(self, drafts: int) -> bool:
+        """Enough rounds at this batch size with this many draft tokens in all
+        that one unlucky round cannot rule it out for good."""
         b = self.rows_now
-        n = sum(1 for r, d, _ in self._samples if r == b and d == b * gamma)
+        n = sum(1 for r, d, _ in self._samples if r == b and d == drafts)
         return n >= self.min_samples
 
     # ---- choice ----------------------------------------------------------
@@ -251,13 +258,56 @@ class GammaPolicy:
                 out[j] = min(out[j], out[j - 1])
         return out
 
+    def _cost(self, rows: int, drafts: float) -> float:
+        """A round of ``rows`` rows feeding ``drafts`` draft tokens in all."""
+        (p0, p1), v = self._fit()
+        plain = p0 + p1 * rows
+        if drafts <= 0:
+            return max(self._floor, plain)
+        if v is None:
+            return max(self._floor, plain * (1 + self.slope_prior * drafts / rows))
+        v0, v1, v2 = v
+        return max(self._floor, v0 + v1 * rows + v2 * drafts)
+
+    def observe_hits(self, row: RowPolicy, empty: int, hit: bool) -> None:
+        """``empty`` rounds at γ > 0 in which the drafter had nothing to propose
+        (prompt lookup without a match), then one with drafts if ``hit``."""
+        a = self.accept_alpha
+        for _ in range(min(empty, 64)):
+            row.hit -= a * row.hit
+        if hit:
+            row.hit += a * (1.0 - row.hit)
+
     def best(self, row: RowPolicy) -> int:
-        accept = self.effective_accept(row)
+        """The γ with the most tokens per second for the whole batch, the other
+        rows drafting as they do now: in a batch the verify round's jump in
+        cost is paid by every row, so one row's drafts must pay for all of them."""
         b = self.rows_now
-        rates = [self.expected_tokens(accept, g) / self.round_cost(g, b) for g in range(self.gamma_max + 1)]
+        others = [r for r in self.live.values() if r is not row and not r.off][: max(0, b - 1)]
+        tokens = float(max(0, b - 1 - len(others)))  # rows that do not speculate: one token each
+        drafts, p_none = 0.0, 1.0
+        for o in others:
+            if o.gamma <= 0:
+                tokens += 1.0
+                continue
+            tokens += o.hit * self.expected_tokens(self.effective_accept(o), o.gamma) + (1.0 - o.hit)
+            drafts += o.hit * o.gamma
+            p_none *= 1.0 - o.hit
+        base = p_none * self._cost(b, 0) + (1.0 - p_none) * self._cost(b, drafts)
+        accept = self.effective_accept(row)
+        rates = [(tokens + 1.0) / base]
+        for g in range(1, self.gamma_max + 1):
+            mine = row.hit * self.expected_tokens(accept, g) + (1.0 - row.hit)
+            cost = row.hit * self._cost(b, drafts + g) + (1.0 - row.hit) * base
+            rates.append((tokens + mine) / cost)
+        if max(rates) < b / self._cost(b, 0):
+            # The batch would do better with nobody drafting. Each row alone can
+            # still gain once the others' drafts have paid for the verify round,
+            # so without this every row keeps drafting, all worse off together.
+            return 0
         best = max(range(len(rates)), key=lambda g: (rates[g], -g))
         nxt = best + 1
-        if 0 < best and nxt <= self.gamma_max and not self.measured(nxt):
+        if 0 < best and nxt <= self.gamma_max and not self.measured(round(drafts) + nxt):
             return nxt  # measure the next γ; it may be cheaper than estimated
         return best
 
@@ -283,7 +333,17 @@ class GammaPolicy:
             row.probe_every = self.probe_first if g > 0 else min(self.probe_max, row.probe_every * 2)
         if g > 0:
             return (0, 1) if self._explore_plain(row) else (g, 0)
-        return 0, row.probe_every
+        return 0, max(row.probe_every, self._probe_spacing())
+
+    def _probe_spacing(self) -> int:
+        """Plain rounds between probes so that probing costs at most
+        ``probe_budget`` of the time: a probe turns one round of the whole
+        batch into a verify round, which costs a batch of four on CPU ~2.5
+        plain rounds, one row alone ~1.3."""
+        b = self.rows_now
+        plain = self._cost(b, 0)
+        jump = max(0.0, self._cost(b, 1) - plain) / plain
+        return min(self.probe_cap, max(1, math.ceil(jump / self.probe_budget - 1e-9)))
 
     def after_hold(self, row: RowPolicy) -> tuple[int, int]:
         """A held row's hold ran out: choose again after a plain exploration

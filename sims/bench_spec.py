@@ -158,7 +158,7 @@ def report(configs: list[Config], workloads: list[str], args: argparse.Namespace
         lines += ["Adaptive γ chosen (all workloads, rounds per γ):", ""]
         for c in adaptive:
             st = c.engine.stats().get("speculation", {})
-            lines.append(f"- {c.name}: {st.get('gamma_chosen')}, policy {st.get('policy', {}).get('step_s_by_gamma')}")
+            lines.append(f"- {c.name}: {st.get('gamma_chosen')}; round cost fit {st.get('policy', {}).get('round_s_fit')}")
         lines.append("")
     return "\n".join(lines)
 

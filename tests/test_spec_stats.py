@@ -186,21 +186,37 @@ def test_policy_turns_speculation_off_in_a_full_batch():
 
 
 def test_policy_pauses_when_nothing_is_accepted_and_backs_off_its_probes():
-    p = GammaPolicy(probe_first=4, probe_max=16)
+    p = GammaPolicy(probe_first=4, probe_max=32, probe_budget=0.02)
     for g in range(7):
         p.observe_cost(g, 0.010 + 0.002 * g, rows=1, drafted_tokens=g, draft_s=0.001 * g)
     row = p.new_row(None)
     for _ in range(10):
         p.observe_round(row, 1, 0)
     holds = []
-    assert p.choose(row) == (0, 4)
+    # a probe round costs 20% more than a plain one: at least 10 rounds apart for a 2% budget
+    assert p.choose(row) == (0, 10)
     for _ in range(4):
         assert p.after_hold(row) == (1, 0)
         p.observe_round(row, 1, 0)
         g, hold = p.choose(row)
         assert g == 0
         holds.append(hold)
-    assert holds == [8, 16, 16, 16]
+    assert holds == [10, 16, 32, 32]  # then doubling, up to probe_max
+
+
+def test_probes_are_sparser_where_a_verify_round_costs_more():
+    p = GammaPolicy(probe_first=4, probe_budget=0.02)
+    for rows, drafts, s in ((1, 0, 0.005), (1, 1, 0.006), (1, 2, 0.007), (4, 0, 0.008), (4, 4, 0.020), (4, 8, 0.022)):
+        for _ in range(4):
+            p.observe_cost(0, s, rows=rows, drafted_tokens=drafts, draft_s=0)
+    row = p.new_row(None)
+    for _ in range(10):
+        p.observe_round(row, 1, 0)
+    p.rows_now = 1
+    alone = p.choose(row)[1]
+    p.rows_now = 4
+    batch = p.choose(row)[1]
+    assert batch > 3 * alone
 
 
 def test_policy_goes_deep_when_everything_is_accepted_and_resumes_after_a_probe():
