@@ -37,7 +37,10 @@ Design:
   rows with shorter windows (decode rows: 1 token) are right-padded and the
   padding is rolled away, and every position's token is returned. Trims after
   a verify are per row (``DecodeBatch.trim``). This is the seam for
-  speculative decoding; nothing runs ahead after a verify step.
+  speculative decoding; nothing runs ahead after a verify step. When windows
+  follow a step run ahead whose inputs were their first tokens, that step is
+  kept as the windows' first position and only the drafts are fed
+  (``_queue_heads_windows``), instead of undoing a whole decode.
 """
 
 from __future__ import annotations
@@ -198,7 +201,7 @@ class MLXBackend:
         self._built: mx.array | None = None  # a step built ahead, not yet being computed
         self._ahead_error: Exception | None = None
         self.steps = 0
-        self.counters = {"pipelined": 0, "undone": 0}
+        self.counters = {"pipelined": 0, "undone": 0, "ahead_heads_windows": 0}
 
     @classmethod
     def load(cls, path: pathlib.Path, config: EngineConfig) -> "MLXBackend":
@@ -291,9 +294,12 @@ class MLXBackend:
             exc, self._ahead_error = self._ahead_error, None
             raise exc
         queued, self._queued = self._queued, []
+        heads = False  # the step run ahead is the first position of this step's verify windows
         if queued and not self._queue_fits(plan):
-            self._undo(queued)
-            queued = []
+            heads = self._queue_heads_windows(plan, queued)
+            if not heads:
+                self._undo(queued)
+                queued = []
         queued_tokens = self._close(plan, res, queued)
         self._open(plan, res)
         self._trim(plan, res)
@@ -336,6 +342,10 @@ class MLXBackend:
             outputs.append(self._sample(batch.rids, inputs, logits, step_tokens))
             for rid, toks in zip(batch.rids, inputs):
                 self._rows[rid].fed += len(toks)  # else a later trim is clipped to a stale `fed`
+        rest = None
+        if heads:  # before joiners enter the batch
+            rest = self._verify_rest(work, verify_rids)
+            self.counters["ahead_heads_windows"] += 1
         if joiners:
             inputs = [work[rid] for rid in joiners]
             group = DecodeBatch()
@@ -363,6 +373,8 @@ class MLXBackend:
         mx.eval([toks for _, _, toks in outputs], [c.state for cache in res.closed.values() for c in cache])
         for rids, widths, toks in outputs:
             self._collect(rids, widths, toks, verify_rids, res)
+        if heads:
+            self._join_heads(rest, verify_rids, res)
         if plan.prefill or self.steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         if ahead is not None:
@@ -576,6 +588,56 @@ class MLXBackend:
         stay = [rid for rid in batch.rids if rid not in closed]
         want = self._queued_inputs
         return len(fed) == len(stay) and all(fed.get(rid) == want.get(rid) for rid in stay)
+
+    # ---- speculation: a verify window after a step run ahead --------------------
+    def _queue_heads_windows(self, plan: StepPlan, queued: list[_Ahead]) -> bool:
+        """Can the one decode step run ahead serve as the first position of this
+        plan's verify windows? It fed each row exactly the token a window starts
+        with (``last``), so its sampled token is the target's token at position
+        0; the window's drafts are then fed on top instead of undoing it (a
+        whole wasted decode every time a row turns from plain decode to
+        speculation). Only with one step ahead, no trims and no other inputs."""
+        batch = self._batch
+        closed = set(plan.close)
+        if len(queued) != 1 or any(rid in batch and rid not in closed for rid, _ in plan.trim):
+            return False
+        first = {d.rid: d.token for d in plan.decode if d.rid in batch}
+        windows = {v.rid: v.tokens[0] for v in plan.verify if v.rid in batch and v.tokens}
+        if not windows or set(first) & set(windows):
+            return False
+        first.update(windows)
+        stay = [rid for rid in batch.rids if rid not in closed]
+        want = self._queued_inputs
+        return len(first) == len(stay) and all(first.get(rid) == want.get(rid) for rid in stay)
+
+    def _verify_rest(self, work: dict[int, list[int]], verify_rids: set[int]) -> tuple[list[int], Any] | None:
+        """Feed the verify rows' drafts (their windows past the first token, which
+        the step run ahead fed) in one batched forward; the other rows feed nothing."""
+        batch = self._batch
+        inputs = [work.get(rid, [])[1:] if rid in verify_rids else [] for rid in batch.rids]
+        if not any(inputs):
+            return None
+        logits = batch.forward(self.model, inputs)
+        rids = list(batch.rids)
+        _, widths, toks = self._sample(rids, inputs, logits, [])
+        for rid, x in zip(rids, inputs):
+            self._rows[rid].fed += len(x)
+        mx.eval(toks)
+        return rids, (widths, toks)
+
+    @staticmethod
+    def _join_heads(rest: tuple[list[int], Any] | None, verify_rids: set[int], res: StepResult) -> None:
+        """Verify rows: the head token from the step run ahead, then their drafts'."""
+        per_row: dict[int, list[int]] = {}
+        if rest is not None:
+            rids, (widths, toks) = rest
+            if widths is None:  # every row fed exactly one draft: one [B] array
+                per_row = {rid: [t] for rid, t in zip(rids, toks.tolist())}
+            else:
+                per_row = {rid: arr.tolist() for rid, n, arr in zip(rids, widths, toks) if n}
+        for rid in verify_rids:
+            if rid in res.tokens:
+                res.verified[rid] = [res.tokens.pop(rid), *per_row.get(rid, [])]
 
     def _undo(self, queued: list[_Ahead]) -> None:
         """Take back steps run ahead: their tokens leave the cache, keys go back."""
