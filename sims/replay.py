@@ -137,7 +137,7 @@ class Replayer:
         time_scale: float = 1.0,
         model: str | None = None,
         encode: Callable[[str], list[int]] | None = None,
-        retries: int = 5,
+        retry_window_s: float = 60.0,
         request_timeout_s: float = 600.0,
         server: ServerProcess | None = None,
         progress: bool = False,
@@ -146,7 +146,7 @@ class Replayer:
         self.trace = trace
         self.scale = time_scale
         self.model = model
-        self.retries = retries
+        self.retry_window_s = retry_window_s
         self.request_timeout_s = request_timeout_s
         self.server = server
         self.progress = progress
@@ -243,9 +243,11 @@ class Replayer:
                 break
             except _Retryable as exc:
                 s.errors.append(str(exc))
-                if s.attempts > self.retries:
+                if self.now() - s.start > self.retry_window_s:
                     break
-                await anyio.sleep(min(8.0, 0.25 * 2**s.attempts))
+                # retry promptly (a restarting server is back within seconds), so
+                # TTFT measures the server's downtime rather than the client's backoff
+                await anyio.sleep(min(1.0, 0.1 * s.attempts))
             except _Fatal as exc:
                 s.errors.append(str(exc))
                 break
@@ -464,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, help="replay only the first N requests")
     ap.add_argument("--model", help="the model name to send (default: the server's first /v1/models entry)")
     ap.add_argument("--tokenizer", help="'bytes' (fake GPU) or a tokenizer.json: needed when token-id prompts continue a session")
-    ap.add_argument("--retries", type=int, default=5, help="retries of a request after a connection error, 429 or 503")
+    ap.add_argument("--retry-window-s", type=float, default=60.0, help="keep retrying a request after a connection error, 429 or 503 this long")
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--server-cmd", help="start the server with this command ({port} is substituted) and carry out restarts")
     ap.add_argument("--out", default="replay-out", help="folder for report.md, ttft.png and samples.ndjson")
@@ -485,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--url is required without --server-cmd")
     replayer = Replayer(
         url, trace, time_scale=args.time_scale, model=args.model, encode=_tokenizer(args.tokenizer),
-        retries=args.retries, request_timeout_s=args.request_timeout_s, server=server, progress=True,
+        retry_window_s=args.retry_window_s, request_timeout_s=args.request_timeout_s, server=server, progress=True,
     )
     anyio.run(replayer.run)
     samples = sorted(replayer.samples.values(), key=lambda s: s.id)

@@ -32,6 +32,7 @@ import msgspec
 
 from engine.api import Engine
 from engine.config import EngineConfig
+from engine.disk import FaultyDisk
 from engine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
 from engine.eventlog import EventLog
 from engine.fake_gpu import FakeBackend
@@ -58,6 +59,7 @@ class RunResult:
     counters: dict[str, Any]
     virtual_s: float
     wall_s: float
+    cpu_s: float
     trace_desc: str
     notes: list[str] = field(default_factory=list)
 
@@ -85,7 +87,7 @@ class RunResult:
             lines.append(f"  {state} {ch.name:28s} {why}{bad}")
         lines += [f"note: {n}" for n in self.notes]
         ratio = self.virtual_s / self.wall_s if self.wall_s > 0 else math.inf
-        lines.append(f"time: virtual {self.virtual_s:.1f} s, wall {self.wall_s:.2f} s, virtual/wall {ratio:.0f}x")
+        lines.append(f"time: virtual {self.virtual_s:.1f} s, wall {self.wall_s:.2f} s (cpu {self.cpu_s:.2f} s), virtual/wall {ratio:.0f}x")
         lines.append(f"events: {self.events}")
         for f in self.findings[:20]:
             lines.append(f"VIOLATION {f}")
@@ -131,7 +133,6 @@ class Simulation:
         }
         self._slow_rng = random.Random(derive(seed, "slow-io"))
         self.disk: RecordingDisk | None = None
-        self._disk_faults_on = False
         self.engine_class = self._engine_class()
         self.host = Host(self)
         # checkers
@@ -165,18 +166,11 @@ class Simulation:
         if not (self.scenario.ssd and self.config.ssd_cache_dir):
             self.config = msgspec.structs.replace(self.config, ssd_cache_dir=None)
             return Engine
-        try:
-            from engine.disk import FaultyDisk
-        except ImportError:
-            self.notes.append("SSD tier off: engine.disk.FaultyDisk is not there yet")
-            self.config = msgspec.structs.replace(self.config, ssd_cache_dir=None)
-            return Engine
         d = self.scenario.disk
         self.faulty_disk = FaultyDisk(
             derive(self.seed, "disk"), enospc_prob=d.enospc_prob, capacity_bytes=d.capacity_bytes,
             eio_prob=d.eio_prob, bitflip_prob=d.bitflip_prob,
         )
-        self._disk_faults_on = True
 
         class SimEngine(Engine):
             def _make_cold_tier(self) -> Any:
@@ -188,10 +182,10 @@ class Simulation:
         return SimEngine
 
     def adopt_cold_tier(self, cold: Any) -> None:
-        """Point a freshly built ColdTier at the simulated disk, the virtual
-        clock (file headers carry a time) and the inline I/O runner.
-        Engine has no disk port yet; until it does, the simulator swaps the
-        attributes before the tier's first I/O (its index scan at start)."""
+        """Point a freshly built ColdTier at the simulated disk and the virtual
+        clock (file headers carry a time), and slow its I/O runner for a slow
+        disk. Engine has no disk port yet; until it does, the simulator swaps
+        the attributes before the tier's first I/O (its index scan at start)."""
         cold.store.disk = self.disk
         if hasattr(cold, "wall"):
             cold.wall = self.clock.now
@@ -290,13 +284,13 @@ class Simulation:
 
     # ---- the run -------------------------------------------------------------
     def run(self) -> RunResult:
-        wall0 = time.perf_counter()
+        wall0, cpu0 = time.perf_counter(), time.process_time()
         findings: list[inv.Finding] = []
         try:
             anyio.run(self._main, backend="asyncio", backend_options={"loop_factory": SimLoop})
         except async_solipsism.SleepForeverError:
             findings.append(inv.Finding("deadlock", getattr(self, "t_end", 0.0), "every task is blocked and no timer is set"))
-        wall = time.perf_counter() - wall0
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         for ch in self.checkers:
             findings.extend(ch.findings)
         faults: dict[str, Any] = {}
@@ -319,6 +313,7 @@ class Simulation:
             counters=self.counters,
             virtual_s=getattr(self, "t_end", 0.0),
             wall_s=wall,
+            cpu_s=cpu,
             trace_desc=f"{self.trace.header.kind} ({len(self.trace.requests)} requests, {self.trace.duration_s:.0f} s)",
             notes=self.notes,
         )
@@ -520,6 +515,7 @@ def run_scenario(name: str, seed: int, *, trace: Trace | None = None, progress: 
         result.findings.extend(other.findings)
         result.digest = hashlib.blake2b((result.digest + other.digest).encode(), digest_size=16).hexdigest()
         result.wall_s += other.wall_s
+        result.cpu_s += other.cpu_s
     return result
 
 
@@ -536,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("ember").setLevel(logging.CRITICAL)
     if args.list:
         for s in SCENARIOS.values():
-            print(f"{s.name:10s} {s.description}")
+            print(f"{s.name:14s} {s.description}")
         return 0
     if args.scenario not in SCENARIOS:
         print(f"unknown scenario {args.scenario!r}; --list shows them", file=sys.stderr)

@@ -161,5 +161,21 @@ SCENARIOS: dict[str, Scenario] = {
             config=_config(max_batch=16, max_queue=256),
             tags=("speed",),
         ),
+        Scenario(
+            name="chat-10k-ram",
+            description="chat-10k with the RAM tier only (no SSD tier, no write-behind): what the SSD tier costs",
+            trace=lambda seed: gen.chat(seed, requests=10_000),
+            config=_config(max_batch=16, max_queue=256, ssd_cache_dir=None),
+            ssd=False,
+            tags=("speed",),
+        ),
+        Scenario(
+            name="chat-10k-core",
+            description="chat-10k with no prompt cache: the engine core and the simulator alone",
+            trace=lambda seed: gen.chat(seed, requests=10_000),
+            config=_config(max_batch=16, max_queue=256, ssd_cache_dir=None, prompt_cache_gib=0.0),
+            ssd=False,
+            tags=("speed",),
+        ),
     )
 }
