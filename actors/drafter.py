@@ -77,6 +77,7 @@ class DraftedRound(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
     drafted: list[Drafted]
     draft_s: float = 0.0
+    catch_up_s: float = 0.0  # feeding draft caches that lagged (a one-off when a row resumes drafting)
     reset: list[int] = []  # rows whose context the Drafter dropped: resend it from 0
 
 
@@ -297,9 +298,10 @@ class Drafter(Actor[Inbox]):
             return DraftedRound(drafted=core.draft(drafts))
         try:
             lagging = core.lagging(drafts)
+            t0 = self.clock.now()
             if lagging:
                 await self.device.run(core.catch_up, lagging, cost_s=core.catch_up_cost_s(lagging))
-            t0 = self.clock.now()
+            caught_up, t0 = self.clock.now() - t0, self.clock.now()
             drafted = await self.device.run(core.draft, drafts, cost_s=core.cost_s(drafts))
         except (MemoryError, RuntimeError) as exc:
             # A drafter fault costs this round's drafts, never a request: drop
@@ -309,4 +311,4 @@ class Drafter(Actor[Inbox]):
             log.warning("[drafter] draft failed rows=%s: %r", rids, exc)
             await self.device.run(core.forget, rids)
             return DraftedRound(drafted=[Drafted(rid=rid, tokens=[]) for rid in rids], reset=rids)
-        return DraftedRound(drafted=drafted, draft_s=self.clock.now() - t0)
+        return DraftedRound(drafted=drafted, draft_s=self.clock.now() - t0, catch_up_s=caught_up)

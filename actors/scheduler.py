@@ -588,7 +588,7 @@ class Scheduler(Actor[Inbox]):
     async def _step(self) -> None:
         core = self.core
         started = core.clock.now()
-        draft_s = await self._draft()
+        draft_s, catch_up_s = await self._draft()
         plan = core.plan()
         cost = core.backend.step_cost_s(plan)
         try:
@@ -610,7 +610,9 @@ class Scheduler(Actor[Inbox]):
             for env in waiters:
                 env.answer(None)
         if core.spec is not None:  # the time from this step's start to the next one's is its cost
-            core.spec.note_step(plan, started, draft_s, ok=result is not None, more=core.has_work())
+            core.spec.note_step(
+                plan, started, draft_s, catch_up_s=catch_up_s, ok=result is not None, more=core.has_work()
+            )
         self._forget()
         deltas = core.take_outbox()
         if deltas:
@@ -618,14 +620,15 @@ class Scheduler(Actor[Inbox]):
 
 
     # ---- speculative rounds: Draft before the step, Verify after it ------------
-    async def _draft(self) -> float:
-        """Get drafts for this step's speculating rows; the device seconds it took."""
+    async def _draft(self) -> tuple[float, float]:
+        """Get drafts for this step's speculating rows; the seconds drafting and
+        catching lagging draft caches up took."""
         drafts = self.core.draft_requests()
         if not drafts or self.drafter is None:
-            return 0.0
+            return 0.0, 0.0
         answer = await self.drafter.ask(DraftRound(drafts=drafts))
         self.core.spec.set_drafts(answer, drafts)
-        return answer.draft_s
+        return answer.draft_s, answer.catch_up_s
 
     async def _verify(self) -> None:
         msg = self.core.spec.take_verify()

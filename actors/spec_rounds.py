@@ -157,13 +157,16 @@ class SpecRounds:
         spec.fed = len(targets)  # the window, or 1 if the backend decoded only `last`
         return True
 
-    def note_step(self, plan: StepPlan, started: float, draft_s: float, *, ok: bool, more: bool) -> None:
+    def note_step(
+        self, plan: StepPlan, started: float, draft_s: float, *, catch_up_s: float = 0.0, ok: bool, more: bool
+    ) -> None:
         """Cost a step for adaptive γ (sent with the next Verify): the time from
         its start to the next step's start — drafting, the device step, the
         Verifier and the emission all included, and a decode the backend ran
         ahead (pipelined) counted at what it really costs per token. A step
         that also prefilled, failed, or was followed by an idle wait is not
-        costed."""
+        costed. Its own catch-up of lagging draft caches is left out: a one-off
+        when a row resumes drafting, not a cost of drafting."""
         prev, self._open_step = self._open_step, None
         if prev is not None:
             gamma, rows, drafted, d_s, t = prev
@@ -172,7 +175,7 @@ class SpecRounds:
             return
         drafted = sum(len(v.tokens) - 1 for v in plan.verify)
         gamma = max((len(v.tokens) - 1 for v in plan.verify), default=0)
-        self._open_step = (gamma, len(plan.decode) + len(plan.verify), drafted, draft_s, started)
+        self._open_step = (gamma, len(plan.decode) + len(plan.verify), drafted, draft_s, started + catch_up_s)
 
     def take_verify(self) -> Verify | None:
         windows = [
