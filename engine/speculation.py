@@ -106,6 +106,7 @@ class GammaPolicy:
         probe_max: int = 64,
         probe_budget: float = 0.02,
         probe_cap: int = 512,
+        margin: float = 0.05,
     ):
         if fixed is not None and not 0 <= fixed <= FIXED_GAMMA_MAX:
             raise ValueError(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}, got {fixed}")
@@ -119,12 +120,14 @@ class GammaPolicy:
         self.probe_max = probe_max
         self.probe_budget = probe_budget
         self.probe_cap = probe_cap
+        self.margin = margin  # drafting must promise this much more than plain decode
         self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=cost_window)  # (rows, drafts, s)
         self._draft_s: deque[float] = deque(maxlen=64)  # per drafted token, for the stats
         self._coef: tuple[tuple[float, float], tuple[float, float, float] | None] = ((1.0, 0.0), None)
         self._floor = 1e-9
         self._fit_due = False
+        self._local: dict[int, tuple[float | None, Any]] = {}  # rows -> what was measured at that size
         self.rows_now = 1  # rows in the latest step
         self.live: dict[int, RowPolicy] = {}  # every speculating row (the Verifier's table)
 
@@ -156,6 +159,7 @@ class GammaPolicy:
         if step_s > 0:
             self._samples.append((max(1, rows), drafted_tokens, step_s))
             self._fit_due = True
+            self._local.clear()
         if drafted_tokens > 0 and draft_s >= 0:
             self._draft_s.append(draft_s / drafted_tokens)
 
@@ -180,9 +184,13 @@ class GammaPolicy:
         if len(set(drafts.tolist())) > 1:
             cols.append(drafts)
             names.append("d")
-        coef, *_ = np.linalg.lstsq(np.stack(cols, axis=1), y, rcond=None)
-        got = dict(zip(names, (float(c) for c in coef)))
-        return got["a"], max(0.0, got.get("r", 0.0)), max(0.0, got.get("d", 0.0))
+        while True:
+            coef, *_ = np.linalg.lstsq(np.stack(cols, axis=1), y, rcond=None)
+            got = dict(zip(names, (float(c) for c in coef)))
+            bad = [i for i, n in enumerate(names) if n != "a" and got[n] < 0]
+            if not bad:  # a negative slope is noise: drop that column and fit again
+                return got["a"], got.get("r", 0.0), got.get("d", 0.0)
+            del cols[bad[0]], names[bad[0]]
 
     def _fit(self) -> tuple[tuple[float, float], tuple[float, float, float] | None]:
         """Two linear models over the 25th percentile of the rounds seen at each
@@ -259,15 +267,43 @@ class GammaPolicy:
         return out
 
     def _cost(self, rows: int, drafts: float) -> float:
-        """A round of ``rows`` rows feeding ``drafts`` draft tokens in all."""
+        """A round of ``rows`` rows feeding ``drafts`` draft tokens in all:
+        from the rounds measured at this batch size when there are any (a plain
+        round, and a line through the verify rounds), else from the fit across
+        all sizes."""
         (p0, p1), v = self._fit()
-        plain = p0 + p1 * rows
+        local = self._local.get(rows)
+        if local is None:
+            local = self._local[rows] = self._fit_at(rows)
+        plain, line = local
+        if plain is None:
+            plain = p0 + p1 * rows
         if drafts <= 0:
             return max(self._floor, plain)
+        if line is not None:
+            v0, v2 = line
+            if v2 is None:  # one draft count measured here: the global slope, or the prior's
+                d0, s0 = v0
+                v2 = v[2] if v is not None and v[2] > 0 else self.slope_prior * plain / rows
+                v0 = s0 - v2 * d0
+            return max(self._floor, v0 + v2 * drafts)
         if v is None:
             return max(self._floor, plain * (1 + self.slope_prior * drafts / rows))
         v0, v1, v2 = v
         return max(self._floor, v0 + v1 * rows + v2 * drafts)
+
+    def _fit_at(self, rows: int) -> tuple[float | None, Any]:
+        """``(plain, line)`` from the rounds measured with exactly ``rows`` rows:
+        ``line`` is ``(v0, v2)``, or ``((d, s), None)`` with one draft count."""
+        pts = {d: s for (r, d), s in self._points().items() if r == rows}
+        plain = pts.get(0)
+        spec = sorted((d, s) for d, s in pts.items() if d > 0)
+        if not spec:
+            return plain, None
+        if len(spec) == 1:
+            return plain, (spec[0], None)
+        a, _, slope = self._lstsq(np.ones(len(spec)), np.array([d for d, _ in spec], float), np.array([s for _, s in spec]))
+        return plain, (a, slope)
 
     def observe_hits(self, row: RowPolicy, empty: int, hit: bool) -> None:
         """``empty`` rounds at γ > 0 in which the drafter had nothing to propose
@@ -300,6 +336,8 @@ class GammaPolicy:
             mine = row.hit * self.expected_tokens(accept, g) + (1.0 - row.hit)
             cost = row.hit * self._cost(b, drafts + g) + (1.0 - row.hit) * base
             rates.append((tokens + mine) / cost)
+        if max(rates[1:]) < rates[0] * (1 + self.margin):
+            return 0  # within the model's error of plain decode: not worth a verify round
         if max(rates) < b / self._cost(b, 0):
             # The batch would do better with nobody drafting. Each row alone can
             # still gain once the others' drafts have paid for the verify round,
