@@ -603,7 +603,7 @@ class Scheduler(Actor[Inbox]):
         if result is not None:
             core.apply(plan, result)
             if core.spec is not None:
-                await self._verify()
+                await self._verify(len(plan.decode) + len(plan.verify))
         core.events.record("step_end", core.clock.now(), n=core.steps)
         if self._settle_waiters and not core._closing:
             waiters, self._settle_waiters = self._settle_waiters, []
@@ -630,8 +630,8 @@ class Scheduler(Actor[Inbox]):
         self.core.spec.set_drafts(answer, drafts)
         return answer.draft_s, answer.catch_up_s
 
-    async def _verify(self) -> None:
-        msg = self.core.spec.take_verify()
+    async def _verify(self, rows: int) -> None:
+        msg = self.core.spec.take_verify(rows)
         if msg is None:
             return
         self.core.apply_verified(await self.verifier.ask(msg))

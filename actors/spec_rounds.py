@@ -177,7 +177,8 @@ class SpecRounds:
         gamma = max((len(v.tokens) - 1 for v in plan.verify), default=0)
         self._open_step = (gamma, len(plan.decode) + len(plan.verify), drafted, draft_s, started + catch_up_s)
 
-    def take_verify(self) -> Verify | None:
+    def take_verify(self, rows: int = 1) -> Verify | None:
+        """The Verify for this step's windows (``rows``: the step's decoding rows)."""
         windows = [
             Window(rid=rid, drafts=list(spec.drafts), targets=spec.targets, fixed_gamma=spec.fixed, empty=spec.empty)
             for rid, spec in self.rows.items()
@@ -186,7 +187,7 @@ class SpecRounds:
         if not windows:
             return None
         costs, self.costs = list(self.costs), deque(maxlen=self.costs.maxlen)
-        return Verify(windows=windows, costs=costs)
+        return Verify(windows=windows, costs=costs, rows=rows)
 
     def apply(self, verified: Verified, rows: dict[int, Any], emit: Callable[[Any, list[int]], None]) -> None:
         """Emit each verdict's tokens and owe the trim of what the cache holds

@@ -79,6 +79,7 @@ class Verify(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
     windows: list[Window]
     costs: list[StepCost] = []
+    rows: int = 1  # rows in the step these windows came from: the batch the choice is for
 
 
 class Forget(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -133,6 +134,7 @@ class VerifierCore:
     def verify(self, msg: Verify) -> Verified:
         for c in msg.costs:
             self.policy.observe_cost(c.gamma, c.step_s, c.rows, c.drafted, c.draft_s)
+        self.policy.rows_now = max(1, msg.rows)  # the batch now, not the one last costed
         return Verified(verdicts=[self._judge(w) for w in msg.windows])
 
     def _judge(self, w: Window) -> Verdict:

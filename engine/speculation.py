@@ -374,14 +374,14 @@ class GammaPolicy:
         return 0, max(row.probe_every, self._probe_spacing())
 
     def _probe_spacing(self) -> int:
-        """Plain rounds between probes so that probing costs at most
+        """Plain rounds between a row's probes so that probing costs at most
         ``probe_budget`` of the time: a probe turns one round of the whole
-        batch into a verify round, which costs a batch of four on CPU ~2.5
-        plain rounds, one row alone ~1.3."""
+        batch into a verify round (a batch of four on CPU: ~2.5 plain rounds;
+        one row alone: ~1.3), and each of the batch's rows probes."""
         b = self.rows_now
         plain = self._cost(b, 0)
         jump = max(0.0, self._cost(b, 1) - plain) / plain
-        return min(self.probe_cap, max(1, math.ceil(jump / self.probe_budget - 1e-9)))
+        return min(self.probe_cap, max(1, math.ceil(b * jump / self.probe_budget - 1e-9)))
 
     def after_hold(self, row: RowPolicy) -> tuple[int, int]:
         """A held row's hold ran out: choose again after a plain exploration

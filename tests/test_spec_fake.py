@@ -157,7 +157,7 @@ def scheduler_with_spec(gamma: int) -> tuple[SchedulerCore, VerifierCore, Record
 
 def round_trip(core: SchedulerCore, verifier: VerifierCore, result: StepResult, plan: StepPlan) -> list[int]:
     core.apply(plan, result)
-    msg = core.spec.take_verify()
+    msg = core.spec.take_verify(1)
     core.apply_verified(verifier.verify(msg))
     return [t for d in core.take_outbox() for t in d.token_ids]
 
@@ -227,7 +227,7 @@ def test_scheduler_usage_counts_the_rounds():
     plan = core.plan()
     assert plan.verify[0].tokens == [5, 1]
     core.apply(plan, StepResult(verified={1: [1, 2]}))  # 1 of 1 -> the bonus hits max_tokens=5
-    core.apply_verified(verifier.verify(core.spec.take_verify()))
+    core.apply_verified(verifier.verify(core.spec.take_verify(1)))
     (last,) = [d for d in core.take_outbox() if d.finish_reason]
     assert last.finish_reason == "length"
     spec = last.usage.speculation
