@@ -40,7 +40,9 @@ plain decode, ``E = 1``.
   repetitive). Each probe that does not turn speculation back on doubles the
   hold, up to ``probe_max``; and the hold is never shorter than what keeps
   probing under ``probe_budget`` (2%) of the time, given what a verify round
-  costs over a plain one at this batch size.
+  costs over a plain one at this batch size and that every row of the batch
+  probes. A row drafts only when the model promises ``margin`` (5%) more
+  than plain decode.
 * In a batch a row must also pay for the others: its γ is chosen for the
   most tokens per second of the whole batch, the other rows drafting as they
   do now (their acceptance, and how often their drafter proposes anything),
