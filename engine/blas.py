@@ -58,3 +58,52 @@ def maybe_reexec_with_openblas(argv: Sequence[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *args], env)
+
+
+class BlasThreads:
+    """Set the thread count of the OpenBLAS this process has loaded.
+
+    A batch-1 decode step is 40-odd tiny GEMVs; OpenBLAS splitting each across
+    the cores costs more than it gains, and on a 2-core machine it takes the
+    core the event loop and MLX's dispatch need (docs/bench-engine.md measures
+    it). Prefill and wide batches are real GEMMs and keep every thread. Inert
+    when no OpenBLAS is loaded, or when the user pinned the count with
+    ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``.
+    """
+
+    def __init__(self, environ: Mapping[str, str] = os.environ):
+        self._set = None
+        self.default = 0
+        self.current = 0
+        if environ.get("OPENBLAS_NUM_THREADS") or environ.get("OMP_NUM_THREADS"):
+            return
+        try:
+            import ctypes
+
+            lib = ctypes.CDLL(None)  # LD_PRELOAD put OpenBLAS in the global namespace
+            self._set = lib.openblas_set_num_threads
+            self.default = self.current = int(lib.openblas_get_num_threads())
+        except (OSError, AttributeError):
+            self._set = None
+
+    @property
+    def active(self) -> bool:
+        return self._set is not None and self.default > 1
+
+    def use(self, n: int) -> None:
+        """``n`` threads from now on (0 = the default); a no-op when unchanged."""
+        n = n or self.default
+        if self.active and n != self.current:
+            self._set(n)
+            self.current = n
+
+
+_shared: BlasThreads | None = None
+
+
+def blas_threads() -> BlasThreads:
+    """The process's one ``BlasThreads`` (the count is process-wide state)."""
+    global _shared
+    if _shared is None:
+        _shared = BlasThreads()
+    return _shared

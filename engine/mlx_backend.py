@@ -57,6 +57,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from engine.blas import blas_threads
 from engine.config import EngineConfig
 from engine.device import ThreadDevice
 from engine.mlx_device import MLXThread
@@ -72,6 +73,8 @@ _METADATA_KEYS = frozenset(
 )
 DEFAULT_CONTEXT = 4096
 CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
+# Forwards of at most this many token rows run on one OpenBLAS thread (engine.blas).
+SINGLE_THREAD_ROWS = 2
 
 
 def load_mlx_backend(config: EngineConfig) -> tuple["MLXBackend", ThreadDevice]:
@@ -171,6 +174,7 @@ class MLXBackend:
     ):
         self.model = model
         self.tokenizer = MLXTokenizer(tokenizer)
+        self.blas = blas_threads()
         self.engine_seed = engine_seed
         probe = make_prompt_cache(model)
         self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
@@ -289,6 +293,8 @@ class MLXBackend:
     def _step(self, plan: StepPlan) -> StepResult:
         res = StepResult()
         self.steps += 1
+        width = len(plan.decode) + sum(len(v.tokens) for v in plan.verify)
+        self.blas.use(1 if not plan.prefill and width <= SINGLE_THREAD_ROWS else 0)
         self._due = self._built = None  # without the run-ahead hook a built step is computed when read
         if self._ahead_error is not None:
             exc, self._ahead_error = self._ahead_error, None
@@ -368,6 +374,16 @@ class MLXBackend:
         for q, toks in zip(queued, queued_tokens):
             q.tokens = toks  # without the rows that closed
 
+        if ahead is not None:
+            self._queued = queued
+            self._due = queued[-1].tokens if queued else ahead
+            if len(queued) < self.max_ahead:
+                # Build the next step's graph now, on this step's still-lazy tokens:
+                # the Python of the build overlaps the last kernels of this step
+                # (MLX's CPU ``async_eval`` returns with a few tasks still running,
+                # which the ``eval`` below waits for), as ``generate_step`` does.
+                # The MLX thread computes it once the result is handed over.
+                self._build_ahead(pending=1)
         # Caches handed out are evaluated, so the prompt-cache tiers may copy them
         # from another thread (an unevaluated array is bound to this thread's stream).
         mx.eval([toks for _, _, toks in outputs], [c.state for cache in res.closed.values() for c in cache])
@@ -378,14 +394,7 @@ class MLXBackend:
         if plan.prefill or self.steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         if ahead is not None:
-            self._queued = queued
             self._queued_inputs = {rid: res.tokens[rid] for rid in batch.rids}
-            self._due = queued[-1].tokens if queued else ahead
-            if len(queued) < self.max_ahead:
-                # Build the next step's graph now, while the event loop waits for
-                # this result (its Python and ours would fight over the GIL);
-                # the MLX thread computes it once the result is handed over.
-                self._build_ahead()
         return res
 
     # ---- phases --------------------------------------------------------------
@@ -562,12 +571,13 @@ class MLXBackend:
                 self._due = self._built = None
                 self._ahead_error = exc
 
-    def _build_ahead(self) -> None:
+    def _build_ahead(self, pending: int = 0) -> None:
         """Queue the graph of the batch's next decode step (computed later by
-        ``run_ahead``, or when a step reads it)."""
+        ``run_ahead``, or when a step reads it). ``pending``: tokens each row has
+        sampled but not yet counted in ``emitted`` (the step being finished)."""
         batch, tokens = self._batch, self._due
         rows = [self._rows[rid] for rid in batch.rids]
-        depth = len(self._queued)
+        depth = len(self._queued) + pending
         if all(r.emitted + depth >= r.max_tokens for r in rows):
             self._due = None  # every row has all its tokens by then
             return

@@ -69,3 +69,47 @@ def test_reexec_env_rules(monkeypatch):
     assert env == {"LD_PRELOAD": f"{lib} /x/libjemalloc.so", "HOME": "/h"}
     monkeypatch.setattr(blas, "openblas_path", lambda: None)
     assert blas.reexec_env({}, "linux") is None
+
+
+def test_blas_threads_inert_when_the_user_pinned_the_count():
+    assert not blas.BlasThreads({"OPENBLAS_NUM_THREADS": "3"}).active
+    assert not blas.BlasThreads({"OMP_NUM_THREADS": "2"}).active
+
+
+@pytest.mark.skipif(blas.BlasThreads({}).default < 2, reason="needs OpenBLAS loaded with more than one thread")
+def test_blas_threads_switches_the_loaded_library_and_back():
+    import ctypes
+
+    get = ctypes.CDLL(None).openblas_get_num_threads
+    t = blas.BlasThreads({})
+    default = t.default
+    try:
+        t.use(1)
+        assert get() == 1 and t.current == 1
+        t.use(0)
+        assert get() == default and t.current == default
+    finally:
+        t.use(0)
+
+
+@pytest.mark.skipif(blas.blas_threads().default < 2, reason="needs OpenBLAS loaded with more than one thread")
+def test_mlx_backend_decodes_one_row_on_one_thread_and_prefills_on_all():
+    import pathlib
+
+    from engine.config import EngineConfig
+    from engine.mlx_backend import MLXBackend
+    from engine.models import resolve_model
+    from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan
+    from engine.types import SamplingParams
+
+    be = MLXBackend.load(pathlib.Path(resolve_model("tiny")), EngineConfig())
+    threads = blas.blas_threads()
+    ids = be.tokenizer.encode("import os\nimport sys\n")
+    sp = SamplingParams(max_tokens=8)
+    try:
+        be.step(StepPlan(open=[OpenRow(1, sp)], prefill=[PrefillChunk(1, ids[:-1])], decode=[DecodeRow(1, ids[-1])]))
+        assert threads.current == threads.default  # a prefill step is a real GEMM
+        res = be.step(StepPlan(decode=[DecodeRow(1, 5)]))
+        assert threads.current == 1 and res.tokens
+    finally:
+        threads.use(0)
