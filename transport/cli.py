@@ -143,7 +143,16 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         signal.signal(sig, lambda *_: None)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"
-    return asyncio.run(_serve(server, sock, app.state.ember, url))
+    return _run_loop(_serve(server, sock, app.state.ember, url))
+
+
+def _run_loop(main: Any) -> Any:
+    """uvloop when installed (a pyproject dependency off Windows), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _bind(host: str, port: int) -> socket.socket:
