@@ -48,7 +48,7 @@ from engine.disk import Disk
 from engine.errors import EngineDead
 from engine.kvfile import KvFileError, KvHeader, KvMeta, KvReader, KvWriter
 from engine.ports import Backend, Clock, Device
-from engine.prompt_cache import as_tokens, usable_prefix
+from engine.prompt_cache import PrefixIndex, as_tokens, usable_prefix
 
 log = logging.getLogger("ember.cold_tier")
 
@@ -124,6 +124,7 @@ class ColdEntry:
     nbytes: int  # file size
     trimmable: bool
     seq: int  # last use, in this store's order: the lowest is evicted first
+    key: bytes = b""  # ``tokens.tobytes()``, set when indexed (the prefix index's sort key)
 
 
 @dataclass(slots=True)
@@ -173,7 +174,8 @@ class ColdStore:
         self.max_bytes = int(max_bytes)
         self.verify = verify
         self._by_ns: dict[str, dict[str, ColdEntry]] = {}
-        self._paths: dict[str, ColdEntry] = {}
+        self._paths: dict[str, ColdEntry] = {}  # in ``seq`` order: least recently used first
+        self._index = PrefixIndex()
         self.entry_bytes = 0
         self.other_bytes = 0
         self.reserved = 0
@@ -275,6 +277,7 @@ class ColdStore:
         folder may hold more than the cap at startup."""
         self._by_ns.clear()
         self._paths.clear()
+        self._index.clear()
         self.entry_bytes = 0
         self.other_bytes = scan.other_bytes
         self.counters["tmp_reaped"] += scan.reaped_tmp
@@ -300,15 +303,19 @@ class ColdStore:
         return self._seq
 
     def _add(self, e: ColdEntry) -> None:
+        """Index ``e``, which must carry the newest ``seq`` (it goes last in LRU order)."""
         self._remove_path(e.path)
         self._by_ns.setdefault(e.ns, {})[e.path] = e
         self._paths[e.path] = e
+        e.key = e.tokens.tobytes()
+        self._index.add(e.ns, e.key, e, e.trimmable)
         self.entry_bytes += e.nbytes
 
     def _remove_path(self, path: str) -> ColdEntry | None:
         e = self._paths.pop(path, None)
         if e is not None:
             del self._by_ns[e.ns][e.path]
+            self._index.remove(e.ns, e.key, e, e.trimmable)
             self.entry_bytes -= e.nbytes
         return e
 
@@ -320,7 +327,8 @@ class ColdStore:
         return len(self._paths)
 
     def entries(self) -> list[ColdEntry]:
-        return sorted(self._paths.values(), key=lambda e: e.seq)
+        """Least recently used first (``_paths`` is kept in ``seq`` order)."""
+        return list(self._paths.values())
 
     def contains(self, entry: ColdEntry) -> bool:
         return self._paths.get(entry.path) is entry
@@ -330,7 +338,7 @@ class ColdStore:
         be trimmed are skipped); ties prefer less to trim, then the most recent."""
         prompt = as_tokens(tokens)
         best, best_p, best_trim, best_seq = None, 0, 0, -1
-        for e in self._by_ns.get(ns, {}).values():
+        for e in self._index.candidates(ns, prompt):
             p = usable_prefix(e.tokens, e.trimmable, prompt)
             if p <= 0:
                 continue
@@ -342,8 +350,20 @@ class ColdStore:
     def longest(self, tokens: Sequence[int], ns: str) -> int:
         return self.find(tokens, ns)[1]
 
+    def holds(self, tokens: Sequence[int], ns: str) -> bool:
+        """True if an entry covers exactly ``tokens``: equal, or longer and trimmable."""
+        key = as_tokens(tokens).tobytes()
+        if self._index.extending(ns, key):
+            return True
+        return any(e.key == key for e in self._index.rigid(ns))
+
+    def longest_entry(self) -> int:
+        return max((int(e.tokens.size) for e in self._paths.values()), default=0)
+
     def used(self, entry: ColdEntry) -> None:
         entry.seq = self._next_seq()
+        if self._paths.get(entry.path) is entry:
+            self._paths[entry.path] = self._paths.pop(entry.path)  # to the end: most recently used
 
     def reserve(self, path: str, nbytes: int) -> list[ColdEntry] | None:
         """Make room for a file of ``nbytes`` at ``path``: the least recently
@@ -355,7 +375,7 @@ class ColdStore:
             self.counters["refused"] += 1
             return None
         victims: list[ColdEntry] = []
-        for e in self.entries():
+        for e in self._paths.values():  # least recently used first; removed after the walk
             if base + nbytes <= self.max_bytes:
                 break
             if e.path == path:
@@ -380,8 +400,7 @@ class ColdStore:
         gone: list[ColdEntry] = []
         if e.trimmable:
             for other in list(self._by_ns[e.ns].values()):
-                n = other.tokens.size
-                if n < e.tokens.size and np.array_equal(other.tokens, e.tokens[:n]):
+                if len(other.key) < len(e.key) and e.key.startswith(other.key):
                     self._remove_path(other.path)
                     gone.append(other)
         self.counters["superseded"] += len(gone)

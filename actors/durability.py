@@ -28,7 +28,6 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, assert_never
 
 import anyio
 import msgspec
-import numpy as np
 from anyio.abc import TaskGroup
 
 from actors.cold_tier import ColdTier, Store
@@ -347,16 +346,11 @@ class ColdTierPort:
         self.tier = tier
 
     def holds(self, tokens: list[int], ns: str) -> bool:
-        want = np.asarray(tokens, dtype=np.int64)
-        for e in self.tier.store.entries():
-            n = want.size
-            if e.ns == ns and e.tokens.size >= n and (e.tokens.size == n or e.trimmable) and np.array_equal(e.tokens[:n], want):
-                return True
-        return False
+        return self.tier.store.holds(tokens, ns)
 
     def summary(self) -> tuple[int, int]:
-        entries = self.tier.store.entries()
-        return len(entries), max((int(e.tokens.size) for e in entries), default=0)
+        store = self.tier.store
+        return len(store), store.longest_entry()
 
     async def store(self, ns: str, tokens: list[int], cache: Any, wait_turn: Callable[[], Awaitable[None]]) -> bool:
         return bool(await self.tier.ref.ask(Store(tokens=list(tokens), ns=ns, cache=cache, wait_turn=wait_turn)))

@@ -23,12 +23,15 @@ shortest extension past the divergence point, ignoring trimmability, so it can
 miss a usable entry. The cache operations come from the backend port
 (``cache_nbytes``/``clone_cache``/``trim_cache``/``cache_trimmable``, which on
 MLX are mlx-lm's ``trim_prompt_cache``/``can_trim_prompt_cache``); the lookup
-is a vectorized common-prefix scan, cheap for the tens of entries RAM holds.
+goes through ``PrefixIndex`` (a bisect over the entries' sorted token bytes,
+shared with the cold tier's index), not a scan of every entry: a 10,000-request
+simulation holds hundreds of entries per tier.
 """
 
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
@@ -74,6 +77,91 @@ def usable_prefix(entry: np.ndarray, trimmable: bool, prompt: np.ndarray) -> int
     return p
 
 
+class PrefixIndex:
+    """Entries by namespace, for the longest-usable-prefix lookup without a scan.
+
+    Trimmable entries sit in one list per namespace, sorted by their tokens'
+    bytes (any fixed-width encoding: ``tokens.tobytes()``). For strings in
+    lexicographic order, the common prefix with a query can only shrink moving
+    away from the query's insertion point, so the longest common prefix is at
+    one of its two neighbours and the entries sharing at least ``t`` tokens
+    form one run around it: a lookup is a bisect plus that run. Entries that
+    cannot be trimmed serve only as exact prefixes of a prompt and are kept
+    apart, scanned every time (no such cache on the fake GPU or plain KV
+    caches; an SSM or a wrapped ring would be one). ``candidates`` returns
+    every entry that may win; the owner applies its own rule to them.
+    """
+
+    __slots__ = ("_keys", "_vals", "_rigid")
+
+    def __init__(self) -> None:
+        self._keys: dict[str, list[bytes]] = {}
+        self._vals: dict[str, list[Any]] = {}
+        self._rigid: dict[str, dict[int, Any]] = {}  # ns -> id(entry) -> entry
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._vals.clear()
+        self._rigid.clear()
+
+    def add(self, ns: str, key: bytes, entry: Any, trimmable: bool) -> None:
+        if not trimmable:
+            self._rigid.setdefault(ns, {})[id(entry)] = entry
+            return
+        keys, vals = self._keys.setdefault(ns, []), self._vals.setdefault(ns, [])
+        i = bisect_left(keys, key)
+        keys.insert(i, key)
+        vals.insert(i, entry)
+
+    def remove(self, ns: str, key: bytes, entry: Any, trimmable: bool) -> None:
+        if not trimmable:
+            del self._rigid[ns][id(entry)]
+            return
+        keys, vals = self._keys[ns], self._vals[ns]
+        i = bisect_left(keys, key)
+        while vals[i] is not entry:  # equal keys (a duplicate file) sit side by side
+            i += 1
+        del keys[i], vals[i]
+
+    def candidates(self, ns: str, prompt: np.ndarray) -> list[Any]:
+        """Entries that may serve the longest usable prefix of ``prompt`` (int64
+        tokens, keyed like the entries): the trimmable ones sharing
+        the most tokens with it (capped at ``len(prompt) - 1``, the usable
+        limit, so every entry tied at the cap is in), and every rigid one."""
+        out = list(self._rigid.get(ns, {}).values())
+        keys = self._keys.get(ns)
+        cap = prompt.size - 1
+        if not keys or cap <= 0:
+            return out
+        vals = self._vals[ns]
+        i = bisect_left(keys, prompt.tobytes())
+        best = 0
+        for j in (i - 1, i):
+            if 0 <= j < len(keys):
+                best = max(best, common_prefix(vals[j].tokens, prompt))
+        t = min(best, cap)
+        if t <= 0:
+            return out
+        head = prompt[:t].tobytes()
+        lo, hi = i, i
+        while lo > 0 and keys[lo - 1].startswith(head):
+            lo -= 1
+        while hi < len(keys) and keys[hi].startswith(head):
+            hi += 1
+        return out + vals[lo:hi]
+
+    def extending(self, ns: str, key: bytes) -> bool:
+        """True if some trimmable entry's tokens start with ``key``'s (equal or longer)."""
+        keys = self._keys.get(ns)
+        if not keys:
+            return False
+        i = bisect_left(keys, key)
+        return i < len(keys) and keys[i].startswith(key)
+
+    def rigid(self, ns: str) -> list[Any]:
+        return list(self._rigid.get(ns, {}).values())
+
+
 def _log_hook_failure(what: str, exc: Exception) -> None:
     # A hook into an actor that has already stopped (engine shutdown) is expected noise.
     level = logging.DEBUG if isinstance(exc, EngineDead) else logging.WARNING
@@ -88,6 +176,7 @@ class _Entry:
     nbytes: int
     trimmable: bool
     last_used: float
+    order: int = 0  # position in recency (higher: more recent); ties in ``best`` go to it
 
 
 class PromptCache:
@@ -108,6 +197,8 @@ class PromptCache:
         self.on_spill = on_spill
         self.on_put = on_put
         self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()  # oldest use first
+        self._index = PrefixIndex()
+        self._order = 0
         self.bytes = 0
         self.counters = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "spills": 0, "demotions": 0, "superseded": 0}
 
@@ -118,14 +209,25 @@ class PromptCache:
     def best(self, tokens: Sequence[int], ns: str) -> tuple[_Entry | None, int]:
         """The entry serving the longest usable prefix (a pure lookup)."""
         prompt = as_tokens(tokens)
-        best, best_p, best_trim = None, 0, 0
-        for e in self._entries.values():  # later = more recent: ties go to it
-            if e.ns != ns:
-                continue
+        best, best_rank = None, (0, 0, 0)
+        for e in self._index.candidates(ns, prompt):
             p = usable_prefix(e.tokens, e.trimmable, prompt)
-            if p > best_p or (p == best_p and p > 0 and e.tokens.size - p <= best_trim):
-                best, best_p, best_trim = e, p, e.tokens.size - p
-        return best, best_p
+            rank = (p, p - e.tokens.size, e.order)  # longest, least to trim, most recent
+            if p > 0 and rank > best_rank:
+                best, best_rank = e, rank
+        return best, best_rank[0]
+
+    def _insert(self, key: tuple[str, bytes], entry: _Entry) -> None:
+        self._order += 1
+        entry.order = self._order
+        self._entries[key] = entry
+        self._index.add(entry.ns, key[1], entry, entry.trimmable)
+
+    def _drop(self, key: tuple[str, bytes]) -> _Entry | None:
+        e = self._entries.pop(key, None)
+        if e is not None:
+            self._index.remove(e.ns, key[1], e, e.trimmable)
+        return e
 
     def peek(self, tokens: Sequence[int], ns: str) -> int:
         """Length ``take`` would serve now, without copying or touching recency."""
@@ -148,6 +250,8 @@ class PromptCache:
             self.counters["misses"] += 1
             return None, 0
         self._entries.move_to_end((entry.ns, entry.tokens.tobytes()))
+        self._order += 1
+        entry.order = self._order
         entry.last_used = self.now()
         self.counters["hits"] += 1
         return clone, p
@@ -171,25 +275,24 @@ class PromptCache:
             return
         self.counters["puts"] += 1
         key = (ns, toks.tobytes())
-        old = self._entries.pop(key, None)
+        old = self._drop(key)
         if old is not None:
             self.bytes -= old.nbytes
         if trimmable:  # a trimmable entry serves every prefix of itself: ancestors are redundant
-            for k, e in list(self._entries.items()):
-                if e.ns == ns and e.tokens.size < toks.size and np.array_equal(e.tokens, toks[: e.tokens.size]):
-                    del self._entries[k]
-                    self.bytes -= e.nbytes
-                    self.counters["superseded"] += 1
+            kb = key[1]
+            for k in [k for k in self._entries if k[0] == ns and len(k[1]) < len(kb) and kb.startswith(k[1])]:
+                self.bytes -= self._drop(k).nbytes  # type: ignore[union-attr]
+                self.counters["superseded"] += 1
         entry = _Entry(ns, toks, cache, nbytes, trimmable, self.now())
         if nbytes > self.max_bytes:
             self._evict(entry, "evictions")
         else:
-            self._entries[key] = entry
+            self._insert(key, entry)
             self.bytes += nbytes
             while self.bytes > self.max_bytes:
-                _, victim = self._entries.popitem(last=False)  # never the fresh insert: it fits alone
-                self.bytes -= victim.nbytes
-                self._evict(victim, "evictions")
+                victim = self._drop(next(iter(self._entries)))  # never the fresh insert: it fits alone
+                self.bytes -= victim.nbytes  # type: ignore[union-attr]
+                self._evict(victim, "evictions")  # type: ignore[arg-type]
         if self.on_put is not None:
             try:
                 self.on_put(toks.tolist(), ns)
@@ -216,7 +319,7 @@ class PromptCache:
         n = 0
         for key, e in list(self._entries.items()):
             if now - e.last_used >= idle_s:
-                del self._entries[key]
+                self._drop(key)
                 self.bytes -= e.nbytes
                 self._evict(e, "demotions")
                 n += 1
@@ -226,6 +329,7 @@ class PromptCache:
     def clear(self) -> None:
         """Drop everything. Never spills: shutdown must not rewrite the cold tier."""
         self._entries.clear()
+        self._index.clear()
         self.bytes = 0
 
     def stats(self) -> dict[str, Any]:

@@ -323,3 +323,49 @@ def test_mlx_caches_through_backend_ops():
     pc.put(list(range(100, 112)), "", [ring])
     assert pc.take(list(range(100, 106)) + [0], "") == (None, 0)
     assert pc.take(list(range(100, 113)), "")[1] == 12
+
+
+def _old_best(pc: PromptCache, tokens: list[int], ns: str) -> tuple[object, int]:
+    """The linear scan ``best`` replaced (oldest to newest, ties to the later)."""
+    prompt = np.asarray(tokens, dtype=np.int64)
+    best, best_p, best_trim = None, 0, 0
+    for e in pc._entries.values():
+        if e.ns != ns:
+            continue
+        p = usable_prefix(e.tokens, e.trimmable, prompt)
+        if p > best_p or (p == best_p and p > 0 and e.tokens.size - p <= best_trim):
+            best, best_p, best_trim = e, p, e.tokens.size - p
+    return best, best_p
+
+
+def test_indexed_lookup_picks_what_the_linear_scan_picked():
+    """The prefix index (bisect over sorted token bytes) against the scan it
+    replaced: a 3-token alphabet makes shared prefixes, ties at the
+    ``len(prompt) - 1`` cap and equal candidates common; rigid entries,
+    two namespaces, recency shuffles, supersedes and evictions included."""
+    import random
+
+    from engine.prompt_cache import PrefixIndex
+
+    rng = random.Random(7)
+    pc = PromptCache(BE, 40 * per_token_bytes())
+    seqs = lambda: [rng.randrange(3) for _ in range(rng.randrange(1, 10))]  # noqa: E731
+    for _ in range(3000):
+        toks, ns = seqs(), rng.choice(["", "x"])
+        r = rng.random()
+        if r < 0.3:
+            pc.put(toks, ns, frozen(toks) if rng.random() < 0.2 else feed(toks))
+        elif r < 0.5:
+            pc.take(toks, ns)
+        got, want = pc.best(toks, ns), _old_best(pc, toks, ns)
+        assert got[1] == want[1] and got[0] is want[0], (toks, ns)
+    # holds-style queries: some trimmable entry starts with the key
+    idx, entries = PrefixIndex(), []
+    for _ in range(200):
+        toks = np.asarray(seqs(), dtype=np.int64)
+        entries.append(toks)
+        idx.add("", toks.tobytes(), toks, True)
+    for _ in range(500):
+        q = np.asarray(seqs(), dtype=np.int64)
+        brute = any(e.size >= q.size and np.array_equal(e[: q.size], q) for e in entries)
+        assert idx.extending("", q.tobytes()) == brute
