@@ -188,6 +188,11 @@ class FaultyDisk:
         self._inodes: dict[int, _Inode] = {}
         self._names: dict[str, int] = {}
         self._durable_names: dict[str, int] = {}
+        # the same names by folder: a folder fsync or listdir touches its own
+        # names, not every name on the disk
+        self._kids: dict[str, set[str]] = {}
+        self._durable_kids: dict[str, set[str]] = {}
+        self._orphans = 0  # inodes that lost a name since the last sweep (``_sweep``)
         self._dirs: set[str] = {"/"}
         self._handles: dict[int, _Handle] = {}
         self._next = 1
@@ -214,6 +219,30 @@ class FaultyDisk:
             raise FileNotFoundError(errno.ENOENT, "no such file", p)
         return self._inodes[self._names[p]]
 
+    def _name(self, path: str, ino: int) -> None:
+        if path not in self._names:
+            self._kids.setdefault(posixpath.dirname(path), set()).add(path)
+        else:
+            self._orphans += 1
+        self._names[path] = ino
+
+    def _unname(self, path: str) -> int:
+        ino = self._names.pop(path)
+        self._kids[posixpath.dirname(path)].discard(path)
+        self._orphans += 1
+        return ino
+
+    def _sweep(self) -> None:
+        """Forget inodes no name (volatile or durable) and no handle reaches:
+        nothing can bring them back, and a long run without crashes would
+        otherwise keep every file it ever wrote. Amortized: a full pass only
+        once as many names were dropped as there are live ones."""
+        if self._orphans <= max(64, len(self._names)):
+            return
+        self._orphans = 0
+        live = set(self._names.values()) | set(self._durable_names.values()) | {h.ino for h in self._handles.values()}
+        self._inodes = {i: n for i, n in self._inodes.items() if i in live}
+
     def _handle(self, fh: int) -> _Handle:
         h = self._handles.get(fh)
         if h is None:
@@ -234,7 +263,7 @@ class FaultyDisk:
             if ino is None:
                 ino = self._new_id()
                 self._inodes[ino] = _Inode(mtime=self._now())
-                self._names[p] = ino
+                self._name(p, ino)
             else:  # O_TRUNC: an unsynced metadata change like any write
                 node = self._inodes[ino]
                 node.data = bytearray()
@@ -294,22 +323,24 @@ class FaultyDisk:
             raise FileNotFoundError(errno.ENOENT, "no such file", s)
         if posixpath.dirname(d) not in self._dirs:
             raise FileNotFoundError(errno.ENOENT, "no such folder", posixpath.dirname(d))
-        self._names[d] = self._names.pop(s)
+        self._name(d, self._unname(s))
 
     def fsync_dir(self, path: str) -> None:
         p = self._norm(path)
-        for name in [n for n in self._durable_names if posixpath.dirname(n) == p]:
+        for name in self._durable_kids.get(p, ()):
             del self._durable_names[name]
-        for name, ino in self._names.items():
-            if posixpath.dirname(name) == p:
-                self._durable_names[name] = ino
+        kids = self._kids.get(p, set())
+        self._durable_kids[p] = set(kids)
+        for name in kids:
+            self._durable_names[name] = self._names[name]
         self.counters["dir_fsyncs"] += 1
+        self._sweep()
 
     def listdir(self, path: str) -> list[str]:
         p = self._norm(path)
         if p not in self._dirs:
             raise FileNotFoundError(errno.ENOENT, "no such folder", p)
-        names = {posixpath.basename(n) for n in self._names if posixpath.dirname(n) == p}
+        names = {posixpath.basename(n) for n in self._kids.get(p, ())}
         names |= {posixpath.basename(d) for d in self._dirs if d != p and posixpath.dirname(d) == p}
         return sorted(names)
 
@@ -317,7 +348,8 @@ class FaultyDisk:
         p = self._norm(path)
         if p not in self._names:
             raise FileNotFoundError(errno.ENOENT, "no such file", p)
-        del self._names[p]
+        self._unname(p)
+        self._sweep()
 
     def stat(self, path: str) -> FileStat:
         p = self._norm(path)
@@ -355,6 +387,8 @@ class FaultyDisk:
                 _apply(data, offset, buf)
             node.data, node.durable, node.pending = data, bytes(data), []
         self._names = dict(self._durable_names)
+        self._kids = {d: set(names) for d, names in self._durable_kids.items()}
+        self._orphans = 0
         self._handles.clear()
         live = set(self._names.values())
         self._inodes = {i: n for i, n in self._inodes.items() if i in live}

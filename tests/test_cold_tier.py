@@ -535,3 +535,35 @@ async def test_under_random_faults_a_restore_is_exact_or_a_miss(seed):
             disk.crash()
             t = scanned(tier(disk, "/ssd", max_bytes=cap, verify=verify))
         assert t.store.bytes <= cap
+
+
+def test_faulty_disk_forgets_files_no_name_can_bring_back():
+    """A long run without crashes must not keep every file it ever wrote, yet
+    an unlink not made durable by a folder fsync still comes back at a crash."""
+    disk = FaultyDisk(seed=0)
+    disk.makedirs("/d")
+
+    def put(path: str) -> None:
+        fh = disk.open(path, write=True)
+        disk.write(fh, 0, b"x" * 100)
+        disk.fsync(fh)
+        disk.close(fh)
+
+    put("/d/keep")
+    disk.fsync_dir("/d")
+    for i in range(300):  # write, make durable, unlink, make the unlink durable
+        put(f"/d/f{i}")
+        disk.fsync_dir("/d")
+        disk.unlink(f"/d/f{i}")
+        disk.fsync_dir("/d")
+    assert len(disk._inodes) < 100  # swept, not 301
+    put("/d/late")
+    disk.fsync_dir("/d")
+    disk.unlink("/d/late")  # not durable: a crash brings the name back
+    for i in range(200):
+        disk.unlink(f"/d/g{i}") if disk.exists(f"/d/g{i}") else put(f"/d/g{i}")
+    assert disk.listdir("/d") == sorted(["keep"] + [f"g{i}" for i in range(200)])
+    disk.crash()
+    assert disk.listdir("/d") == ["keep", "late"]
+    fh = disk.open("/d/late")
+    assert disk.read(fh, 0, 100) == b"x" * 100
