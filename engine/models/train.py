@@ -294,8 +294,16 @@ def train_model(
     warmup: int,
     weight_decay: float,
     eval_every: int,
+    teacher=None,
+    distill: float = 0.0,
 ):
-    """Train one model; returns (model, record dict)."""
+    """Train one model; returns (model, record dict).
+
+    With a ``teacher`` and ``distill`` = a > 0 the loss is (1 - a) * cross-entropy
+    on the corpus + a * KL(teacher || model) on the teacher's next-token
+    distributions: a drafter is only useful when it predicts what the target
+    will say, and the target's distributions say more than the one corpus token.
+    """
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -314,7 +322,15 @@ def train_model(
     def loss_fn(model, x, y):
         return nn.losses.cross_entropy(model(x), y, reduction="mean")
 
+    def distill_loss_fn(model, x, y, t_logp):
+        logits = model(x)
+        ce = nn.losses.cross_entropy(logits, y, reduction="mean")
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        kl = (mx.exp(t_logp) * (t_logp - logp)).sum(axis=-1).mean()
+        return (1.0 - distill) * ce + distill * kl
+
     loss_and_grad = nn.value_and_grad(model, loss_fn)
+    distill_loss_and_grad = nn.value_and_grad(model, distill_loss_fn)
     state = [model.state, optimizer.state]
 
     @partial(mx.compile, inputs=state, outputs=state)
@@ -323,6 +339,19 @@ def train_model(
         grads, gnorm = optim.clip_grad_norm(grads, max_norm=1.0)
         optimizer.update(model, grads)
         return loss, gnorm
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def distill_step_fn(x, y, t_logp):
+        loss, grads = distill_loss_and_grad(model, x, y, t_logp)
+        grads, gnorm = optim.clip_grad_norm(grads, max_norm=1.0)
+        optimizer.update(model, grads)
+        return loss, gnorm
+
+    def teacher_logp(x):
+        if teacher is None or distill <= 0.0:
+            return None
+        t = mx.stop_gradient(teacher(x))
+        return t - mx.logsumexp(t, axis=-1, keepdims=True)
 
     max_start = len(train_tokens) - seq_len - 1
     offs = np.arange(seq_len + 1)
@@ -348,7 +377,8 @@ def train_model(
         optimizer.learning_rate = lr_at(step, total, warmup, lr, 0.1)
         x, y = get_batch()
         t0 = time.perf_counter()
-        loss, gnorm = step_fn(x, y)
+        t_logp = teacher_logp(x)
+        loss, gnorm = step_fn(x, y) if t_logp is None else distill_step_fn(x, y, t_logp)
         mx.eval(loss, gnorm, model.parameters(), optimizer.state)
         dt = time.perf_counter() - t0
         train_time += dt
@@ -394,6 +424,7 @@ def train_model(
         "peak_lr": lr,
         "warmup": warmup,
         "weight_decay": weight_decay,
+        "distill": distill if teacher is not None else 0.0,
         "train_time_s": round(train_time, 1),
         "ms_per_step": round(1000 * t_timed / max(1, n_timed), 1),
         "curve": curve,
@@ -547,6 +578,11 @@ def main(argv=None):
                          "updates 'measurements' in their training_log.json")
     ap.add_argument("--quick", action="store_true",
                     help="tiny smoke run (few files, few steps) into a temp dir")
+    ap.add_argument("--draft-only", action="store_true",
+                    help="keep the target (and tokenizer) already in --out/tiny; train only the drafter")
+    ap.add_argument("--distill", type=float, default=0.0,
+                    help="drafter loss weight on KL(target || drafter), 0..1 (0: corpus only)")
+    ap.add_argument("--draft-layers", type=int, default=DRAFT_CONFIG["num_hidden_layers"])
     args = ap.parse_args(argv)
 
     import mlx.core as mx
@@ -556,7 +592,7 @@ def main(argv=None):
     mx.random.seed(args.seed)
 
     target_cfg = dict(TARGET_CONFIG, vocab_size=args.vocab_size)
-    draft_cfg = dict(DRAFT_CONFIG, vocab_size=args.vocab_size)
+    draft_cfg = dict(DRAFT_CONFIG, vocab_size=args.vocab_size, num_hidden_layers=args.draft_layers)
     max_files = None
     eval_n, heldout_n, eval_every = 64, 256, 250
     if args.quick:
@@ -591,6 +627,9 @@ def main(argv=None):
         return res
     log(f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files, "
         f"{sum(len(t) for _, t in train_files) / 1e6:.1f}M train chars")
+    if args.draft_only:
+        return train_draft_only(args, draft_cfg, train_files, heldout_files, t_start,
+                                eval_n=eval_n, heldout_n=heldout_n, eval_every=eval_every, argv=argv)
 
     t0 = time.time()
     with tempfile.TemporaryDirectory() as td:
@@ -614,10 +653,15 @@ def main(argv=None):
             **common)
         save_model_dir(target, target_cfg, tok_dir, out / "tiny", eos_id)
         del target
+        teacher = None
+        if args.distill > 0:
+            from mlx_lm import load
+
+            teacher, _ = load(str(out / "tiny"))
         draft, drec = train_model(
             "draft", draft_cfg, train_tokens, eval_wins, seed=args.seed + 1,
             minutes=args.minutes_draft, steps=args.steps_draft, lr=args.lr_draft,
-            **common)
+            teacher=teacher, distill=args.distill, **common)
         save_model_dir(draft, draft_cfg, tok_dir, out / "tiny-draft", eos_id)
         del draft
 
@@ -642,6 +686,56 @@ def main(argv=None):
             json.dumps(dict(meta, training=rec), indent=1) + "\n")
     log(f"done in {total_wall:.0f}s ({train_wall:.0f}s until both were saved); "
         f"out {out}")
+    return meta
+
+
+def train_draft_only(args, draft_cfg, train_files, heldout_files, t_start, *, eval_n, heldout_n, eval_every, argv):
+    """Retrain only ``tiny-draft`` against the target already in ``--out/tiny``,
+    with that directory's tokenizer (so the pair keeps sharing it)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from transformers import AutoTokenizer
+
+    out = args.out
+    hf = AutoTokenizer.from_pretrained(str(out / "tiny"))
+    eos_id = hf.convert_tokens_to_ids(EOS_TOKEN)
+    train_tokens = encode_files(hf, train_files)
+    heldout_tokens = encode_files(hf, heldout_files)
+    eval_wins = eval_windows(heldout_tokens, args.seq_len, eval_n)
+    heldout_wins = eval_windows(heldout_tokens, args.seq_len, heldout_n)
+    teacher = load(str(out / "tiny"))[0] if args.distill > 0 else None
+    draft, drec = train_model(
+        "draft", draft_cfg, train_tokens, eval_wins, seed=args.seed + 1,
+        minutes=args.minutes_draft, steps=args.steps_draft, lr=args.lr_draft,
+        batch=args.batch, seq_len=args.seq_len, warmup=args.warmup, weight_decay=0.1,
+        eval_every=eval_every, teacher=teacher, distill=args.distill)
+    with tempfile.TemporaryDirectory() as td:
+        tok_dir = Path(td)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+            if (out / "tiny" / name).exists():
+                shutil.copy2(out / "tiny" / name, tok_dir / name)
+        save_model_dir(draft, draft_cfg, tok_dir, out / "tiny-draft", eos_id)
+    del draft, teacher
+    res = measure(out / "tiny", out / "tiny-draft", heldout_wins)
+    meta = {
+        "command": "python -m engine.models.train " + " ".join(sys.argv[1:] if argv is None else argv),
+        "python": sys.version.split()[0],
+        "mlx": mx.__version__,
+        "seed": args.seed,
+        "train_files": len(train_files),
+        "heldout_files": len(heldout_files),
+        "train_tokens": int(len(train_tokens)),
+        "heldout_tokens": int(len(heldout_tokens)),
+        "wall_s_total": round(time.time() - t_start, 1),
+        "measurements": res,
+    }
+    (out / "tiny-draft" / "training_log.json").write_text(json.dumps(dict(meta, training=drec), indent=1) + "\n")
+    f = out / "tiny" / "training_log.json"
+    if f.exists():
+        tmeta = json.loads(f.read_text())
+        tmeta["measurements"] = res
+        f.write_text(json.dumps(tmeta, indent=1) + "\n")
+    log(f"drafter done in {time.time() - t_start:.0f}s; out {out}")
     return meta
 
 
