@@ -169,6 +169,12 @@ class MlxDraftModel:
     def generate_many(self, items: list[tuple[Any, list[int], int]]) -> list[list[int]]:
         """Several rows' rounds as one graph and one evaluation (one sync per
         round for all speculating rows, not one per row)."""
+        from engine.blas import blas_threads
+
+        # A drafter's GEMMs are tiny (hidden ~128): splitting them over OpenBLAS
+        # threads only adds sync cost (engine.blas); the target's next step sets
+        # its own count again.
+        blas_threads().use(1)
         with self._mx.stream(self._stream):
             outs = [self._lazy(cache, feed, k) for cache, feed, k in items]
             self._mx.eval(outs)
