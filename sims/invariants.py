@@ -73,21 +73,33 @@ class Checker:
 
 
 class NoWriteDuringStep(Checker):
-    """A GPU step is the span from ``step`` to ``step_end``; a disk write is a
-    ``disk_write``/``disk_fsync`` (the simulator's disk proxy) or a span
-    ``write_start``..``write_end`` (the cold tier's own hook). They must not
-    overlap, in either order."""
+    """A GPU step is the span from ``step`` to ``step_end``; a tensor write step
+    is the span ``write_start``..``write_end`` the write path records around
+    each gated step (one tensor, or the commit), and the disk calls inside it
+    (``disk_write``/``disk_fsync``, from the simulator's disk proxy) belong to it.
+
+    No write step may *begin* during a GPU step, and no disk write may happen
+    during a GPU step outside a write step (an ungated write). A write step
+    that began while the engine was idle may still be in flight when a request
+    arrives: the GPU step starts at once instead of waiting for it (admission
+    never waits on a write, property 2), and that one step's remaining I/O
+    lands during the GPU step — the trade-off the reference design accepts
+    ("one in-flight tensor step can still land ahead of a just-arrived
+    request"). Those overlaps are counted, not failed; the gate is what is
+    checked: once a write step ends during a busy period the next may not
+    begin until a GPU step is no longer running."""
 
     name = "no-write-during-step"
-    prop = "1. No tensor write step overlaps a GPU step."
+    prop = "1. No tensor write step begins during a GPU step (an in-flight one finishes; admission never waits on it)."
 
     def __init__(self) -> None:
         super().__init__()
         self.in_step: int | None = None
         self.in_write = 0
-        self.span_reported = False  # one finding per write span, not one per step it covers
+        self.overlapping = False  # the write step in flight was overlapped by a GPU step
         self.steps_seen = 0
-        self.overlapped_steps = 0
+        self.overlapped_steps = 0  # GPU steps that started with an in-flight write step
+        self.overlap_io = 0  # disk calls of in-flight write steps that landed during a GPU step
         self.absent = "no disk writes happened (no SSD tier in this run)"
 
     def on_event(self, kind: str, t: float, f: dict[str, Any]) -> None:
@@ -95,28 +107,39 @@ class NoWriteDuringStep(Checker):
             self.steps_seen += 1
             if self.in_write:
                 self.overlapped_steps += 1
-                if not self.span_reported:
-                    self.span_reported = True
-                    self.fail(t, f"GPU step {f.get('n')} started while a tensor write step was in progress")
+                self.overlapping = True
             self.in_step = f.get("n", -1)
         elif kind == "step_end" or kind == "sim_down":
             self.in_step = None
             if kind == "sim_down":
                 self.in_write = 0
-        elif kind in ("disk_write", "disk_fsync", "write_start"):
+                self.overlapping = False
+        elif kind == "write_start":
             self.absent = None
             self.checked += 1
             if self.in_step is not None:
-                self.fail(t, f"{kind} {f.get('path', '')} during GPU step {self.in_step}")
-            if kind == "write_start":
-                self.in_write += 1
-                self.span_reported = False
+                self.fail(t, f"write step began during GPU step {self.in_step} (the idle gate let it through)")
+            self.in_write += 1
         elif kind == "write_end":
             self.in_write = max(0, self.in_write - 1)
+            if not self.in_write:
+                self.overlapping = False
+        elif kind in ("disk_write", "disk_fsync"):
+            self.absent = None
+            self.checked += 1
+            if self.in_step is None:
+                return
+            if self.in_write:
+                self.overlap_io += 1  # the in-flight step's own I/O
+            else:
+                self.fail(t, f"{kind} {f.get('path', '')} during GPU step {self.in_step}, outside any gated write step")
 
     def detail(self) -> str:
-        s = f"{self.checked} disk writes against {self.steps_seen} GPU steps"
-        return s + (f", {self.overlapped_steps} steps overlapped a write" if self.overlapped_steps else "")
+        s = f"{self.checked} write steps and disk writes against {self.steps_seen} GPU steps"
+        if self.overlapped_steps:
+            s += (f"; {self.overlapped_steps} GPU steps started with a write step in flight "
+                  f"({self.overlap_io} disk calls of those steps landed during GPU steps)")
+        return s
 
 
 # ---------------------------------------------------------------------------

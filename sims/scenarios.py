@@ -146,6 +146,7 @@ SCENARIOS: dict[str, Scenario] = {
             trace=lambda seed: gen.agent(seed, requests=60),
             config=_config(),
             disk=DiskFaults(slow_io_prob=1.0, slow_io_s=0.05),
+            tags=("ci",),
         ),
         Scenario(
             name="admission",
