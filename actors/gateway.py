@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from typing import Any
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
 from actors.scheduler import Abort, Admit, RowDelta
@@ -58,6 +58,96 @@ class Drain(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 Inbox = Submit | Cancel | StepOutput | Drain
 
 
+# ---------------------------------------------------------------------------
+# One request's stream of deltas.
+
+
+class _Channel:
+    __slots__ = ("items", "waiter", "send_closed", "recv_closed")
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self.waiter: anyio.Event | None = None
+        self.send_closed = False
+        self.recv_closed = False
+
+    def wake(self) -> None:
+        if self.waiter is not None:
+            self.waiter.set()
+
+
+class DeltaSender:
+    """The Gateway's end of one request's stream: unbounded (a request emits
+    at most ``max_tokens`` deltas, and a slow reader must never stall routing
+    for everyone else). Raises like an anyio memory stream: ``BrokenResourceError``
+    once the reader has gone, ``ClosedResourceError`` after ``close``."""
+
+    __slots__ = ("_ch",)
+
+    def __init__(self, ch: _Channel):
+        self._ch = ch
+
+    def send_nowait(self, item: Any) -> None:
+        ch = self._ch
+        if ch.send_closed:
+            raise anyio.ClosedResourceError
+        if ch.recv_closed:
+            raise anyio.BrokenResourceError
+        ch.items.append(item)
+        ch.wake()
+
+    def close(self) -> None:
+        self._ch.send_closed = True
+        self._ch.wake()
+
+
+class DeltaReceiver:
+    """The caller's end (``RequestStream`` reads it). Why not an anyio memory
+    object stream: its ``receive`` checkpoints before every item and builds
+    a waiter and an event per call, two wake-ups and most of the cost of each
+    streamed token. Here a routed delta is taken without yielding, and only
+    an empty stream waits (the cancellation point; a cancelled wait loses
+    nothing, the delta stays queued)."""
+
+    __slots__ = ("_ch",)
+
+    def __init__(self, ch: _Channel):
+        self._ch = ch
+
+    def receive_nowait(self) -> Any:
+        ch = self._ch
+        if ch.recv_closed:
+            raise anyio.ClosedResourceError
+        if ch.items:
+            return ch.items.popleft()
+        if ch.send_closed:
+            raise anyio.EndOfStream
+        raise anyio.WouldBlock
+
+    async def receive(self) -> Any:
+        ch = self._ch
+        while True:
+            try:
+                return self.receive_nowait()
+            except anyio.WouldBlock:
+                pass
+            ch.waiter = event = anyio.Event()
+            try:
+                await event.wait()
+            finally:
+                if ch.waiter is event:
+                    ch.waiter = None
+
+    def close(self) -> None:
+        self._ch.recv_closed = True
+        self._ch.items.clear()
+
+
+def delta_stream() -> tuple[DeltaSender, DeltaReceiver]:
+    ch = _Channel()
+    return DeltaSender(ch), DeltaReceiver(ch)
+
+
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: int = 8
     max_queue: int = 64
@@ -72,7 +162,7 @@ class Gateway(Actor[Inbox]):
         self.cfg = cfg
         self.info = info
         self.scheduler = scheduler
-        self.streams: dict[int, MemoryObjectSendStream[Any]] = {}
+        self.streams: dict[int, DeltaSender] = {}
         self.next_rid = 1
         self.draining = False
         self._drain_waiters: list[Envelope[Any]] = []
@@ -94,7 +184,8 @@ class Gateway(Actor[Inbox]):
                 f"the model's context of {self.info.context_length} tokens",
                 "max_tokens" if len(msg.tokens) < self.info.context_length else "prompt",
             )
-        if any(type(t) is not int or t < 0 or t >= self.info.vocab_size for t in msg.tokens):
+        # in C (map, min, max) rather than a generator: prompts are thousands of tokens
+        if not set(map(type, msg.tokens)) <= {int} or min(msg.tokens) < 0 or max(msg.tokens) >= self.info.vocab_size:
             raise InvalidRequest("a prompt token id is outside the vocabulary", "prompt")
         if p.temperature < 0 or not math.isfinite(p.temperature):
             raise InvalidRequest("temperature must be a finite number >= 0", "temperature")
@@ -128,7 +219,7 @@ class Gateway(Actor[Inbox]):
                 return DEFER
         return None
 
-    def _submit(self, msg: Submit) -> tuple[int, MemoryObjectReceiveStream[Any]]:
+    def _submit(self, msg: Submit) -> tuple[int, DeltaReceiver]:
         if self.draining:
             self.rejected["draining"] += 1
             raise EngineDraining("the engine is shutting down")
@@ -142,9 +233,7 @@ class Gateway(Actor[Inbox]):
             raise EngineOverloaded(f"{len(self.streams)} requests in flight (max {self.max_in_flight})")
         rid = self.next_rid
         self.next_rid += 1
-        # Unbounded per-request buffer: a request emits at most max_tokens deltas,
-        # and a slow reader must never stall routing for everyone else.
-        send, recv = anyio.create_memory_object_stream[Any](math.inf)
+        send, recv = delta_stream()
         self.streams[rid] = send
         self.scheduler.tell_nowait(Admit(rid=rid, tokens=msg.tokens, params=msg.params, ns=msg.ns))
         return rid, recv

@@ -241,6 +241,40 @@ async def test_non_integer_token_ids_are_a_clear_error_not_a_dead_engine():
     async with Engine.open(FAKE) as engine:
         with pytest.raises(InvalidRequest):
             await engine.acomplete([1, "x", 2.5], SamplingParams(max_tokens=2))  # type: ignore[list-item]
+        for bad in ([1, -1], [1, engine.info.vocab_size], [True, 2]):  # out of range; a bool is no token id
+            with pytest.raises(InvalidRequest):
+                await engine.acomplete(bad, SamplingParams(max_tokens=2))
         assert engine.dead is None
         c = await engine.acomplete([1, 2], SamplingParams(max_tokens=2))
         assert c.token_ids == expected_tokens([1, 2], 2)
+
+
+async def test_a_timeout_around_the_stream_loses_no_delta():
+    """RequestStream is cancel-safe: a reader that waits for each delta with a
+    deadline (a server sending keep-alives) still gets every token, once."""
+    async with Engine.open(FAKE) as engine:
+        prompt, n = [9, 8, 7], 30
+        got: list[int] = []
+        timeouts = 0
+        async with await engine.asubmit(prompt, SamplingParams(max_tokens=n, ignore_eos=True)) as stream:
+            while not stream.finished:
+                # a deadline shorter than one decode step (10.5 ms); a timer task
+                # rather than move_on_after, whose deadline is off the loop's
+                # microsecond grid (see docs/sims.md)
+                async with anyio.create_task_group() as tg:
+
+                    async def timer() -> None:
+                        nonlocal timeouts
+                        await anyio.sleep(0.004)
+                        timeouts += 1
+                        tg.cancel_scope.cancel()
+
+                    async def reader() -> None:
+                        d = await stream.__anext__()
+                        got.extend(d.token_ids)
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(timer)
+                    tg.start_soon(reader)
+        assert timeouts > 0
+        assert got == expected_tokens(prompt, n, stop_at_eos=False)
