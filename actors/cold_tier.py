@@ -48,7 +48,7 @@ from engine.disk import Disk
 from engine.errors import EngineDead
 from engine.kvfile import KvFileError, KvHeader, KvMeta, KvReader, KvWriter
 from engine.ports import Backend, Clock, Device
-from engine.prompt_cache import PrefixIndex, as_tokens, usable_prefix
+from engine.prompt_cache import PrefixIndex, as_tokens, token_bytes, usable_prefix
 
 log = logging.getLogger("ember.cold_tier")
 
@@ -352,7 +352,7 @@ class ColdStore:
 
     def holds(self, tokens: Sequence[int], ns: str) -> bool:
         """True if an entry covers exactly ``tokens``: equal, or longer and trimmable."""
-        key = as_tokens(tokens).tobytes()
+        key = token_bytes(tokens)
         if self._index.extending(ns, key):
             return True
         return any(e.key == key for e in self._index.rigid(ns))
@@ -399,10 +399,12 @@ class ColdStore:
         self._add(e)
         gone: list[ColdEntry] = []
         if e.trimmable:
-            for other in list(self._by_ns[e.ns].values()):
-                if len(other.key) < len(e.key) and e.key.startswith(other.key):
-                    self._remove_path(other.path)
-                    gone.append(other)
+            gone = self._index.prefixes_of(e.ns, e.key)
+            if len(gone) > 1:  # deleted in index order, as the scan this replaced did (the digest sees it)
+                at = {path: i for i, path in enumerate(self._by_ns[e.ns])}
+                gone.sort(key=lambda g: at[g.path])
+            for other in gone:
+                self._remove_path(other.path)
         self.counters["superseded"] += len(gone)
         return gone
 

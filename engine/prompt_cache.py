@@ -31,6 +31,7 @@ simulation holds hundreds of entries per tier.
 from __future__ import annotations
 
 import logging
+from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -61,6 +62,14 @@ SpillHook = Callable[[list[int], str, Any], None]
 
 def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int64).reshape(-1)
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """``as_tokens(tokens).tobytes()`` (native int64), the index key; a list
+    goes through ``array('q')``, several times faster than numpy for a list."""
+    if isinstance(tokens, list):
+        return array("q", tokens).tobytes()
+    return as_tokens(tokens).tobytes()
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -157,6 +166,21 @@ class PrefixIndex:
             return False
         i = bisect_left(keys, key)
         return i < len(keys) and keys[i].startswith(key)
+
+    def prefixes_of(self, ns: str, key: bytes) -> list[Any]:
+        """Entries whose tokens are a strict prefix of ``key``'s (rigid ones
+        included: ``tokens`` is read for those)."""
+        out = [e for e in self._rigid.get(ns, {}).values() if len(k := e.tokens.tobytes()) < len(key) and key.startswith(k)]
+        keys = self._keys.get(ns)
+        if keys:
+            vals = self._vals[ns]
+            for k in filter(key.startswith, keys):  # the scan runs in C; hits are few
+                if len(k) < len(key):
+                    i = bisect_left(keys, k)
+                    while i < len(keys) and keys[i] == k:  # every entry with that key
+                        out.append(vals[i])
+                        i += 1
+        return out
 
     def rigid(self, ns: str) -> list[Any]:
         return list(self._rigid.get(ns, {}).values())
@@ -279,9 +303,8 @@ class PromptCache:
         if old is not None:
             self.bytes -= old.nbytes
         if trimmable:  # a trimmable entry serves every prefix of itself: ancestors are redundant
-            kb = key[1]
-            for k in [k for k in self._entries if k[0] == ns and len(k[1]) < len(kb) and kb.startswith(k[1])]:
-                self.bytes -= self._drop(k).nbytes  # type: ignore[union-attr]
+            for e in self._index.prefixes_of(ns, key[1]):
+                self.bytes -= self._drop((ns, e.tokens.tobytes())).nbytes  # type: ignore[union-attr]
                 self.counters["superseded"] += 1
         entry = _Entry(ns, toks, cache, nbytes, trimmable, self.now())
         if nbytes > self.max_bytes:
