@@ -192,6 +192,7 @@ class FaultyDisk:
         # names, not every name on the disk
         self._kids: dict[str, set[str]] = {}
         self._durable_kids: dict[str, set[str]] = {}
+        self._dirty: dict[str, set[str]] = {}  # by folder: names changed since its last fsync_dir
         self._orphans = 0  # inodes that lost a name since the last sweep (``_sweep``)
         self._dirs: set[str] = {"/"}
         self._handles: dict[int, _Handle] = {}
@@ -220,6 +221,7 @@ class FaultyDisk:
         return self._inodes[self._names[p]]
 
     def _name(self, path: str, ino: int) -> None:
+        self._dirty.setdefault(posixpath.dirname(path), set()).add(path)
         if path not in self._names:
             self._kids.setdefault(posixpath.dirname(path), set()).add(path)
         else:
@@ -229,6 +231,7 @@ class FaultyDisk:
     def _unname(self, path: str) -> int:
         ino = self._names.pop(path)
         self._kids[posixpath.dirname(path)].discard(path)
+        self._dirty.setdefault(posixpath.dirname(path), set()).add(path)
         self._orphans += 1
         return ino
 
@@ -327,12 +330,17 @@ class FaultyDisk:
 
     def fsync_dir(self, path: str) -> None:
         p = self._norm(path)
-        for name in self._durable_kids.get(p, ()):
-            del self._durable_names[name]
-        kids = self._kids.get(p, set())
-        self._durable_kids[p] = set(kids)
-        for name in kids:
-            self._durable_names[name] = self._names[name]
+        # only the names changed since this folder's last fsync (or the last
+        # crash, when the volatile names became the durable ones) can differ
+        durable_kids = self._durable_kids.setdefault(p, set())
+        for name in self._dirty.pop(p, ()):
+            ino = self._names.get(name)
+            if ino is None:
+                self._durable_names.pop(name, None)
+                durable_kids.discard(name)
+            else:
+                self._durable_names[name] = ino
+                durable_kids.add(name)
         self.counters["dir_fsyncs"] += 1
         self._sweep()
 
@@ -388,6 +396,7 @@ class FaultyDisk:
             node.data, node.durable, node.pending = data, bytes(data), []
         self._names = dict(self._durable_names)
         self._kids = {d: set(names) for d, names in self._durable_kids.items()}
+        self._dirty.clear()
         self._orphans = 0
         self._handles.clear()
         live = set(self._names.values())

@@ -567,3 +567,48 @@ def test_faulty_disk_forgets_files_no_name_can_bring_back():
     assert disk.listdir("/d") == ["keep", "late"]
     fh = disk.open("/d/late")
     assert disk.read(fh, 0, 100) == b"x" * 100
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_faulty_disk_names_follow_the_folder_fsync_rules(seed):
+    """Names against a two-dict model (volatile, durable): a folder fsync makes
+    exactly that folder's current names durable, a crash brings back exactly
+    the durable ones; creates, renames over names, unlinks in two folders."""
+    import posixpath
+    import random
+
+    rng = random.Random(seed)
+    disk = FaultyDisk(seed=seed)
+    for d in ("/a", "/b"):
+        disk.makedirs(d)
+    vol: dict[str, int] = {}
+    dur: dict[str, int] = {}
+    names = [f"/{d}/{i}" for d in "ab" for i in range(6)]
+    for step in range(400):
+        op = rng.random()
+        if op < 0.3:
+            p = rng.choice(names)
+            fh = disk.open(p, write=True)
+            disk.write(fh, 0, bytes([step % 256]))
+            disk.fsync(fh)
+            disk.close(fh)
+            vol.setdefault(p, step)
+        elif op < 0.45 and vol:
+            src, dst = rng.choice(sorted(vol)), rng.choice(names)
+            if posixpath.dirname(src) == posixpath.dirname(dst) and src != dst:
+                disk.rename(src, dst)
+                vol[dst] = vol.pop(src)
+        elif op < 0.6 and vol:
+            p = rng.choice(sorted(vol))
+            disk.unlink(p)
+            del vol[p]
+        elif op < 0.9:
+            d = rng.choice(["/a", "/b"])
+            disk.fsync_dir(d)
+            dur = {k: v for k, v in dur.items() if posixpath.dirname(k) != d} | {k: v for k, v in vol.items() if posixpath.dirname(k) == d}
+        else:
+            disk.crash()
+            vol = dict(dur)
+        assert disk.files() == sorted(vol)
+        for d in ("/a", "/b"):
+            assert disk.listdir(d) == sorted(posixpath.basename(k) for k in vol if posixpath.dirname(k) == d)
