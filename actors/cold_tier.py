@@ -352,7 +352,10 @@ class ColdStore:
 
     def holds(self, tokens: Sequence[int], ns: str) -> bool:
         """True if an entry covers exactly ``tokens``: equal, or longer and trimmable."""
-        key = token_bytes(tokens)
+        return self.holds_key(token_bytes(tokens), ns)
+
+    def holds_key(self, key: bytes, ns: str) -> bool:
+        """``holds`` for tokens already as ``token_bytes``."""
         if self._index.extending(ns, key):
             return True
         return any(e.key == key for e in self._index.rigid(ns))

@@ -48,6 +48,7 @@ from actors.scheduler import Scheduler, Settle, Snapshot
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
 from engine.ports import Clock
+from engine.prompt_cache import token_bytes
 from engine.spill_queue import SpillItem
 
 log = logging.getLogger("ember.durability")
@@ -344,9 +345,19 @@ class ColdTierPort:
 
     def __init__(self, tier: ColdTier):
         self.tier = tier
+        self._keys: dict[int, tuple[list[int], bytes]] = {}
 
     def holds(self, tokens: list[int], ns: str) -> bool:
-        return self.tier.store.holds(tokens, ns)
+        # The core asks ~30 times per request about the same few records, and
+        # their token lists never change (it copies them at creation): their
+        # index keys are kept by list identity (the list is held, so its id
+        # cannot be reused) instead of being rebuilt from thousands of ints.
+        hit = self._keys.get(id(tokens))
+        if hit is None or hit[0] is not tokens:
+            if len(self._keys) >= 4096:
+                del self._keys[next(iter(self._keys))]
+            hit = self._keys[id(tokens)] = (tokens, token_bytes(tokens))
+        return self.tier.store.holds_key(hit[1], ns)
 
     def summary(self) -> tuple[int, int]:
         store = self.tier.store

@@ -138,10 +138,14 @@ class Record:
     due: float | None = None
     item: SpillItem | None = None
     attempts: int = 0
+    _key: Key | None = None
 
     @property
     def key(self) -> Key:
-        return (self.ns, tuple(self.tokens))
+        # cached: looked up many times per record, and ``tokens`` never changes
+        if self._key is None:
+            self._key = (self.ns, tuple(self.tokens))
+        return self._key
 
     def move(self, to: RecState) -> None:
         if to not in REC_TRANSITIONS[self.state]:

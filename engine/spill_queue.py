@@ -70,10 +70,13 @@ class SpillItem:
     seq: int = 0
     state: ItemState = ItemState.QUEUED
     released: bool = field(default=False)
+    _key: tuple[str, tuple[int, ...]] | None = field(default=None, repr=False)
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
-        return (self.ns, tuple(self.tokens))
+        if self._key is None:  # cached: ``tokens`` never changes once queued
+            self._key = (self.ns, tuple(self.tokens))
+        return self._key
 
     def move(self, to: ItemState) -> None:
         if to not in ITEM_TRANSITIONS[self.state]:
