@@ -177,6 +177,51 @@ def _advance(h: int, token: int) -> int:
     return (h * HASH_MUL + token + 1) % HASH_MOD
 
 
+_POW = np.ones(1, np.int64)  # HASH_MUL**k % HASH_MOD for k = 0..len-1, grown on demand
+_IPOW = np.ones(1, np.int64)  # the inverse powers (HASH_MOD is prime)
+
+
+def _power_tables(n: int) -> tuple[np.ndarray, np.ndarray]:
+    global _POW, _IPOW
+    if _POW.size <= n:
+        size = max(n + 1, 2 * _POW.size, 1024)
+        inv = pow(HASH_MUL, -1, HASH_MOD)
+        pw, ipw = [1] * size, [1] * size
+        for k in range(1, size):
+            pw[k] = pw[k - 1] * HASH_MUL % HASH_MOD
+            ipw[k] = ipw[k - 1] * inv % HASH_MOD
+        _POW, _IPOW = np.array(pw, np.int64), np.array(ipw, np.int64)
+    return _POW, _IPOW
+
+
+def running_hashes(h: int, tokens: Any) -> np.ndarray:
+    """The running hash after each of ``tokens`` from ``h`` (int64), what
+    ``_advance`` gives one token at a time, in a few vectorized steps:
+    h_i = M^i (h + sum_{j<=i} (t_j + 1) M^-j) mod P. Every product stays
+    below 2^49, so int64 is exact."""
+    t = np.asarray(tokens, np.int64)
+    n = t.size
+    if n <= 16:  # a Python loop is cheaper than the numpy calls
+        out = np.empty(n, np.int64)
+        for i, tok in enumerate(t.tolist()):
+            h = _advance(h, tok)
+            out[i] = h
+        return out
+    pw, ipw = _power_tables(n)
+    c = (t + 1) * ipw[1 : n + 1] % HASH_MOD
+    acc = (np.cumsum(c) + h) % HASH_MOD
+    return pw[1 : n + 1] * acc % HASH_MOD
+
+
+def advance_all(h: int, tokens: Any) -> int:
+    """The running hash after all of ``tokens`` from ``h``."""
+    if len(tokens) <= 16:
+        for tok in tokens:
+            h = _advance(h, int(tok))
+        return h
+    return int(running_hashes(h, tokens)[-1])
+
+
 _tls = threading.local()
 
 
@@ -254,9 +299,7 @@ def expected_tokens(
     stop_at_eos: bool = True,
 ) -> list[int]:
     """The reference greedy continuation, computed without any cache."""
-    h = _initial_hash(cfg.seed)
-    for t in prompt:
-        h = _advance(h, t)
+    h = advance_all(_initial_hash(cfg.seed), prompt)
     out: list[int] = []
     for _ in range(n):
         tok = int(np.argmax(fake_logits(cfg.seed, h, ByteTokenizer.vocab_size, cfg.eos_bias)))
@@ -339,11 +382,9 @@ class FakeBackend:
                 c.offset += 1
             return h
         H, D = self.cfg.num_kv_heads, self.cfg.head_dim
-        hashes = np.empty(n, np.float32)
+        hashes = running_hashes(h, tokens)
+        h = int(hashes[-1]) if n else h
         pos = np.arange(last.offset, last.offset + n, dtype=np.float32)
-        for i, t in enumerate(tokens):
-            h = _advance(h, t)
-            hashes[i] = h
         toks = np.asarray(tokens, np.float32)
         keys = np.zeros((1, H, n, D), np.float32)
         keys[..., 0] = toks

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engine.fake_gpu import ByteTokenizer, FakeGPUConfig, _advance, _initial_hash, fake_logits, sample_token
+from engine.fake_gpu import ByteTokenizer, FakeGPUConfig, _advance, _initial_hash, advance_all, fake_logits, sample_token
 from engine.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -234,9 +234,7 @@ class Oracle:
         self.vocab = ByteTokenizer.vocab_size
 
     def extend(self, h: int, tokens: list[int]) -> int:
-        for t in tokens:
-            h = _advance(h, t)
-        return h
+        return advance_all(h, tokens)
 
     def expect(self, prompt: list[int], sp: SamplingParams, start: tuple[int, int] | None = None) -> tuple[list[int], int]:
         """(the tokens a request must get, the hash after its prompt)."""

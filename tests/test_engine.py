@@ -278,3 +278,21 @@ async def test_a_timeout_around_the_stream_loses_no_delta():
                     tg.start_soon(reader)
         assert timeouts > 0
         assert got == expected_tokens(prompt, n, stop_at_eos=False)
+
+
+def test_vectorized_running_hashes_equal_the_token_by_token_hash():
+    """The fake GPU's prefill (and the simulator's oracle) hash a prompt in a
+    few numpy steps; it must be exactly ``_advance`` applied token by token,
+    across the loop/vectorized threshold and past the first power table."""
+    from engine.fake_gpu import HASH_MOD, _advance, advance_all, running_hashes
+
+    rng = random.Random(3)
+    for n in [0, 1, 16, 17, 100, 2049, 5000]:
+        toks = [rng.randrange(ByteTokenizer.vocab_size) for _ in range(n)]
+        h = rng.randrange(HASH_MOD)
+        want, x = [], h
+        for t in toks:
+            x = _advance(x, t)
+            want.append(x)
+        assert running_hashes(h, toks).tolist() == want
+        assert advance_all(h, toks) == x
