@@ -263,25 +263,29 @@ def fake_logits(seed: int, h: int, vocab: int, eos_bias: float = 0.0) -> np.ndar
 def sample_token(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> int:
     """Greedy at temperature 0; else temperature, top-k, top-p, min-p, then a draw."""
     if sp.temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / sp.temperature
-    z = z - np.max(z)
-    p = np.exp(z)
+        return int(logits.argmax())
+    # in place where it can be, the same values as the plain expressions
+    z = logits.astype(np.float64)
+    z /= sp.temperature
+    z -= z.max()
+    p = np.exp(z, out=z)
     p /= p.sum()
-    keep = np.ones_like(p, dtype=bool)
+    keep: np.ndarray | None = None
     if sp.top_k and sp.top_k > 0:
         kth = np.sort(p)[-min(sp.top_k, p.size)]
-        keep &= p >= kth
+        keep = p >= kth
     if sp.top_p < 1.0:
         order = np.argsort(-p)
         csum = np.cumsum(p[order])
         cut = np.searchsorted(csum, sp.top_p) + 1
-        mask = np.zeros_like(keep)
+        mask = np.zeros(p.size, dtype=bool)
         mask[order[:cut]] = True
-        keep &= mask
+        keep = mask if keep is None else keep & mask
     if sp.min_p > 0:
-        keep &= p >= sp.min_p * p.max()
-    p = np.where(keep, p, 0.0)
+        floor = p >= sp.min_p * p.max()
+        keep = floor if keep is None else keep & floor
+    if keep is not None:
+        p[~keep] = 0.0
     p /= p.sum()
     # ``rng.choice(p.size, p=p)`` without its argument checks (a third of a
     # sampled token's cost): the same cumsum, normalization, one ``random()``
@@ -302,7 +306,7 @@ def expected_tokens(
     h = advance_all(_initial_hash(cfg.seed), prompt)
     out: list[int] = []
     for _ in range(n):
-        tok = int(np.argmax(fake_logits(cfg.seed, h, ByteTokenizer.vocab_size, cfg.eos_bias)))
+        tok = int(fake_logits(cfg.seed, h, ByteTokenizer.vocab_size, cfg.eos_bias).argmax())
         out.append(tok)
         if stop_at_eos and tok == ByteTokenizer.EOS:
             break

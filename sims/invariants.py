@@ -245,7 +245,7 @@ class Oracle:
         out: list[int] = []
         for _ in range(sp.max_tokens):
             logits = fake_logits(self.cfg.seed, h, self.vocab, self.cfg.eos_bias)
-            tok = int(np.argmax(logits)) if rng is None else sample_token(logits, sp, rng)
+            tok = int(logits.argmax()) if rng is None else sample_token(logits, sp, rng)
             if tok == ByteTokenizer.EOS and not sp.ignore_eos:
                 break
             out.append(tok)
