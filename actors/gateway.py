@@ -9,6 +9,7 @@ its stream only. While draining it admits nothing new.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections import deque
@@ -67,13 +68,13 @@ class _Channel:
 
     def __init__(self) -> None:
         self.items: deque[Any] = deque()
-        self.waiter: anyio.Event | None = None
+        self.waiter: asyncio.Future[None] | None = None
         self.send_closed = False
         self.recv_closed = False
 
     def wake(self) -> None:
-        if self.waiter is not None:
-            self.waiter.set()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 class DeltaSender:
@@ -107,7 +108,9 @@ class DeltaReceiver:
     a waiter and an event per call, two wake-ups and most of the cost of each
     streamed token. Here a routed delta is taken without yielding, and only
     an empty stream waits (the cancellation point; a cancelled wait loses
-    nothing, the delta stays queued)."""
+    nothing, the delta stays queued), on a bare asyncio future: the engine
+    runs on asyncio only, and an anyio Event is an asyncio Event, a future
+    and a backend lookup per wait."""
 
     __slots__ = ("_ch",)
 
@@ -131,11 +134,11 @@ class DeltaReceiver:
                 return self.receive_nowait()
             except anyio.WouldBlock:
                 pass
-            ch.waiter = event = anyio.Event()
+            ch.waiter = fut = asyncio.get_running_loop().create_future()
             try:
-                await event.wait()
+                await fut
             finally:
-                if ch.waiter is event:
+                if ch.waiter is fut:
                     ch.waiter = None
 
     def close(self) -> None:
