@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
@@ -172,14 +172,27 @@ class PrefixIndex:
         included: ``tokens`` is read for those)."""
         out = [e for e in self._rigid.get(ns, {}).values() if len(k := e.tokens.tobytes()) < len(key) and key.startswith(k)]
         keys = self._keys.get(ns)
-        if keys:
-            vals = self._vals[ns]
-            for k in filter(key.startswith, keys):  # the scan runs in C; hits are few
-                if len(k) < len(key):
-                    i = bisect_left(keys, k)
-                    while i < len(keys) and keys[i] == k:  # every entry with that key
-                        out.append(vals[i])
-                        i += 1
+        if not keys:
+            return out
+        vals = self._vals[ns]
+        # Walk down from ``key``'s place. Every key between a prefix p of
+        # ``probe`` and ``probe`` starts with p, so the nearest smaller key k
+        # either is such a prefix, or bounds them by its common prefix with
+        # ``probe``: jump to that (strictly shorter) probe. A few bisects,
+        # not a pass over every key.
+        probe, hi = key, bisect_left(keys, key)
+        while hi > 0:
+            k = keys[hi - 1]
+            if probe.startswith(k):
+                j = hi - 1
+                while j >= 0 and keys[j] == k:  # every entry with that key
+                    out.append(vals[j])
+                    j -= 1
+                probe, hi = k, j + 1
+                continue
+            m = common_prefix(np.frombuffer(k, np.int64), np.frombuffer(probe, np.int64))
+            probe = probe[: 8 * m]
+            hi = bisect_right(keys, probe)
         return out
 
     def rigid(self, ns: str) -> list[Any]:

@@ -325,9 +325,11 @@ class SpillQueueBounded(Checker):
         self.checked += 1
         if not q.items:
             return
-        largest = max(i.nbytes for i in q.items)
         over = q.pending_bytes - q.cap_bytes
         self.max_over = max(self.max_over, over)
+        if over <= 0:
+            return  # under the cap: no item size can make it a finding
+        largest = max(i.nbytes for i in q.items)
         if over > largest:
             self.fail(t, f"spill queue holds {q.pending_bytes} bytes in {len(q.items)} items: more than its cap {q.cap_bytes} plus one item ({largest})")
 
