@@ -270,6 +270,15 @@ def sample_token(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generato
     z -= z.max()
     p = np.exp(z, out=z)
     p /= p.sum()
+    if not (sp.top_k and sp.top_k > 0) and not sp.min_p > 0:
+        # temperature and top-p only (the common case): one sort serves both
+        # the nucleus cut and the draw, which runs over the kept ids in
+        # descending probability (the same distribution as a draw in id order)
+        order = np.argsort(-p, kind="stable")
+        cdf = np.cumsum(p[order])
+        cut = min(int(np.searchsorted(cdf, sp.top_p)) + 1, p.size) if sp.top_p < 1.0 else p.size
+        i = int(np.searchsorted(cdf[:cut], rng.random() * cdf[cut - 1], side="right"))
+        return int(order[min(i, cut - 1)])  # min: a draw that rounds up to the total
     keep: np.ndarray | None = None
     if sp.top_k and sp.top_k > 0:
         kth = np.sort(p)[-min(sp.top_k, p.size)]

@@ -296,3 +296,27 @@ def test_vectorized_running_hashes_equal_the_token_by_token_hash():
             want.append(x)
         assert running_hashes(h, toks).tolist() == want
         assert advance_all(h, toks) == x
+
+
+def test_fake_sampling_draws_from_the_nucleus_with_its_probabilities():
+    """sample_token's temperature + top-p path (one sort for the cut and the
+    draw) against the distribution it must follow, computed directly."""
+    import numpy as np
+
+    from engine.fake_gpu import fake_logits, sample_token
+
+    logits = fake_logits(0, 4242, ByteTokenizer.vocab_size)
+    for temperature, top_p in [(0.7, 0.95), (1.5, 0.9), (1.0, 1.0)]:
+        sp = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p, seed=1)
+        z = logits.astype(np.float64) / temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        cut = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1 if top_p < 1.0 else p.size
+        want = np.zeros_like(p)
+        want[order[:cut]] = p[order[:cut]] / p[order[:cut]].sum()
+        rng = np.random.Generator(np.random.PCG64(7))
+        n = 20_000
+        got = np.bincount([sample_token(logits, sp, rng) for _ in range(n)], minlength=p.size) / n
+        assert got[want == 0].sum() == 0  # nothing outside the nucleus
+        assert 0.5 * np.abs(got - want).sum() < 0.03  # total variation: sampling noise only
