@@ -143,16 +143,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         signal.signal(sig, lambda *_: None)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"
-    return _run_loop(_serve(server, sock, app.state.ember, url))
-
-
-def _run_loop(main: Any) -> Any:
-    """uvloop when installed (a pyproject dependency off Windows), else asyncio."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+    # Plain asyncio, not uvloop: under uvloop a SIGTERM reached the drain only
+    # after requests already in the socket were answered (/health said 200 right
+    # after the signal; tests/test_durability_engine.py).
+    return asyncio.run(_serve(server, sock, app.state.ember, url))
 
 
 def _bind(host: str, port: int) -> socket.socket:
