@@ -130,6 +130,9 @@ async def engine_aggregate(engine: Any, conc: int, n: int) -> float:
 def bare_aggregate(model: Any, tok: Any, conc: int, n: int) -> float:
     from mlx_lm import batch_generate
 
+    from engine.blas import blas_threads
+
+    blas_threads().use(0)  # as users run it; the engine's last step may have left 1
     prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(conc)]
     t = time.perf_counter()
     res = batch_generate(model, tok, prompts, max_tokens=n, return_token_ids=True)
