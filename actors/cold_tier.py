@@ -180,6 +180,7 @@ class ColdStore:
         self.other_bytes = 0
         self.reserved = 0
         self._seq = 0
+        self.adds = 0  # entries indexed so far: a ``holds`` that was False stays False until this moves
         self.counters = {
             "restores": 0,
             "spills": 0,  # entries written
@@ -309,6 +310,7 @@ class ColdStore:
         self._paths[e.path] = e
         e.key = e.tokens.tobytes()
         self._index.add(e.ns, e.key, e, e.trimmable)
+        self.adds += 1
         self.entry_bytes += e.nbytes
 
     def _remove_path(self, path: str) -> ColdEntry | None:

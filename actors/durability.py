@@ -144,6 +144,7 @@ class IdleGate:
 
     def __init__(self) -> None:
         self.busy = False
+        self.busy_edges = 0  # idle → busy edges so far: unchanged and not busy = idle all along
         self._idle = anyio.Event()
         self._idle.set()
 
@@ -152,6 +153,7 @@ class IdleGate:
             case EngineBusy():
                 if not self.busy:
                     self.busy = True
+                    self.busy_edges += 1
                     self._idle = anyio.Event()
             case EngineIdle():
                 self.busy = False
@@ -291,21 +293,32 @@ class DurabilityCoordinator(Actor[Inbox]):
     async def _write(self, item: SpillItem) -> None:
         """The single writer: one item, each tensor step behind the idle gate.
 
-        ``write_start``/``write_end`` bracket every step (the gate hands out a
-        turn, the next gate call or the end of the store closes it) so a test
-        can check on the event log that no write step overlaps a GPU step.
+        ``write_start``/``write_end`` bracket every write step so a test can
+        check on the event log that no write step begins during a GPU step.
+        A step starts only while the engine is idle (the gate hands out a
+        turn) and is one gated unit: the following tensor steps (and the
+        commit) join it as long as the engine has stayed idle since it began
+        (no busy edge in between), which is what a fresh turn would find
+        anyway; once the engine has been busy, the next gate call closes the
+        step and waits for a new turn. Two records per entry instead of two
+        per tensor.
         """
         record = self.core.record
+        gate = self.gate
         stepping = False
+        edges = -1
 
         async def turn() -> None:
-            nonlocal stepping
+            nonlocal stepping, edges
             if stepping:
+                if not gate.busy and gate.busy_edges == edges:
+                    return  # idle since this step began: the same gated unit goes on
                 record("write_end", seq=item.seq)
                 stepping = False
-            await self.gate.wait_turn()
+            await gate.wait_turn()
             record("write_start", seq=item.seq)
             stepping = True
+            edges = gate.busy_edges
 
         record("write_item", seq=item.seq, source=item.kind, tokens=len(item.tokens), bytes=item.nbytes)
         try:
@@ -345,19 +358,27 @@ class ColdTierPort:
 
     def __init__(self, tier: ColdTier):
         self.tier = tier
-        self._keys: dict[int, tuple[list[int], bytes]] = {}
+        self._keys: dict[int, list[Any]] = {}  # id(tokens) -> [tokens, key, ns, store.adds when last not held]
 
     def holds(self, tokens: list[int], ns: str) -> bool:
         # The core asks ~30 times per request about the same few records, and
         # their token lists never change (it copies them at creation): their
         # index keys are kept by list identity (the list is held, so its id
         # cannot be reused) instead of being rebuilt from thousands of ints.
+        # Only a newly indexed entry can make a key held (evictions only take
+        # away), so a "no" stands until the store has indexed another entry.
         hit = self._keys.get(id(tokens))
         if hit is None or hit[0] is not tokens:
             if len(self._keys) >= 4096:
                 del self._keys[next(iter(self._keys))]
-            hit = self._keys[id(tokens)] = (tokens, token_bytes(tokens))
-        return self.tier.store.holds_key(hit[1], ns)
+            hit = self._keys[id(tokens)] = [tokens, token_bytes(tokens), None, -1]
+        store = self.tier.store
+        if hit[3] == store.adds and hit[2] == ns:
+            return False
+        if store.holds_key(hit[1], ns):
+            return True
+        hit[2], hit[3] = ns, store.adds
+        return False
 
     def summary(self) -> tuple[int, int]:
         store = self.tier.store

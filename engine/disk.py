@@ -422,7 +422,13 @@ class FaultyDisk:
 
 
 def _apply(data: bytearray, offset: int, buf: bytes) -> None:
+    n = len(data)
+    if offset >= n:  # appending (a file written front to back): one copy, not zero-fill then copy
+        if offset > n:
+            data.extend(bytes(offset - n))
+        data += buf
+        return
     end = offset + len(buf)
-    if end > len(data):
-        data.extend(b"\0" * (end - len(data)))
+    if end > n:
+        data.extend(bytes(end - n))
     data[offset:end] = buf

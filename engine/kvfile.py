@@ -387,7 +387,7 @@ def make_header(meta: KvMeta, tokens: Sequence[int], layers: list[Layer], create
         config_fingerprint=meta.config_fingerprint,
         ns=meta.ns,
         tokenizer_hash=meta.tokenizer_hash,
-        tokens=[int(t) for t in tokens],
+        tokens=list(map(int, tokens)),
         layers=layers,
     )
 

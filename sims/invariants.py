@@ -75,8 +75,9 @@ class Checker:
 class NoWriteDuringStep(Checker):
     """A GPU step is the span from ``step`` to ``step_end``; a tensor write step
     is the span ``write_start``..``write_end`` the write path records around
-    each gated step (one tensor, or the commit), and the disk calls inside it
-    (``disk_write``/``disk_fsync``, from the simulator's disk proxy) belong to it.
+    each gated unit (its tensors and commit while the engine stays idle), and
+    the disk calls inside it (``disk_write``/``disk_fsync``, or the write and
+    fsync ops of a ``disk`` record from the simulator's disk proxy) belong to it.
 
     No write step may *begin* during a GPU step, and no disk write may happen
     during a GPU step outside a write step (an ungated write). A write step
@@ -124,15 +125,22 @@ class NoWriteDuringStep(Checker):
             self.in_write = max(0, self.in_write - 1)
             if not self.in_write:
                 self.overlapping = False
+        elif kind == "disk":  # a run of disk calls nothing else came between (sims.world.RecordingDisk)
+            for op in f["ops"]:
+                if op[0] == "write" or op[0] == "fsync":
+                    self._disk_call(t, "disk_" + op[0], op[1])
         elif kind in ("disk_write", "disk_fsync"):
-            self.absent = None
-            self.checked += 1
-            if self.in_step is None:
-                return
-            if self.in_write:
-                self.overlap_io += 1  # the in-flight step's own I/O
-            else:
-                self.fail(t, f"{kind} {f.get('path', '')} during GPU step {self.in_step}, outside any gated write step")
+            self._disk_call(t, kind, f.get("path", ""))
+
+    def _disk_call(self, t: float, kind: str, path: str) -> None:
+        self.absent = None
+        self.checked += 1
+        if self.in_step is None:
+            return
+        if self.in_write:
+            self.overlap_io += 1  # the in-flight step's own I/O
+        else:
+            self.fail(t, f"{kind} {path} during GPU step {self.in_step}, outside any gated write step")
 
     def detail(self) -> str:
         s = f"{self.checked} write steps and disk writes against {self.steps_seen} GPU steps"

@@ -291,6 +291,7 @@ class Simulation:
         except async_solipsism.SleepForeverError:
             findings.append(inv.Finding("deadlock", getattr(self, "t_end", 0.0), "every task is blocked and no timer is set"))
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        self.log.settle()
         for ch in self.checkers:
             findings.extend(ch.findings)
         faults: dict[str, Any] = {}
@@ -343,6 +344,7 @@ class Simulation:
         finally:
             self._progress_end()
         self.t_end = self._t()
+        self.log.settle()  # a held disk record reaches the checkers before they end
         for ch in self.checkers:
             ch.end(self.t_end)
 

@@ -72,22 +72,40 @@ class PowerLoss(EngineDead):
 
 class RecordingDisk:
     """Delegates to ``engine.disk.FaultyDisk`` and records each mutation, so
-    checkers see disk writes in the same order as GPU steps."""
+    checkers see disk writes in the same order as GPU steps.
+
+    Consecutive mutations with no other record between them are one ``disk``
+    record (``ops``: each call as ``[op, path, ...]`` in order, ``t``: the
+    first call's time), held open in the event log until the next record of
+    any kind: a checker sees the same state for every call in the run, as it
+    would one record at a time, for one record instead of ~9 per entry."""
 
     def __init__(self, inner: Any, events: EventLog, clock: Any):
         self.inner = inner
         self.events = events
         self.clock = clock
         self.paths: dict[int, str] = {}
+        self._ops: list[list[Any]] = []
+        self._t = 0.0
+        self._flush_cb = self._flush  # one bound method: the log's ``holding`` is compared by identity
 
-    def _rec(self, kind: str, **f: Any) -> None:
-        self.events.record(kind, self.clock.now(), **f)
+    def _rec(self, *op: Any) -> None:
+        events = self.events
+        if events.holding is not self._flush_cb:
+            events.settle()
+            self._t = self.clock.now()
+            events.hold(self._flush_cb)
+        self._ops.append(list(op))
+
+    def _flush(self) -> None:
+        ops, self._ops = self._ops, []
+        self.events.record("disk", self._t, ops=ops)
 
     def open(self, path: str, *, write: bool = False) -> int:
         fh = self.inner.open(path, write=write)
         self.paths[fh] = path
         if write:
-            self._rec("disk_open", path=path)
+            self._rec("open", path)
         return fh
 
     def close(self, fh: int) -> None:
@@ -95,26 +113,26 @@ class RecordingDisk:
         self.inner.close(fh)
 
     def write(self, fh: int, offset: int, data: Any) -> None:
-        self._rec("disk_write", path=self.paths.get(fh, "?"), off=offset, n=memoryview(data).nbytes)
+        self._rec("write", self.paths.get(fh, "?"), offset, memoryview(data).nbytes)
         self.inner.write(fh, offset, data)
 
     def read(self, fh: int, offset: int, n: int) -> bytes:
         return self.inner.read(fh, offset, n)
 
     def fsync(self, fh: int) -> None:
-        self._rec("disk_fsync", path=self.paths.get(fh, "?"))
+        self._rec("fsync", self.paths.get(fh, "?"))
         self.inner.fsync(fh)
 
     def rename(self, src: str, dst: str) -> None:
-        self._rec("disk_rename", src=src, dst=dst)
+        self._rec("rename", src, dst)
         self.inner.rename(src, dst)
 
     def fsync_dir(self, path: str) -> None:
-        self._rec("disk_fsync_dir", path=path)
+        self._rec("fsync_dir", path)
         self.inner.fsync_dir(path)
 
     def unlink(self, path: str) -> None:
-        self._rec("disk_unlink", path=path)
+        self._rec("unlink", path)
         self.inner.unlink(path)
 
     def listdir(self, path: str) -> list[str]:

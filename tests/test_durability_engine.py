@@ -90,7 +90,11 @@ async def test_no_tensor_write_step_overlaps_a_gpu_step(tmp_path):
         log, got, _ = await seeded_workload(tmp_path / str(seed), seed, writebehind=True)
         bad, steps, writes = overlaps(log)
         assert len(got) == 40
-        assert steps > 100 and writes > 40, (steps, writes)  # both really happened, interleaved
+        # both really happened (a write step per entry at least: tensors join
+        # one step while the engine stays idle), interleaved
+        assert steps > 100 and writes >= 40, (steps, writes)
+        step_ts = [t for t, _ in log.of("step")]
+        assert sum(step_ts[0] < t < step_ts[-1] for t, _ in log.of("write_start")) > 20
         assert bad == []
 
 

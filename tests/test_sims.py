@@ -166,6 +166,36 @@ def test_write_checker_flags_ungated_writes_and_steps_begun_while_busy():
     assert "outside any gated write step" in c.findings[0].message and "during GPU step 2" in c.findings[1].message
 
 
+def test_recording_disk_folds_a_run_of_calls_into_one_record_the_write_checker_reads():
+    from engine.eventlog import EventLog
+    from sims.world import RecordingDisk
+
+    class Clock:
+        t = 0.0
+
+        def now(self):
+            return self.t
+
+    log, clock = EventLog(), Clock()
+    c = inv.NoWriteDuringStep()
+    log.listeners.append(c.on_event)
+    disk = RecordingDisk(FaultyDisk(), log, clock)
+    disk.makedirs("/d")
+    log.record("step", 0.0, n=1)
+    fh = disk.open("/d/a", write=True)  # ungated: during step 1, outside any write step
+    disk.write(fh, 0, b"xy")
+    disk.fsync(fh)
+    clock.t = 0.5
+    log.record("step_end", 0.5, n=1)  # closes the run of calls: one record, before this one
+    disk.close(fh)
+    disk.rename("/d/a", "/d/b")
+    kinds = [k for k, _, _ in log.records]
+    assert kinds == ["step", "disk", "step_end"]  # the rename is still held
+    assert log.of("disk")[-1][1]["ops"] == [["rename", "/d/a", "/d/b"]]  # reading the log records it
+    assert log.records[1][2]["ops"] == [["open", "/d/a"], ["write", "/d/a", 0, 2], ["fsync", "/d/a"]]
+    assert [f.message.split(" ")[0] for f in c.findings] == ["disk_write", "disk_fsync"] and c.checked == 2
+
+
 def test_slow_disk_overlaps_in_flight_write_steps_without_stalling_admission():
     # 50 ms per I/O call: write steps are still in flight when turns arrive, the
     # GPU steps start anyway (admission on time) and no new write step begins.
