@@ -260,25 +260,54 @@ def fake_logits(seed: int, h: int, vocab: int, eos_bias: float = 0.0) -> np.ndar
     return logits
 
 
+# (logits, temperature, top_p) -> the kept ids and their cdf, by the identity of
+# a read-only logits array (held in the entry, so its id cannot be reused)
+_NUCLEI: dict[int, tuple[np.ndarray, float, float, np.ndarray, np.ndarray, float]] = {}
+_NUCLEI_MAX = 2048
+
+
+def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    # in place where it can be, the same values as the plain expressions
+    z = logits.astype(np.float64)
+    z /= temperature
+    z -= z.max()
+    p = np.exp(z, out=z)
+    p /= p.sum()
+    return p
+
+
+def _nucleus(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """The ids kept by temperature + top-p in descending probability, their
+    cumulative probabilities and the total. Memoized for the read-only
+    arrays of ``fake_logits``: a sampled token is derived twice from the same
+    logits and parameters (the engine, then the simulator's oracle)."""
+    hit = _NUCLEI.get(id(logits))
+    if hit is not None and hit[0] is logits and hit[1] == temperature and hit[2] == top_p:
+        return hit[3], hit[4], hit[5]
+    p = _softmax(logits, temperature)
+    # one sort serves both the nucleus cut and the draw, which runs over the
+    # kept ids in descending probability (the same distribution as a draw in id order)
+    order = np.argsort(-p, kind="stable")
+    cdf = np.cumsum(p[order])
+    cut = min(int(np.searchsorted(cdf, top_p)) + 1, p.size) if top_p < 1.0 else p.size
+    kept, cdf, total = order[:cut].copy(), cdf[:cut].copy(), float(cdf[cut - 1])
+    if not logits.flags.writeable:
+        if len(_NUCLEI) >= _NUCLEI_MAX:
+            del _NUCLEI[next(iter(_NUCLEI))]
+        _NUCLEI[id(logits)] = (logits, temperature, top_p, kept, cdf, total)
+    return kept, cdf, total
+
+
 def sample_token(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> int:
     """Greedy at temperature 0; else temperature, top-k, top-p, min-p, then a draw."""
     if sp.temperature <= 0:
         return int(logits.argmax())
-    # in place where it can be, the same values as the plain expressions
-    z = logits.astype(np.float64)
-    z /= sp.temperature
-    z -= z.max()
-    p = np.exp(z, out=z)
-    p /= p.sum()
     if not (sp.top_k and sp.top_k > 0) and not sp.min_p > 0:
-        # temperature and top-p only (the common case): one sort serves both
-        # the nucleus cut and the draw, which runs over the kept ids in
-        # descending probability (the same distribution as a draw in id order)
-        order = np.argsort(-p, kind="stable")
-        cdf = np.cumsum(p[order])
-        cut = min(int(np.searchsorted(cdf, sp.top_p)) + 1, p.size) if sp.top_p < 1.0 else p.size
-        i = int(np.searchsorted(cdf[:cut], rng.random() * cdf[cut - 1], side="right"))
-        return int(order[min(i, cut - 1)])  # min: a draw that rounds up to the total
+        # temperature and top-p only (the common case)
+        kept, cdf, total = _nucleus(logits, sp.temperature, sp.top_p)
+        i = int(cdf.searchsorted(rng.random() * total, side="right"))
+        return int(kept[min(i, kept.size - 1)])  # min: a draw that rounds up to the total
+    p = _softmax(logits, sp.temperature)
     keep: np.ndarray | None = None
     if sp.top_k and sp.top_k > 0:
         kth = np.sort(p)[-min(sp.top_k, p.size)]

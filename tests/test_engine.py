@@ -320,3 +320,19 @@ def test_fake_sampling_draws_from_the_nucleus_with_its_probabilities():
         got = np.bincount([sample_token(logits, sp, rng) for _ in range(n)], minlength=p.size) / n
         assert got[want == 0].sum() == 0  # nothing outside the nucleus
         assert 0.5 * np.abs(got - want).sum() < 0.03  # total variation: sampling noise only
+
+
+def test_fake_sampling_memo_gives_the_draws_of_a_fresh_computation():
+    """The nucleus of read-only ``fake_logits`` is memoized by array identity;
+    interleaved parameters on the same array, and a writable copy (never
+    memoized), must draw exactly the same tokens from the same stream."""
+    import numpy as np
+
+    from engine.fake_gpu import fake_logits, sample_token
+
+    logits = fake_logits(0, 777, ByteTokenizer.vocab_size)
+    params = [SamplingParams(max_tokens=1, temperature=t, top_p=q) for t, q in [(0.7, 0.9), (1.3, 0.5), (0.7, 1.0), (0.7, 0.9)]]
+    a, b = np.random.Generator(np.random.PCG64(3)), np.random.Generator(np.random.PCG64(3))
+    memo = [sample_token(logits, sp, a) for _ in range(50) for sp in params]
+    fresh = [sample_token(logits.copy(), sp, b) for _ in range(50) for sp in params]
+    assert memo == fresh and len(set(memo)) > 3
