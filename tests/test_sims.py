@@ -157,6 +157,38 @@ def test_admission_checker_flags_a_late_admission_and_waiting_senders():
     assert "a new GPU step began" in c2.findings[0].message
 
 
+def test_admission_checker_sees_a_task_waiting_to_send_into_the_scheduler_inbox():
+    import types
+
+    import anyio
+
+    from actors.runtime import ActorRef
+
+    async def main():
+        send, recv = anyio.create_memory_object_stream(0)
+        ref = ActorRef("scheduler", send)
+
+        class View:
+            engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(ref=ref))
+            healed_at = None
+
+        c = inv.AdmissionNeverWaits(View())
+        c.on_event("sim_up", 0.0, {"gen": 1})
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ref.tell, "x")
+            for _ in range(3):
+                await anyio.sleep(0)
+            c.on_event("step", 0.0, {"n": 1})  # the tell above waits for inbox space
+            assert (await recv.receive()).msg == "x"
+        c.on_event("step_end", 0.01, {"n": 1})  # nobody waits any more
+        send.close()
+        recv.close()
+        return c
+
+    c = anyio.run(main)
+    assert c.waiters_seen == 1 and len(c.findings) == 1 and "1 task(s) waiting to send" in c.findings[0].message
+
+
 def test_write_checker_flags_ungated_writes_and_steps_begun_while_busy():
     c = inv.NoWriteDuringStep()
     for kind, t, f in [("step", 0.0, {"n": 1}), ("disk_write", 0.001, {"path": "/x"}), ("step_end", 0.01, {"n": 1}),
