@@ -198,6 +198,16 @@ async def main_async(args: argparse.Namespace) -> str:
                 for c in order:
                     await run_workload(c, w, prompts[w], params)
             print(f"[bench_spec] round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        meta = {
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
+            "blas": os.environ.get("LD_PRELOAD", "") or "reference (no preload)",
+            "model": args.model,
+            "draft": args.draft,
+        }
+        text = report(configs, workloads, args, meta)
+        print(text, flush=True)  # before the anatomy: the sweep's numbers are kept whatever happens next
+        if args.out:
+            args.out.write_text(text + "\n")
         if args.anatomy:
             lines = ["", "Round anatomy (one request, `free` and `grounded` prompt 1, low quartile ms):", "",
                      "| config | workload | round | draft ask | device step | verify ask | tokens / round | ms / token |",
@@ -212,13 +222,7 @@ async def main_async(args: argparse.Namespace) -> str:
             anatomy_text = "\n".join(lines)
         else:
             anatomy_text = ""
-        meta = {
-            "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
-            "blas": os.environ.get("LD_PRELOAD", "") or "reference (no preload)",
-            "model": args.model,
-            "draft": args.draft,
-        }
-        return report(configs, workloads, args, meta) + anatomy_text
+        return text + anatomy_text
 
 
 async def anatomy(engine: Any, prompt: Any, params: Any) -> dict[str, float]:
@@ -231,23 +235,23 @@ async def anatomy(engine: Any, prompt: Any, params: Any) -> dict[str, float]:
     starts: list[float] = []
     orig_step = sch._step
 
-    async def draft():
+    async def draft(*a):
         t = time.perf_counter()
         try:
-            return await orig_draft()
+            return await orig_draft(*a)
         finally:
             rec["draft"].append(time.perf_counter() - t)
 
-    async def verify():
+    async def verify(*a):
         t = time.perf_counter()
         try:
-            return await orig_verify()
+            return await orig_verify(*a)
         finally:
             rec["verify"].append(time.perf_counter() - t)
 
-    async def step():
+    async def step(*a):
         starts.append(time.perf_counter())
-        return await orig_step()
+        return await orig_step(*a)
 
     async def run(fn, *a, cost_s=0.0):
         t = time.perf_counter()
@@ -295,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown report here")
     args = ap.parse_args(argv)
     text = asyncio.run(main_async(args))
-    print(text)
+    if args.anatomy:
+        print(text[text.index("\nRound anatomy"):] if "\nRound anatomy" in text else "")
     if args.out:
         args.out.write_text(text + "\n")
 
