@@ -64,13 +64,14 @@ Inbox = Submit | Cancel | StepOutput | Drain
 
 
 class _Channel:
-    __slots__ = ("items", "waiter", "send_closed", "recv_closed")
+    __slots__ = ("items", "waiter", "send_closed", "recv_closed", "lazy")
 
     def __init__(self) -> None:
         self.items: deque[Any] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.send_closed = False
         self.recv_closed = False
+        self.lazy = False  # wake the reader only for a last delta, a failure or the close
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -95,7 +96,8 @@ class DeltaSender:
         if ch.recv_closed:
             raise anyio.BrokenResourceError
         ch.items.append(item)
-        ch.wake()
+        if not ch.lazy or getattr(item, "finish_reason", True) is not None:  # a Failure has none: it wakes
+            ch.wake()
 
     def close(self) -> None:
         self._ch.send_closed = True
@@ -140,6 +142,13 @@ class DeltaReceiver:
             finally:
                 if ch.waiter is fut:
                     ch.waiter = None
+
+    def wake_at_end(self) -> None:
+        """Wake this reader only when the stream ends (a delta with a finish
+        reason, a failure, or the close), not for every delta: for a caller
+        that wants the whole answer (the simulator's clients), one wake-up
+        per request instead of one per token. Deltas still queue as routed."""
+        self._ch.lazy = True
 
     def close(self) -> None:
         self._ch.recv_closed = True

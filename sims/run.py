@@ -419,6 +419,9 @@ class Simulation:
             try:
                 stream = await engine.asubmit(prompt, sp)
                 self.record("sim_submit", id=req.id, rid=stream.rid, gen=gen, attempt=attempt)
+                # This client only wants the whole answer: woken at the end of
+                # its stream, not per token (RequestStream reads a DeltaReceiver).
+                getattr(getattr(stream, "_recv", None), "wake_at_end", lambda: None)()
                 usage = reason = None
                 async with stream:
                     async for d in stream:

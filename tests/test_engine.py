@@ -336,3 +336,36 @@ def test_fake_sampling_memo_gives_the_draws_of_a_fresh_computation():
     memo = [sample_token(logits, sp, a) for _ in range(50) for sp in params]
     fresh = [sample_token(logits.copy(), sp, b) for _ in range(50) for sp in params]
     assert memo == fresh and len(set(memo)) > 3
+
+
+async def test_a_reader_that_waits_for_the_end_is_woken_once_with_every_delta_queued():
+    from actors.gateway import delta_stream
+    from engine.api import Delta
+    from engine.errors import RequestFailed
+    from actors.runtime import Failure
+
+    woke = []
+
+    async def reader(recv, out):
+        while True:
+            item = await recv.receive()
+            woke.append(anyio.current_time())
+            out.append(item)
+            if isinstance(item, Failure) or item.finish_reason is not None:
+                return
+
+    for last in (Delta(rid=1, text="", token_ids=[3], finish_reason="stop"), Failure(RequestFailed("boom"))):
+        send, recv = delta_stream()
+        recv.wake_at_end()
+        out: list = []
+        woke.clear()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader, recv, out)
+            for i in range(5):
+                await anyio.sleep(0.01)
+                send.send_nowait(Delta(rid=1, text="", token_ids=[i]))
+            await anyio.sleep(0.01)
+            assert out == []  # five deltas queued, the reader never woke
+            send.send_nowait(last)
+        assert [d.token_ids for d in out[:5]] == [[0], [1], [2], [3], [4]] and out[5] is last
+        assert len(set(woke)) == 1  # all six taken in the one wake-up
