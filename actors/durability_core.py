@@ -421,8 +421,9 @@ class DurabilityCore:
         durable without a write of their own, and covered keys left with no
         dirty longer record are missing."""
         for other in [r for r in self.records.values() if r.ns == ns and (r.state in _ATTEMPTABLE or r.state is RecState.COVERED)]:
-            if self.records.get(other.key) is not other:
-                continue  # retired by a nested settle
+            if other.state is RecState.DURABLE or other.state is RecState.MISSING:
+                continue  # retired by a nested settle (``_retire`` is the only way out of ``records``;
+                # a state test, not a lookup that hashes a tuple of every token)
             if self.cold.holds(other.tokens, ns):
                 self._retire(other, RecState.DURABLE)
             elif other.state is RecState.COVERED and self._descendant(other) is None:
