@@ -516,3 +516,23 @@ async def test_a_drafter_fault_costs_drafts_not_requests():
     assert stats["draft_faults"] == 1
     assert c.usage.speculation.drafted > 4 * 3  # it went on drafting after the fault...
     assert c.usage.speculation.acceptance_rate > 0.7  # ...from a rebuilt cache, not the half-updated one
+
+
+def test_fake_draft_model_agrees_with_the_greedy_token_at_its_rate():
+    """FakeDraftModel proposes the target's argmax with probability ``agree``
+    (a uniform fixed by seed and context) and the runner-up otherwise."""
+    import numpy as np
+
+    from engine.fake_gpu import ByteTokenizer, FakeGPUConfig, fake_logits
+
+    cfg = FakeGPUConfig()
+    for agree in (0.0, 0.7, 1.0):
+        model = FakeDraftModel(agree=agree, seed=3)
+        hits = 0
+        for h in range(1, 4001):
+            order = np.argsort(-fake_logits(cfg.seed, h, ByteTokenizer.vocab_size, cfg.eos_bias), kind="stable")
+            tok = model._propose(h)
+            assert tok in (order[0], order[1])
+            hits += tok == order[0]
+        assert abs(hits / 4000 - agree) < 0.03, (agree, hits)
+    assert FakeDraftModel(agree=0.7, seed=3)._propose(99) == FakeDraftModel(agree=0.7, seed=3)._propose(99)
