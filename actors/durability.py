@@ -193,12 +193,20 @@ class DurabilityCoordinator(Actor[Inbox]):
         self._tg: TaskGroup | None = None
         self._flush_waiters: list[Envelope[Any]] = []
         self._settling = False
+        # One timer task for the actor's life, working toward ``_timer_due``
+        # (the core's next deadline). A deadline that moves later is picked
+        # up when the sleep toward the earlier one ends; only an earlier one
+        # interrupts it: most re-arms (~3 per request) cost nothing, where a
+        # cancelled task and a new one each were most of the timer's cost.
         self._timer_due: float | None = None
-        self._timer_scope: anyio.CancelScope | None = None
+        self._timer_scope: anyio.CancelScope | None = None  # the loop's sleep, while it sleeps
+        self._timer_wake: anyio.Event | None = None  # set to wake it while it waits for a deadline
+        self._tick_pending = False  # a Tick is on its way: no other until it is handled
 
     async def main(self) -> None:
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            tg.start_soon(self._timer)
             async for env in self._inbox_recv:
                 await self._dispatch(env)
                 self._run_effects()
@@ -220,6 +228,7 @@ class DurabilityCoordinator(Actor[Inbox]):
                 core.store_done(msg.seq, msg.ok, msg.error)
             case Tick():
                 self._timer_due = None
+                self._tick_pending = False
                 core.tick()
             case Flush():
                 # First settle with the Scheduler: a row whose last token the
@@ -257,19 +266,31 @@ class DurabilityCoordinator(Actor[Inbox]):
                     assert_never(eff)
         due = self.core.next_due()
         if due != self._timer_due:
-            if self._timer_scope is not None:
-                self._timer_scope.cancel()
-                self._timer_scope = None
-            self._timer_due = due
-            if due is not None:
-                self._timer_scope = anyio.CancelScope()
-                tg.start_soon(self._timer, due, self._timer_scope)
+            old, self._timer_due = self._timer_due, due
+            if due is not None and (old is None or due < old):
+                if self._timer_scope is not None:
+                    self._timer_scope.cancel()  # sleeping toward a later deadline: re-aim
+                elif self._timer_wake is not None:
+                    self._timer_wake.set()
 
-    async def _timer(self, due: float, scope: anyio.CancelScope) -> None:
-        with scope:
-            delay = due - self.core.clock.now()
+    async def _timer(self) -> None:
+        """Tick once ``_timer_due`` passes; re-reads it after every wake-up."""
+        clock = self.core.clock
+        while True:
+            due = self._timer_due
+            if due is None or self._tick_pending:
+                self._timer_wake = anyio.Event()
+                await self._timer_wake.wait()
+                self._timer_wake = None
+                continue
+            delay = due - clock.now()
             if delay > DEADLINE_EPSILON_S:
-                await self.core.clock.sleep(delay)
+                with anyio.CancelScope() as scope:
+                    self._timer_scope = scope
+                    await clock.sleep(delay)
+                self._timer_scope = None
+                continue
+            self._tick_pending = True
             await self._tell_self(Tick())
 
     async def _settle(self) -> None:
