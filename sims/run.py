@@ -62,13 +62,14 @@ class RunResult:
     cpu_s: float
     trace_desc: str
     notes: list[str] = field(default_factory=list)
+    args: str = ""  # further command-line arguments that reproduce the run
 
     @property
     def ok(self) -> bool:
         return not self.findings
 
     def reproduce(self) -> str:
-        return f"python -m sims.run --scenario {self.scenario} --seed {self.seed}"
+        return f"python -m sims.run --scenario {self.scenario} --seed {self.seed}{self.args}"
 
     def summary(self) -> str:
         c = self.counters
@@ -531,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", help="replay this NDJSON trace instead of the scenario's generated one")
     ap.add_argument("--twice", action="store_true", help="run twice and require the same digest")
+    ap.add_argument("--chat-requests", type=int, metavar="N",
+                    help="replay gen.chat(seed, requests=N) instead (a shorter chat-10k for quick before/after runs)")
     ap.add_argument("-v", "--verbose", action="store_true", help="show the engine's own log (warnings of injected faults)")
     args = ap.parse_args(argv)
     if not args.verbose:  # injected faults make the engine warn on purpose; the summary says what matters
@@ -543,11 +546,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown scenario {args.scenario!r}; --list shows them", file=sys.stderr)
         return 2
     trace = None
+    if args.chat_requests:
+        from sims import gen
+
+        trace = gen.chat(args.seed, requests=args.chat_requests)
     if args.trace:
         from sims import trace as tr
 
         trace = tr.read(args.trace) if os.path.exists(args.trace) else tr.bundled(args.trace)
     result = run_scenario(args.scenario, args.seed, trace=trace, progress=True)
+    if args.chat_requests and not args.trace:
+        result.args = f" --chat-requests {args.chat_requests}"
     if args.twice:
         again = run_scenario(args.scenario, args.seed, trace=trace)
         if again.digest != result.digest:

@@ -316,6 +316,10 @@ def test_list_and_violation_exit_code(monkeypatch, capsys):
     assert "reproduce: python -m sims.run --scenario agent --seed 4" in out
     assert any(line.startswith("VIOLATION [tokens-match-cold-prefill]") for line in out)
     assert out[-1].startswith("digest: ")
+    assert simrun.main(["--scenario", "chat-10k", "--seed", "2", "--chat-requests", "40"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert "reproduce: python -m sims.run --scenario chat-10k --seed 2 --chat-requests 40" in out
+    assert "trace: chat (40 requests, " in out[0]
 
 
 def test_sweep_seed_ranges_and_one_run(capsys):
