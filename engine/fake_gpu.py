@@ -253,7 +253,8 @@ def fake_logits(seed: int, h: int, vocab: int, eos_bias: float = 0.0) -> np.ndar
     Memoized: drawing them is most of the fake GPU's cost, and the same
     contexts recur (the oracle re-deriving a request's tokens, the fake
     drafter, shared prefixes)."""
-    logits = _generator_at(seed, h).standard_normal(vocab, dtype=np.float32) * 3.0
+    logits = _generator_at(seed, h).standard_normal(vocab, dtype=np.float32)
+    logits *= 3.0
     logits[ByteTokenizer.EOS] += eos_bias - 4.0
     logits[ByteTokenizer.EOS + 1 :] = -np.inf  # spare ids never appear
     logits.flags.writeable = False
@@ -382,6 +383,10 @@ class FakeBackend:
         )
         self._h0 = _initial_hash(cfg.seed)
         self._row_shape = (cfg.head_dim,)
+        # one decode position's key and value rows, reused: only [0] and [1] are
+        # ever set, the rest stay zero (the rows are copied into the caches)
+        self._row_k = np.zeros(self._row_shape, np.float32)
+        self._row_v = np.zeros(self._row_shape, np.float32)
         self._rows: dict[int, _Row] = {}
         self._fault_rng = np.random.Generator(np.random.PCG64(cfg.fault_seed))
         self.steps = 0
@@ -415,8 +420,7 @@ class FakeBackend:
             t = tokens[0]
             h = _advance(h, t)
             off = last.offset
-            k = np.zeros(self._row_shape, np.float32)  # one position, every head (broadcast)
-            v = np.zeros(self._row_shape, np.float32)
+            k, v = self._row_k, self._row_v  # one position, every head (broadcast)
             k[0], k[1], v[0], v[1] = t, off, h, t
             for c in cache:
                 c.keys[0, :, c.offset] = k
