@@ -43,7 +43,7 @@ from actors.durability_core import (
     settings_from,
 )
 from actors.events import EngineBusy, EngineIdle
-from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
+from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure, InboxFull
 from actors.scheduler import Scheduler, Settle, Snapshot
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
@@ -352,9 +352,14 @@ class DurabilityCoordinator(Actor[Inbox]):
         await self._tell_self(StoreDone(seq=item.seq, ok=bool(ok), error=error))
 
     async def _tell_self(self, msg: Inbox) -> None:
-        # helper tasks may wait for inbox space; only the Scheduler's paths must not
+        # helper tasks may wait for inbox space; only the Scheduler's paths must not.
+        # With room (nearly always: 1,024 slots) the message goes in at once,
+        # without the extra event-loop turn ``tell`` takes before sending.
         try:
-            await self.ref.tell(msg)
+            try:
+                self.ref.tell_nowait(msg)
+            except InboxFull:
+                await self.ref.tell(msg)
         except EngineDead:
             pass  # stopping: what is in flight is discarded in ``stopping``
 
