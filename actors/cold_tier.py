@@ -516,6 +516,8 @@ class ColdTier(Actor[Inbox]):
         self._jobs_bytes = 0
         self._jobs_wake = anyio.Event()
         self._in_flight: _Job | None = None
+        self._direct = False  # a ``store_now`` is writing on its caller's task
+        self._stopped = False
         self._restores: deque[Restore] = deque()
         self._restores_wake = anyio.Event()
         self._timer: anyio.CancelScope | None = None
@@ -547,6 +549,7 @@ class ColdTier(Actor[Inbox]):
 
     async def stopping(self, reason: BaseException | None) -> None:
         """Fail the Store asks still queued (their writes will not happen)."""
+        self._stopped = True
         dead = Failure(EngineDead("cold tier stopped"))
         for job in self._jobs:
             if job.env is not None:
@@ -650,9 +653,29 @@ class ColdTier(Actor[Inbox]):
         self.counters["pending_spills"] = len(self._jobs)
         self._jobs_wake.set()
 
+    async def store_now(self, tokens: list[int], ns: str, cache: Any, wait_turn: Any = None) -> bool:
+        """What a ``Store`` ask answers, for a caller that would only await the
+        answer (the durability coordinator's single writer). When the tier's
+        own writer has nothing queued or in flight, the same ``store_entry``
+        runs on the caller's task: the ask's reply stream, two inbox hops and
+        the writer's wake-up were a quarter of the event-loop turns the SSD
+        tier adds per request. Otherwise it queues behind them as a ``Store``.
+        One write at a time either way: the writer waits while this runs."""
+        if self._stopped:
+            raise EngineDead("cold tier stopped")
+        if self._jobs or self._in_flight is not None or self._direct:
+            return bool(await self.ref.ask(Store(tokens=tokens, ns=ns, cache=cache, wait_turn=wait_turn)))
+        self._direct = True
+        try:
+            return await self.store_entry(tokens, ns, cache, wait_turn=wait_turn)
+        finally:
+            self._direct = False
+            if self._jobs:
+                self._jobs_wake.set()
+
     async def _writer(self) -> None:
         while True:
-            while not self._jobs:
+            while not self._jobs or self._direct:
                 self._jobs_wake = anyio.Event()
                 await self._jobs_wake.wait()
             job = self._in_flight = self._jobs[0]

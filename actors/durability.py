@@ -30,7 +30,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
-from actors.cold_tier import ColdTier, Store
+from actors.cold_tier import ColdTier
 from actors.durability_core import (
     DEADLINE_EPSILON_S,
     DurabilityCore,
@@ -380,7 +380,8 @@ class DurabilityCoordinator(Actor[Inbox]):
 class ColdTierPort:
     """The ColdTier actor as the coordinator uses it: its in-memory index
     (``ColdIndex``, read synchronously on the loop like the Scheduler's own
-    lookups) and its ``Store`` ask (``SpillWriter``)."""
+    lookups) and its ``store_now`` (a ``Store`` ask, or the same write on
+    the caller's task when the tier's writer is idle: ``SpillWriter``)."""
 
     def __init__(self, tier: ColdTier):
         self.tier = tier
@@ -411,7 +412,7 @@ class ColdTierPort:
         return len(store), store.longest_entry()
 
     async def store(self, ns: str, tokens: list[int], cache: Any, wait_turn: Callable[[], Awaitable[None]]) -> bool:
-        return bool(await self.tier.ref.ask(Store(tokens=list(tokens), ns=ns, cache=cache, wait_turn=wait_turn)))
+        return bool(await self.tier.store_now(list(tokens), ns, cache, wait_turn))
 
 
 def build_coordinator(

@@ -612,3 +612,41 @@ def test_faulty_disk_names_follow_the_folder_fsync_rules(seed):
         assert disk.files() == sorted(vol)
         for d in ("/a", "/b"):
             assert disk.listdir(d) == sorted(posixpath.basename(k) for k in vol if posixpath.dirname(k) == d)
+
+
+@pytest.mark.anyio
+async def test_store_now_writes_on_the_callers_task_or_queues_behind_the_tier_writer():
+    disk = FaultyDisk(seed=11)
+    t = tier(disk, "/ssd")
+    gate = anyio.Event()
+    turns = []
+
+    async def held_turn():  # holds a queued Spill's write at its first tensor step
+        turns.append("spill")
+        await gate.wait()
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(t.run)
+        # idle writer: the write runs here, durable when store_now returns
+        assert await t.store_now(A, "", feed(A), ungated) is True
+        assert t.store.holds(A, "") and t._in_flight is None
+        # the writer busy with a Store ask: store_now queues behind it
+        tg.start_soon(t.ref.ask, Store(tokens=A[:20], ns="", cache=feed(A[:20]), wait_turn=held_turn))
+        while not turns:
+            await anyio.sleep(0)
+        done = []
+
+        async def later():
+            done.append(await t.store_now(A[:30], "", feed(A[:30]), ungated))
+
+        tg.start_soon(later)
+        for _ in range(5):
+            await anyio.sleep(0)
+        assert done == [] and len(t._jobs) == 2  # waiting its turn, not writing beside it
+        gate.set()
+        while not done:
+            await anyio.sleep(0)
+        assert done == [True]
+        t.stop()
+    with pytest.raises(EngineDead):
+        await t.store_now(A, "", feed(A), ungated)
