@@ -73,8 +73,11 @@ _METADATA_KEYS = frozenset(
 )
 DEFAULT_CONTEXT = 4096
 CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
-# Forwards of at most this many token rows run on one OpenBLAS thread (engine.blas).
-SINGLE_THREAD_ROWS = 2
+# Forwards of at most this many token rows run on one OpenBLAS thread (engine.blas):
+# a 1-row decode, and a batch-1 verify window up to γ = 4 (switching the count
+# between a plain step and a verify step cost more than 2 threads gained on a
+# 5-row window: sims.bench_spec, docs/bench-spec.md).
+SINGLE_THREAD_ROWS = 5
 
 
 def load_mlx_backend(config: EngineConfig) -> tuple["MLXBackend", ThreadDevice]:
