@@ -668,19 +668,8 @@ def main(argv=None):
     train_wall = time.time() - t_start
     res = measure(out / "tiny", out / "tiny-draft", heldout_wins)
     total_wall = time.time() - t_start
-    meta = {
-        "command": "python -m engine.models.train " + " ".join(sys.argv[1:] if argv is None else argv),
-        "python": sys.version.split()[0],
-        "mlx": mx.__version__,
-        "seed": args.seed,
-        "train_files": len(train_files),
-        "heldout_files": len(heldout_files),
-        "train_tokens": int(len(train_tokens)),
-        "heldout_tokens": int(len(heldout_tokens)),
-        "wall_s_until_saved": round(train_wall, 1),
-        "wall_s_total": round(total_wall, 1),
-        "measurements": res,
-    }
+    meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
+                    wall_s_until_saved=round(train_wall, 1), wall_s_total=round(total_wall, 1))
     for sub, rec in (("tiny", trec), ("tiny-draft", drec)):
         (out / sub / "training_log.json").write_text(
             json.dumps(dict(meta, training=rec), indent=1) + "\n")
@@ -689,10 +678,27 @@ def main(argv=None):
     return meta
 
 
+def run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res, **walls) -> dict:
+    """The run's settings and measurements, as ``training_log.json`` keeps them."""
+    import mlx.core as mx
+
+    return {
+        "command": "python -m engine.models.train " + " ".join(sys.argv[1:] if argv is None else argv),
+        "python": sys.version.split()[0],
+        "mlx": mx.__version__,
+        "seed": args.seed,
+        "train_files": len(train_files),
+        "heldout_files": len(heldout_files),
+        "train_tokens": int(len(train_tokens)),
+        "heldout_tokens": int(len(heldout_tokens)),
+        **walls,
+        "measurements": res,
+    }
+
+
 def train_draft_only(args, draft_cfg, train_files, heldout_files, t_start, *, eval_n, heldout_n, eval_every, argv):
     """Retrain only ``tiny-draft`` against the target already in ``--out/tiny``,
     with that directory's tokenizer (so the pair keeps sharing it)."""
-    import mlx.core as mx
     from mlx_lm import load
     from transformers import AutoTokenizer
 
@@ -717,18 +723,8 @@ def train_draft_only(args, draft_cfg, train_files, heldout_files, t_start, *, ev
         save_model_dir(draft, draft_cfg, tok_dir, out / "tiny-draft", eos_id)
     del draft, teacher
     res = measure(out / "tiny", out / "tiny-draft", heldout_wins)
-    meta = {
-        "command": "python -m engine.models.train " + " ".join(sys.argv[1:] if argv is None else argv),
-        "python": sys.version.split()[0],
-        "mlx": mx.__version__,
-        "seed": args.seed,
-        "train_files": len(train_files),
-        "heldout_files": len(heldout_files),
-        "train_tokens": int(len(train_tokens)),
-        "heldout_tokens": int(len(heldout_tokens)),
-        "wall_s_total": round(time.time() - t_start, 1),
-        "measurements": res,
-    }
+    meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
+                    wall_s_total=round(time.time() - t_start, 1))
     (out / "tiny-draft" / "training_log.json").write_text(json.dumps(dict(meta, training=drec), indent=1) + "\n")
     f = out / "tiny" / "training_log.json"
     if f.exists():
