@@ -9,6 +9,7 @@ same command again with the variable set. ``EMBER_NO_OPENBLAS=1`` opts out.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -98,12 +99,7 @@ class BlasThreads:
             self.current = n
 
 
-_shared: BlasThreads | None = None
-
-
+@functools.cache
 def blas_threads() -> BlasThreads:
     """The process's one ``BlasThreads`` (the count is process-wide state)."""
-    global _shared
-    if _shared is None:
-        _shared = BlasThreads()
-    return _shared
+    return BlasThreads()

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine.blas import blas_threads
 from engine.fake_gpu import ByteTokenizer, FakeGPUConfig, _advance, _initial_hash, fake_logits
 
 
@@ -179,8 +180,6 @@ class MlxDraftModel:
     def generate_many(self, items: list[tuple[Any, list[int], int]]) -> list[list[int]]:
         """Several rows' rounds as one graph and one evaluation (one sync per
         round for all speculating rows, not one per row)."""
-        from engine.blas import blas_threads
-
         # A drafter's GEMMs are tiny (hidden ~128): splitting them over OpenBLAS
         # threads only adds sync cost (engine.blas); the target's next step sets
         # its own count again.
