@@ -92,6 +92,24 @@ class RequestStream:
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             self.finished = True
             raise EngineDead("the request stream ended without a finish") from None
+        return self._take(item)
+
+    def next_nowait(self) -> Delta | None:
+        """The next delta if one is already queued, else None; never waits.
+        A writer that fell behind (a busy loop, many streams) drains what has
+        piled up and sends it in one write instead of one per token."""
+        if self.finished:
+            return None
+        try:
+            item = self._recv.receive_nowait()
+        except anyio.WouldBlock:
+            return None
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self.finished = True
+            raise EngineDead("the request stream ended without a finish") from None
+        return self._take(item)
+
+    def _take(self, item: Any) -> Delta:
         if isinstance(item, Failure):
             self.finished = True
             raise item.exc

@@ -97,23 +97,39 @@ class EventStream(Response):
 
         await body(self.renderer.start())
         while True:
-            d: Delta | None = None
             failed: EngineError | None = None
-            # Only the receive sits under the deadline: it is cancel-safe, the writes are not.
-            with anyio.move_on_after(self.keepalive_s):
+            try:
+                d = self.stream.next_nowait()
+            except EngineError as exc:
+                d, failed = None, exc
+            if d is None and failed is None:
+                # Only the receive sits under the deadline: it is cancel-safe, the writes are not.
+                with anyio.move_on_after(self.keepalive_s):
+                    try:
+                        d = await self.stream.__anext__()
+                    except EngineError as exc:  # this request failed, or the engine died
+                        failed = exc
+                if d is None and failed is None:
+                    await body([KEEPALIVE])
+                    continue
+            # Everything already queued goes out in one write.
+            chunks: list[bytes] = []
+            finished = False
+            while d is not None:
+                self.on_tokens(len(d.token_ids))
+                chunks += self.renderer.delta(d)
+                if d.finish_reason is not None:
+                    finished = True
+                    break
                 try:
-                    d = await self.stream.__anext__()
-                except EngineError as exc:  # this request failed, or the engine died
-                    failed = exc
+                    d = self.stream.next_nowait()
+                except EngineError as exc:
+                    d, failed = None, exc
+            await body(chunks)
             if failed is not None:
                 await body(self.renderer.error(failed))
                 break
-            if d is None:
-                await body([KEEPALIVE])
-                continue
-            self.on_tokens(len(d.token_ids))
-            await body(self.renderer.delta(d))
-            if d.finish_reason is not None:
+            if finished:
                 self.on_end()
                 break
         await body([DONE])
