@@ -10,6 +10,7 @@ feeds it messages, runs its plans on the device and sends what it returns.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from collections import deque
@@ -507,6 +508,12 @@ class Scheduler(Actor[Inbox]):
         self.verifier = verifier
         self.is_busy = False
         self._settle_waiters: list[Envelope[Inbox]] = []  # Settle asks held until the closes are put
+        # the step watchdog (``main``): the step in flight and its loop timer
+        self._step_n = 0
+        self._watch_loop: asyncio.AbstractEventLoop | None = None
+        self._watch_timer: asyncio.TimerHandle | None = None
+        self._hang_scope: anyio.CancelScope | None = None
+        self._hung: int | None = None  # the step the watchdog gave up on
 
     async def stopping(self, reason: BaseException | None) -> None:
         for env in self._settle_waiters:  # their closes will never be put
@@ -560,6 +567,35 @@ class Scheduler(Actor[Inbox]):
         return True
 
     async def main(self) -> None:
+        if not self.step_timeout_s:
+            return await self._loop()
+        loop = asyncio._get_running_loop()
+        if loop is None:  # not asyncio: a ``fail_after`` per step (``_step``)
+            return await self._loop()
+        # The step watchdog: one cancel scope for the actor's life and, per
+        # GPU step, a bare loop timer at its deadline, cancelled when the step
+        # ends (a ``fail_after`` per step cost a scope, a generator context and
+        # the same timer: ~4% of a run). It fires at the instant the step's
+        # ``fail_after`` did. (A timer that outlived its step would stop the
+        # virtual clock at an instant of its own and move every later float time.)
+        self._watch_loop = loop
+        try:
+            with anyio.CancelScope() as self._hang_scope:
+                await self._loop()
+        finally:
+            if self._watch_timer is not None:
+                self._watch_timer.cancel()
+                self._watch_timer = None
+        if self._hung is not None:
+            raise EngineDead(f"GPU step {self._hung} hung past {self.step_timeout_s}s")
+
+    def _watch(self) -> None:
+        """The watchdog timer: the step in flight reached its deadline."""
+        self._watch_timer = None
+        self._hung = self._step_n
+        self._hang_scope.cancel()
+
+    async def _loop(self) -> None:
         # The inbox is closed by Actor._fail_queued, which answers what is left.
         while True:
             # Everything already queued is handled between steps, in O(1) each.
@@ -592,14 +628,23 @@ class Scheduler(Actor[Inbox]):
         plan = core.plan()
         cost = core.backend.step_cost_s(plan)
         try:
-            with anyio.fail_after(self.step_timeout_s) if self.step_timeout_s else _nullcontext():
+            if self._watch_loop is not None:  # the watchdog timer (``main``)
+                self._step_n = core.steps
+                self._watch_timer = self._watch_loop.call_at(core.clock.now() + self.step_timeout_s, self._watch)
                 result = await self.device.run(core.backend.step, plan, cost_s=cost)
+            else:
+                with anyio.fail_after(self.step_timeout_s) if self.step_timeout_s else _nullcontext():
+                    result = await self.device.run(core.backend.step, plan, cost_s=cost)
         except TimeoutError:
             raise EngineDead(f"GPU step {core.steps} hung past {self.step_timeout_s}s") from None
         except MemoryError as exc:
             log.warning("[scheduler] step %d failed: %r", core.steps, exc)
             core.fail_step(plan, f"{type(exc).__name__}: {exc}")
             result = None
+        finally:
+            if self._watch_timer is not None:
+                self._watch_timer.cancel()
+                self._watch_timer = None
         if result is not None:
             core.apply(plan, result)
             if core.spec is not None:

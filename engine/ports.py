@@ -8,6 +8,8 @@ run (a dedicated MLX thread, or inline after a virtual-time sleep).
 
 from __future__ import annotations
 
+import asyncio
+from asyncio import _get_running_loop
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -26,13 +28,25 @@ class Clock(Protocol):
 
 class LoopClock:
     """Time of the running event loop: wall time in production, virtual time
-    under ``async_solipsism`` (tests, sims)."""
+    under ``async_solipsism`` (tests, sims).
+
+    On an asyncio loop it asks the loop directly: ``anyio.current_time`` and
+    ``anyio.sleep`` look the async backend up on every call (sniffio, a
+    dict), and the engine reads the clock several times per GPU step. They
+    are what anyio's asyncio backend does itself (``loop.time()``,
+    ``asyncio.sleep``); any other backend goes through anyio."""
 
     def now(self) -> float:
+        loop = _get_running_loop()
+        if loop is not None:
+            return loop.time()
         return anyio.current_time()
 
     async def sleep(self, seconds: float) -> None:
-        await anyio.sleep(seconds)
+        if _get_running_loop() is not None:
+            await asyncio.sleep(seconds)
+        else:
+            await anyio.sleep(seconds)
 
 
 class Tokenizer(Protocol):

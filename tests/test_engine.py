@@ -165,6 +165,38 @@ async def test_a_crashing_actor_gives_engine_dead_to_every_waiter():
             await engine.acomplete([1], SamplingParams(max_tokens=1))
 
 
+class SlowBackend(FakeBackend):
+    """Every step costs ``cost_s``; step ``hang_at`` never ends."""
+
+    def __init__(self, cost_s: float, hang_at: int | None = None):
+        super().__init__(FakeGPUConfig())
+        self.cost_s, self.hang_at, self.planned = cost_s, hang_at, 0
+
+    def step_cost_s(self, plan):
+        self.planned += 1
+        return float("inf") if self.planned == self.hang_at else self.cost_s
+
+
+async def test_the_step_watchdog_kills_a_hung_step_at_its_deadline_only():
+    """Steps of 0.6 s under a 1 s timeout run for far longer than 1 s in all
+    without tripping it (the deadline is per step); step 5 hangs and the
+    engine dies exactly 1 s after it began."""
+    cfg = EngineConfig(backend="fake", max_batch=8, max_queue=128, prefill_chunk=64, step_timeout_s=1.0)
+    log = EventLog()
+    async with Engine.open(cfg, backend=SlowBackend(0.6), events=log) as engine:
+        c = await engine.acomplete([1, 2, 3], SamplingParams(max_tokens=8))
+        assert c.token_ids == expected_tokens([1, 2, 3], 8)
+        assert engine.dead is None
+        assert len(log.of("step")) >= 5
+    log = EventLog()
+    async with Engine.open(cfg, backend=SlowBackend(0.6, hang_at=5), events=log) as engine:
+        with pytest.raises(EngineDead):
+            await engine.acomplete([1, 2, 3], SamplingParams(max_tokens=8))
+        assert "GPU step 5 hung past 1.0s" in repr(engine.dead)
+        t5 = next(t for t, f in log.of("step") if f["n"] == 5)
+        assert anyio.current_time() - (log.origin or 0.0) == pytest.approx(t5 + 1.0)
+
+
 async def test_out_of_memory_fails_only_that_step_and_engine_survives():
     backend = FakeBackend(FakeGPUConfig(oom_step_prob=0.3, fault_seed=3))
     ok = failed = 0
