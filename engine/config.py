@@ -16,6 +16,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_batch: int = 8
     max_queue: int = 64
     prefill_chunk: int = 512
+    # rows prefilling in the same step share one forward (MLX); False: each
+    # row alone, bit for bit mlx_lm's own prefill (batched is ~1e-6 off in fp32)
+    batch_prefill: bool = True
     step_timeout_s: float | None = None
     # tiered prompt cache
     prompt_cache_gib: float = 2.0  # RAM tier cap; 0 disables

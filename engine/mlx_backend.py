@@ -14,9 +14,12 @@ the backend reuses the layer below BatchGenerator, mlx-lm's batch caches
 
 Design:
 
-* Prefill: each row prefills into its own B=1 cache, chunk by chunk, exactly
-  like ``mlx_lm.generate_step`` (model call, ``mx.eval`` of the cache state),
-  so prompt numerics match mlx-lm bit for bit.
+* Prefill: each row prefills into its own B=1 cache, chunk by chunk, like
+  ``mlx_lm.generate_step`` (model call, ``mx.eval`` of the cache state), so
+  prompt numerics match mlx-lm bit for bit, except that chunks of rows at the
+  same cache offset in one step share one right-padded forward
+  (``_prefill_together``: 4x faster for 8 short prompts, ~1e-6 apart in fp32;
+  ``EngineConfig(batch_prefill=False)`` turns it off).
 * Decode: rows past prefill live in one persistent ``DecodeBatch``; a step is
   ONE forward over all of them. A row joins at its first decode/verify (its
   first step runs on a batch of the joiners, then they are ``extend``ed in) and
@@ -174,6 +177,7 @@ class MLXBackend:
         engine_seed: int = 0,
         pipeline: bool = True,
         weights_digest: str = "",
+        prefill_together: bool = True,
     ):
         self.model = model
         self.tokenizer = MLXTokenizer(tokenizer)
@@ -181,6 +185,7 @@ class MLXBackend:
         self.engine_seed = engine_seed
         probe = make_prompt_cache(model)
         self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
+        self.prefill_together = prefill_together
         floats = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
         first = next(floats, None)
         kv_scheme = [type(c).__name__ for c in probe] + [str(first.dtype if first is not None else "")]
@@ -208,7 +213,7 @@ class MLXBackend:
         self._built: mx.array | None = None  # a step built ahead, not yet being computed
         self._ahead_error: Exception | None = None
         self.steps = 0
-        self.counters = {"pipelined": 0, "undone": 0, "ahead_heads_windows": 0}
+        self.counters = {"pipelined": 0, "undone": 0, "ahead_heads_windows": 0, "prefill_together": 0}
 
     @classmethod
     def load(cls, path: pathlib.Path, config: EngineConfig) -> "MLXBackend":
@@ -223,6 +228,7 @@ class MLXBackend:
             tokenizer_hash=_tokenizer_hash(path),
             engine_seed=config.seed,
             weights_digest=_weights_digest(path),
+            prefill_together=config.batch_prefill,
         )
 
     # ---- caches --------------------------------------------------------------
@@ -488,6 +494,7 @@ class MLXBackend:
 
     def _prefill(self, plan: StepPlan, res: StepResult) -> None:
         vocab = self.info.vocab_size
+        ready: list[tuple[_Row, list[int]]] = []
         for chunk in plan.prefill:
             row = self._rows.get(chunk.rid)
             if row is None or row.cache is None:
@@ -498,9 +505,53 @@ class MLXBackend:
             if min(chunk.tokens) < 0 or max(chunk.tokens) >= vocab:
                 res.errors[chunk.rid] = "a token id is outside the vocabulary"
                 continue
-            self.model(mx.array(chunk.tokens)[None], cache=row.cache)
-            mx.eval([c.state for c in row.cache])
-            row.fed += len(chunk.tokens)
+            ready.append((row, chunk.tokens))
+        # Chunks of rows whose caches hold the same number of tokens go through
+        # one forward (mlx_lm.BatchGenerator prefills its prompts together too).
+        groups: dict[int, list[tuple[_Row, list[int]]]] = {}
+        for row, tokens in ready:
+            together = self.prefill_together and all(type(c) is KVCache for c in row.cache)
+            key = row.fed if together else -1 - row.rid
+            groups.setdefault(key, []).append((row, tokens))
+        for group in groups.values():
+            if len(group) == 1:
+                row, tokens = group[0]
+                self.model(mx.array(tokens)[None], cache=row.cache)
+                mx.eval([c.state for c in row.cache])
+                row.fed += len(tokens)
+            else:
+                self._prefill_together(group)
+
+    def _prefill_together(self, group: list[tuple[_Row, list[int]]]) -> None:
+        """One ``(B, L)`` forward for B rows at the same cache offset, shorter
+        chunks right-padded; causal attention keeps the padding out of every
+        real position, whose keys and values are cut back into each row's own
+        cache. 8 prompts of 48 tokens: 4x faster than eight B=1 forwards.
+        Not bit for bit the B=1 forward: a GEMM over more rows, and attention
+        over a padded length, may take another kernel path, ~1e-6 apart in
+        fp32 (the same class as a batched decode or verify step; greedy tokens
+        are compared with mlx-lm's in tests/test_mlx_backend.py).
+        ``EngineConfig(batch_prefill=False)`` prefills every row alone, bit
+        for bit as mlx_lm.generate_step."""
+        offset = group[0][0].fed
+        width = max(len(t) for _, t in group)
+        batch = [KVCache() for _ in group[0][0].cache]
+        if offset:
+            for layer, c in enumerate(batch):
+                c.state = (
+                    mx.concatenate([r.cache[layer].keys[..., :offset, :] for r, _ in group]),
+                    mx.concatenate([r.cache[layer].values[..., :offset, :] for r, _ in group]),
+                    offset,
+                )
+        x = mx.array([t + [t[-1]] * (width - len(t)) for _, t in group])
+        self.counters["prefill_together"] += len(group)
+        self.model(x, cache=batch)
+        mx.eval([c.state for c in batch])
+        for i, (row, tokens) in enumerate(group):
+            end = offset + len(tokens)
+            for layer, c in enumerate(row.cache):
+                c.state = (batch[layer].keys[i : i + 1, :, :end, :], batch[layer].values[i : i + 1, :, :end, :], end)
+            row.fed = end
 
     # ---- sampling ------------------------------------------------------------
     def _sample(

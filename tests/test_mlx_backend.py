@@ -513,3 +513,62 @@ def test_retrained_weights_change_the_fingerprint(tmp_path):
     weights = {k: (v * 1.001 if k.endswith("norm.weight") or "embed" in k else v) for k, v in weights.items()}
     mx.save_safetensors(str(b / "model.safetensors"), weights, metadata={"format": "mlx"})
     assert _weights_digest(a) != _weights_digest(b)
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["together", "alone"])
+def test_rows_prefilled_in_one_step(rig, together):
+    """Chunks of rows at the same offset go through one right-padded forward.
+    Every row's KV cache must match the one its own chunk-by-chunk B=1 prefill
+    builds (exactly when ``prefill_together`` is off, within fp32 GEMM noise
+    when on), and its greedy tokens must equal mlx-lm's."""
+    rig.b.prefill_together = together
+    prompts = [rig.ids(p) for p in PROMPTS]
+    refs = [rig.reference(p, 8) for p in prompts]
+    rids = []
+    for _ in prompts:
+        rig.next_rid += 1
+        rids.append(rig.next_rid)
+    rig.step(open=[OpenRow(rid, GREEDY) for rid in rids])
+    before = rig.b.counters["prefill_together"]
+    # Step 1: the four rows from offset 0 with different lengths (one group);
+    # step 2: rows 0 and 2 at offset 4 (a group from a non-empty cache), rows 1
+    # and 3 alone (offsets 3 and 7).
+    bodies = [p[:-1] for p in prompts]
+    assert [len(b) > 7 for b in bodies] == [True, False, True, True]
+    first = {rids[0]: bodies[0][:4], rids[1]: bodies[1][:3], rids[2]: bodies[2][:4], rids[3]: bodies[3][:7]}
+    res = rig.step(prefill=[PrefillChunk(rid, toks) for rid, toks in first.items()])
+    assert not res.errors
+    res = rig.step(prefill=[PrefillChunk(rid, body[len(first[rid]):]) for rid, body in zip(rids, bodies)
+                            if len(body) > len(first[rid])])
+    assert not res.errors
+    assert rig.b.counters["prefill_together"] - before == (6 if together else 0)
+
+    def kv_diff(rid: int, tokens: list[int]) -> float:
+        def run():
+            mine, ref = rig.b.row_cache(rid), make_prompt_cache(rig.b.model)
+            cut = len(first[rid])  # the reference prefills in the same chunks
+            for part in (tokens[:cut], tokens[cut:]):
+                if part:
+                    rig.b.model(mx.array(part)[None], cache=ref)
+            n = len(tokens)
+            if any(m.offset != n for m in mine):
+                return float("inf")
+            return max(mx.abs(getattr(m, f)[..., :n, :] - getattr(r, f)[..., :n, :]).max().item()
+                       for m, r in zip(mine, ref) for f in ("keys", "values"))
+        return rig.d.call(run)
+
+    try:
+        for rid, body in zip(rids, bodies):
+            diff = kv_diff(rid, body)
+            assert diff < 1e-4 if together else diff == 0.0, (rid, diff)
+        out = {rid: [] for rid in rids}
+        nxt = {rid: p[-1] for rid, p in zip(rids, prompts)}
+        for _ in range(8):
+            res = rig.step(decode=[DecodeRow(rid, nxt[rid]) for rid in rids])
+            for rid in rids:
+                nxt[rid] = res.tokens[rid]
+                out[rid].append(res.tokens[rid])
+        assert [out[rid] for rid in rids] == refs
+    finally:
+        rig.b.prefill_together = True
+        rig.step(close=rids)
