@@ -18,7 +18,10 @@ cannot drop one boundary snapshot while a large one is being written.
 
 The logic is ``actors.durability_core.DurabilityCore`` (no awaits; tests
 drive it by hand); this actor is a thin loop that feeds it messages, runs its
-effects (snapshot asks, the writer, one timer) and answers flushes.
+effects (snapshots, the writer, one timer) and answers flushes. The timer and
+the writer feed their facts to the core directly (``_feed``), and while the
+engine is idle a snapshot is the Scheduler's own ``snapshot`` called here
+(``snapshot_now``) rather than an ask: see docs/durability.md.
 """
 
 from __future__ import annotations
@@ -184,12 +187,18 @@ class DurabilityCoordinator(Actor[Inbox]):
         scheduler: ActorRef[Any],
         writer: SpillWriter,
         gate: IdleGate,
+        snapshot_now: Callable[[str, list[int]], tuple[Any, int] | None] | None = None,
     ):
         super().__init__()
         self.core = core
         self.scheduler = scheduler
         self.writer = writer
         self.gate = gate
+        # The Scheduler's own snapshot (``SchedulerCore.snapshot``), called
+        # here while the gate says idle: the Scheduler then waits on its
+        # inbox, between steps, which is where it would answer the ask.
+        self.snapshot_now = snapshot_now
+        self._running = True  # False once the inbox loop has ended
         self._tg: TaskGroup | None = None
         self._flush_waiters: list[Envelope[Any]] = []
         self._settling = False
@@ -201,7 +210,6 @@ class DurabilityCoordinator(Actor[Inbox]):
         self._timer_due: float | None = None
         self._timer_scope: anyio.CancelScope | None = None  # the loop's sleep, while it sleeps
         self._timer_wake: anyio.Event | None = None  # set to wake it while it waits for a deadline
-        self._tick_pending = False  # a Tick is on its way: no other until it is handled
 
     async def main(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -210,6 +218,7 @@ class DurabilityCoordinator(Actor[Inbox]):
             async for env in self._inbox_recv:
                 await self._dispatch(env)
                 self._run_effects()
+            self._running = False
             tg.cancel_scope.cancel()
 
     async def receive(self, msg: Inbox) -> Any:
@@ -228,7 +237,6 @@ class DurabilityCoordinator(Actor[Inbox]):
                 core.store_done(msg.seq, msg.ok, msg.error)
             case Tick():
                 self._timer_due = None
-                self._tick_pending = False
                 core.tick()
             case Flush():
                 # First settle with the Scheduler: a row whose last token the
@@ -249,21 +257,22 @@ class DurabilityCoordinator(Actor[Inbox]):
                 assert_never(msg)
         return None
 
+    def _feed(self, fact: Callable[[], None]) -> None:
+        """A helper task's fact (a tick, a store's end) goes to the core at
+        once instead of through the inbox: the core has no awaits, so it runs
+        between two messages just as a message would, one event-loop turn
+        and an inbox hop sooner. Dropped once the inbox loop has ended (a
+        message would have found the inbox closed)."""
+        if self._running:
+            fact()
+            self._run_effects()
+
     def _run_effects(self) -> None:
         tg = self._tg
         assert tg is not None
-        for eff in self.core.take_effects():
-            match eff:
-                case TakeSnapshot():
-                    tg.start_soon(self._snapshot, eff.ns, eff.tokens)
-                case WriteItem():
-                    tg.start_soon(self._write, eff.item)
-                case FlushFinished():
-                    waiters, self._flush_waiters = self._flush_waiters, []
-                    for env in waiters:
-                        env.answer(eff.report)
-                case _:
-                    assert_never(eff)
+        while effects := self.core.take_effects():
+            for eff in effects:
+                self._effect(tg, eff)
         due = self.core.next_due()
         if due != self._timer_due:
             old, self._timer_due = self._timer_due, due
@@ -273,12 +282,43 @@ class DurabilityCoordinator(Actor[Inbox]):
                 elif self._timer_wake is not None:
                     self._timer_wake.set()
 
+    def _effect(self, tg: TaskGroup, eff: Any) -> None:
+        match eff:
+            case TakeSnapshot():
+                if self.snapshot_now is not None and not self.gate.busy:
+                    self._snapshot_idle(eff.ns, eff.tokens)  # its effects run in the next round
+                else:
+                    tg.start_soon(self._snapshot, eff.ns, eff.tokens)
+            case WriteItem():
+                tg.start_soon(self._write, eff.item)
+            case FlushFinished():
+                waiters, self._flush_waiters = self._flush_waiters, []
+                for env in waiters:
+                    env.answer(eff.report)
+            case _:
+                assert_never(eff)
+
+    def _snapshot_idle(self, ns: str, tokens: list[int]) -> None:
+        """``_snapshot`` without the ask, while the engine is idle: what the
+        Scheduler would answer between steps, taken now (no task, no reply
+        stream, no ``SnapshotTaken`` through the inbox)."""
+        try:
+            got = self.snapshot_now(ns, tokens)
+        except Exception as exc:  # noqa: BLE001 - as the ask's Failure: the key stays dirty
+            self.core.snapshot_taken(ns, tokens, None, repr(exc))
+            return
+        item = None
+        if got is not None:
+            cache, nbytes = got
+            item = SpillItem(ns, list(tokens), cache, nbytes, kind="snapshot")
+        self.core.snapshot_taken(ns, tokens, item)
+
     async def _timer(self) -> None:
         """Tick once ``_timer_due`` passes; re-reads it after every wake-up."""
         clock = self.core.clock
-        while True:
+        while self._running:
             due = self._timer_due
-            if due is None or self._tick_pending:
+            if due is None:
                 self._timer_wake = anyio.Event()
                 await self._timer_wake.wait()
                 self._timer_wake = None
@@ -290,8 +330,11 @@ class DurabilityCoordinator(Actor[Inbox]):
                     await clock.sleep(delay)
                 self._timer_scope = None
                 continue
-            self._tick_pending = True
-            await self._tell_self(Tick())
+            self._feed(self._tick)
+
+    def _tick(self) -> None:
+        self._timer_due = None
+        self.core.tick()
 
     async def _settle(self) -> None:
         try:
@@ -349,7 +392,7 @@ class DurabilityCoordinator(Actor[Inbox]):
         finally:
             if stepping:
                 record("write_end", seq=item.seq)
-        await self._tell_self(StoreDone(seq=item.seq, ok=bool(ok), error=error))
+        self._feed(lambda: self.core.store_done(item.seq, bool(ok), error))
 
     async def _tell_self(self, msg: Inbox) -> None:
         # helper tasks may wait for inbox space; only the Scheduler's paths must not.
@@ -434,7 +477,11 @@ def build_coordinator(
     scheduler.subscribe(gate)  # type: ignore[arg-type] - it takes the tell_nowait of an ActorRef
     port = ColdTierPort(cold_tier)
     core = DurabilityCore(settings, clock, port, lambda: gate.busy, events)
-    coord = DurabilityCoordinator(core, scheduler.ref, port, gate)
+    sched_core = scheduler.core
+    coord = DurabilityCoordinator(
+        core, scheduler.ref, port, gate,
+        snapshot_now=lambda ns, tokens: sched_core.snapshot(Snapshot(ns=ns, tokens=tokens)),
+    )
     ref = coord.ref
 
     def on_put(tokens: list[int], ns: str) -> None:

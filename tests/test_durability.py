@@ -343,7 +343,7 @@ class HeldWriter:
 
 
 class Rig:
-    def __init__(self) -> None:
+    def __init__(self, direct: bool = False) -> None:
         self.cold = FakeCold()
         self.sched = FakeScheduler()
         self.writer = HeldWriter(self.cold)
@@ -352,14 +352,22 @@ class Rig:
 
         settings = DurabilitySettings(debounce_s=DEBOUNCE, busy_retry_s=60.0)
         self.core = DurabilityCore(settings, LoopClock(), self.cold, lambda: self.gate.busy)
-        self.coord = DurabilityCoordinator(self.core, self.sched.ref, self.writer, self.gate)
+        self.direct: list[tuple[float, list[int]]] = []  # snapshots taken without an ask
+        snapshot_now = self._snapshot_now if direct else None
+        self.coord = DurabilityCoordinator(self.core, self.sched.ref, self.writer, self.gate, snapshot_now=snapshot_now)
+
+    def _snapshot_now(self, ns: str, tokens: list[int]):
+        assert not self.gate.busy, "a direct snapshot while a GPU step may run"
+        self.direct.append((anyio.current_time(), list(tokens)))
+        cache = self.sched.entries.get((ns, tuple(tokens)))
+        return None if cache is None else (cache, 100)
 
     def busy(self, busy: bool) -> None:
         self.gate.tell_nowait(EngineBusy(at=0.0) if busy else EngineIdle(at=0.0))
 
 
-async def with_rig(fn) -> None:
-    rig = Rig()
+async def with_rig(fn, **kw) -> None:
+    rig = Rig(**kw)
     async with anyio.create_task_group() as tg:
         await tg.start(rig.sched.run)
         await tg.start(rig.coord.run)
@@ -450,6 +458,35 @@ async def test_spills_are_queued_and_released_when_stored():
         assert rig.core.queue.stored == 1
 
     await with_rig(body)
+
+
+@pytest_anyio
+async def test_while_idle_the_snapshot_is_taken_without_an_ask_and_a_flush_during_busy_still_asks():
+    async def body(rig: Rig) -> None:
+        rig.sched.entries[("", (1, 2))] = object()
+        rig.sched.entries[("", (3, 4))] = object()
+        t0 = anyio.current_time()
+        rig.coord.ref.tell_nowait(Completed(ns="", tokens=[1, 2]))
+        await anyio.sleep(DEBOUNCE + 1.0)
+        assert rig.direct == [(pytest.approx(t0 + DEBOUNCE), [1, 2])] and rig.sched.asked == []
+        assert ("", (1, 2)) in rig.cold.durable and rig.core.records == {}
+        # busy: the debounce re-arms; a flush forces the key and must ask (between steps)
+        rig.busy(True)
+        rig.coord.ref.tell_nowait(Completed(ns="", tokens=[3, 4]))
+        await anyio.sleep(DEBOUNCE + 0.5)
+        assert rig.core.records[("", (3, 4))].state is RecState.BUSY_REARMED
+
+        async def release() -> None:
+            await anyio.sleep(1.0)
+            rig.busy(False)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release)
+            report = await rig.coord.ref.ask(Flush())
+        assert report.durable and report.flushed == 1
+        assert [tokens for _, tokens in rig.sched.asked] == [[3, 4]] and len(rig.direct) == 1
+
+    await with_rig(body, direct=True)
 
 
 def test_an_ancestor_superseded_in_ram_is_covered_by_its_dirty_descendant():
