@@ -24,7 +24,7 @@ import posixpath
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 Buffer = bytes | bytearray | memoryview
 
@@ -149,7 +149,10 @@ def _full_fsync(fd: int) -> None:
 @dataclass(slots=True)
 class _Inode:
     data: bytearray = field(default_factory=bytearray)
-    durable: bytes = b""
+    # what a crash keeps; after an fsync it is ``data`` itself, shared until
+    # the next write copies ``data`` (copy on write: a file written once and
+    # fsynced, the cold tier's every file, is never copied)
+    durable: bytes | bytearray = b""
     pending: list[tuple[int, bytes]] = field(default_factory=list)  # unsynced writes, in order
     mtime: float = 0.0
 
@@ -296,6 +299,8 @@ class FaultyDisk:
         if self.capacity_bytes is not None and self._used_bytes() + grow > self.capacity_bytes:
             self.counters["enospc"] += 1
             raise OSError(errno.ENOSPC, "No space left on device (capacity)")
+        if node.durable is node.data:  # shared since the last fsync: copy on write
+            node.data = bytearray(node.data)
         _apply(node.data, offset, buf)
         node.pending.append((offset, buf))
         node.mtime = self._now()
@@ -316,7 +321,7 @@ class FaultyDisk:
 
     def fsync(self, fh: int) -> None:
         node = self._inodes[self._handle(fh).ino]
-        node.durable = bytes(node.data)
+        node.durable = node.data  # shared until the next write (``write`` copies)
         node.pending.clear()
         self.counters["fsyncs"] += 1
 
@@ -405,11 +410,13 @@ class FaultyDisk:
     def corrupt(self, path: str, offset: int, xor: int = 0xFF) -> None:
         """Flip bits at rest (durably), as bit rot would."""
         node = self._inode_at(path)
+        node.data = bytearray(node.data)  # never through a ``durable`` it shares
         node.data[offset] ^= xor
         node.durable = bytes(node.data)
 
     def truncate(self, path: str, size: int) -> None:
         node = self._inode_at(path)
+        node.data = bytearray(node.data)
         del node.data[size:]
         node.durable = bytes(node.data)
 
@@ -421,14 +428,21 @@ class FaultyDisk:
         return sorted(self._names)
 
 
+_ZEROS = memoryview(bytes(1 << 16))  # a hole up to 64 KiB is filled from here, not a new zero string
+
+
+def _zeros(n: int) -> Any:
+    return _ZEROS[:n] if n <= len(_ZEROS) else bytes(n)
+
+
 def _apply(data: bytearray, offset: int, buf: bytes) -> None:
     n = len(data)
     if offset >= n:  # appending (a file written front to back): one copy, not zero-fill then copy
         if offset > n:
-            data.extend(bytes(offset - n))
+            data += _zeros(offset - n)
         data += buf
         return
     end = offset + len(buf)
     if end > n:
-        data.extend(bytes(end - n))
+        data += _zeros(end - n)
     data[offset:end] = buf

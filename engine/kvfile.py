@@ -411,7 +411,11 @@ class KvWriter:
         for s in self.slots:
             s.off, s.hash = off, _PLACEHOLDER
             off = align_up(off + s.bytes)
-        self.header_len = len(_encode_header(header))
+        # Encoded once: the hashes are fixed-width placeholders, patched into
+        # these bytes at commit (``_hash_at``: where each slot's digits are).
+        self._body = bytearray(_encode_header(header))
+        self.header_len = len(self._body)
+        self._hash_at = _placeholders(self._body, len(self.slots))
         self.data_start = align_up(PREAMBLE.size + self.header_len)
         last = self.slots[-1] if self.slots else None
         self.file_bytes = self.data_start + last.off + last.bytes if last else PREAMBLE.size + self.header_len
@@ -436,7 +440,13 @@ class KvWriter:
         """Header, fsync, rename, fsync the folder: durable when this returns."""
         if self._fh is None or self._next != len(self.slots):
             raise RuntimeError("commit before every tensor was written")
-        body = _encode_header(self.header)
+        if self._hash_at is not None:
+            body = self._body
+            for at, slot in zip(self._hash_at, self.slots):
+                body[at : at + len(_PLACEHOLDER)] = slot.hash.encode()
+            body = bytes(body)
+        else:  # the placeholders could not be located: encode the patched header again
+            body = _encode_header(self.header)
         if len(body) != self.header_len:
             raise RuntimeError("header length drifted while patching hashes")
         pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(body), self.data_start, _u64_hash(body))
@@ -460,6 +470,21 @@ class KvWriter:
             self.disk.unlink(self.tmp_path)
         except OSError:
             pass
+
+
+_HASH_FIELD = b'"hash":"' + _PLACEHOLDER.encode() + b'"'
+
+
+def _placeholders(body: bytes | bytearray, n: int) -> list[int] | None:
+    """Offsets of the ``n`` slots' placeholder digits in an encoded header, in
+    slot order (msgspec writes fields and lists in order, ``hash`` last in a
+    slot). A string field cannot fake one: its quotes would be escaped. None
+    if the count is not ``n``."""
+    out, at = [], body.find(_HASH_FIELD)
+    while at >= 0:
+        out.append(at + len(b'"hash":"'))
+        at = body.find(_HASH_FIELD, at + len(_HASH_FIELD))
+    return out if len(out) == n else None
 
 
 def _u64_hash(body: bytes) -> int:

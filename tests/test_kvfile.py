@@ -385,6 +385,46 @@ async def test_streamed_writer_abort_leaves_no_tmp():
     assert disk.listdir("/d") == []
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_header_patched_at_commit_is_the_encoding_of_the_final_header(kind):
+    """The writer encodes the header once and patches the hash placeholders in
+    place: the bytes on disk must be what encoding the final header gives,
+    with a namespace that looks like a hash field too."""
+    disk = FaultyDisk(seed=1)
+    disk.makedirs("/kv")
+    meta = kvfile.KvMeta(model_id="m", config_fingerprint="fp", tokenizer_hash="t", ns='"hash":"0000000000000000"')
+    header = kvfile.save(disk, "/kv/x.kv", meta, [1, 2, 3], KINDS[kind]())
+    raw = _read_all(disk, "/kv/x.kv")
+    n = kvfile.PREAMBLE.unpack(raw[: kvfile.PREAMBLE.size])[3]
+    body = raw[kvfile.PREAMBLE.size : kvfile.PREAMBLE.size + n]
+    assert body == kvfile._encode_header(header)
+    assert kvfile.read_header(disk, "/kv/x.kv")[0] == header
+
+
+def test_faulty_disk_a_write_after_fsync_never_changes_what_was_made_durable():
+    """fsync shares the written bytes with the durable image (copy on write):
+    an unsynced overwrite after it must leave the durable image alone."""
+    outcomes = set()
+    for seed in range(24):
+        disk = FaultyDisk(seed=seed)
+        disk.makedirs("/a")
+        fh = disk.open("/a/f", write=True)
+        disk.write(fh, 0, b"hello")
+        disk.fsync(fh)
+        disk.write(fh, 0, b"XXXXX")
+        disk.write(fh, 5, b"!")
+        assert disk.read(fh, 0, 10) == b"XXXXX!"
+        disk.close(fh)
+        disk.fsync_dir("/a")
+        disk.crash()
+        fh = disk.open("/a/f")
+        got = disk.read(fh, 0, 10)
+        outcomes.add(got[:5])
+        k = len(got[:5]) - len(got[:5].lstrip(b"X"))
+        assert got[:5] == b"X" * k + b"hello"[k:], got  # each unsynced write dropped, kept or torn
+    assert b"hello" in outcomes and b"XXXXX" in outcomes
+
+
 def test_faulty_disk_semantics():
     disk = FaultyDisk(seed=3)
     disk.makedirs("/a")
