@@ -226,6 +226,23 @@ def test_an_eviction_spill_carries_a_dirty_key_and_a_vanished_snapshot_finds_it_
     assert core.records == {} and core.counters["missing"] == 0
 
 
+def test_an_eviction_spill_of_an_entry_already_on_ssd_is_released_without_a_write():
+    core, clock, cold = make_core()
+    cold.durable.add(("", (1, 2, 3)))
+    freed: list[object] = []
+    same, covered, fresh = (SpillItem("", t, object(), 10, kind="evict", release=freed.append) for t in ([1, 2, 3], [1, 2], [7]))
+    core.completed("", [1, 2])  # a dirty key the SSD covers (a longer trimmable file)
+    core.spill(same)
+    core.spill(covered)
+    assert len(freed) == 2 and same.released and covered.released
+    assert core.records == {} and core.counters["durable"] == 1 and core.counters["spills_on_ssd"] == 2
+    assert core.queue.pending == 0 and not any(isinstance(e, WriteItem) for e in core.take_effects())
+    core.spill(fresh)  # not on SSD: written as before
+    assert core.queue.in_flight is fresh
+    run_write(core, cold)
+    assert fresh.released and ("", (7,)) in cold.durable
+
+
 def test_completed_while_the_key_is_in_flight_adds_no_second_write():
     core, clock, cold = make_core()
     core.completed("", [1])
