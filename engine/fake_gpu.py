@@ -236,14 +236,18 @@ def _generator_at(seed: int, h: int) -> np.random.Generator:
     g = getattr(_tls, "gen", None)
     if g is None:
         g = _tls.gen = np.random.Generator(np.random.PCG64(0))
-    d = hashlib.blake2b(b"%d:%d" % (seed, h), digest_size=32).digest()
+    x = int.from_bytes(hashlib.blake2b(b"%d:%d" % (seed, h), digest_size=32).digest(), "little")
     g.bit_generator.state = {
         "bit_generator": "PCG64",
-        "state": {"state": int.from_bytes(d[:16], "little"), "inc": int.from_bytes(d[16:], "little") | 1},
+        # the digest's first 16 bytes (little endian) and its last 16, made odd
+        "state": {"state": x & _MASK128, "inc": (x >> 128) | 1},
         "has_uint32": 0,
         "uinteger": 0,
     }
     return g
+
+
+_MASK128 = (1 << 128) - 1
 
 
 @functools.lru_cache(maxsize=8192)
@@ -287,10 +291,11 @@ def _nucleus(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.n
         return hit[3], hit[4], hit[5]
     p = _softmax(logits, temperature)
     # one sort serves both the nucleus cut and the draw, which runs over the
-    # kept ids in descending probability (the same distribution as a draw in id order)
-    order = np.argsort(-p, kind="stable")
-    cdf = np.cumsum(p[order])
-    cut = min(int(np.searchsorted(cdf, top_p)) + 1, p.size) if top_p < 1.0 else p.size
+    # kept ids in descending probability (the same distribution as a draw in id order);
+    # array methods, not the np.* wrappers around them (the same calls, less overhead)
+    order = (-p).argsort(kind="stable")
+    cdf = p[order].cumsum()
+    cut = min(int(cdf.searchsorted(top_p)) + 1, p.size) if top_p < 1.0 else p.size
     kept, cdf, total = order[:cut].copy(), cdf[:cut].copy(), float(cdf[cut - 1])
     if not logits.flags.writeable:
         if len(_NUCLEI) >= _NUCLEI_MAX:
@@ -415,18 +420,22 @@ class FakeBackend:
         else:
             h = self._h0
         n = len(tokens)
-        if n == 1 and all(c.keys is not None and c.offset < c.keys.shape[2] for c in cache):
-            # a decode step: write the one position in place (no temporaries)
-            t = tokens[0]
-            h = _advance(h, t)
-            off = last.offset
-            k, v = self._row_k, self._row_v  # one position, every head (broadcast)
-            k[0], k[1], v[0], v[1] = t, off, h, t
+        if n == 1:
             for c in cache:
-                c.keys[0, :, c.offset] = k
-                c.values[0, :, c.offset] = v
-                c.offset += 1
-            return h
+                if c.keys is None or c.offset >= c.keys.shape[2]:
+                    break
+            else:
+                # a decode step: write the one position in place (no temporaries)
+                t = tokens[0]
+                h = _advance(h, t)
+                off = last.offset
+                k, v = self._row_k, self._row_v  # one position, every head (broadcast)
+                k[0], k[1], v[0], v[1] = t, off, h, t
+                for c in cache:
+                    c.keys[0, :, c.offset] = k
+                    c.values[0, :, c.offset] = v
+                    c.offset += 1
+                return h
         H, D = self.cfg.num_kv_heads, self.cfg.head_dim
         hashes = running_hashes(h, tokens)
         h = int(hashes[-1]) if n else h
