@@ -63,12 +63,20 @@ class ByteDetokenizer:
     def __init__(self) -> None:
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._segment = ""
+        self._pending = False  # the decoder holds the first bytes of a sequence
 
     def add_token(self, token: int) -> None:
-        self._segment = self._dec.decode(bytes([token])) if token < 256 else ""
+        if token < 128 and not self._pending:  # what the decoder gives an ASCII byte with nothing held
+            self._segment = chr(token)
+        elif token < 256:
+            self._segment = self._dec.decode(bytes([token]))
+            self._pending = bool(self._dec.getstate()[0])
+        else:
+            self._segment = ""
 
     def finalize(self) -> None:
         self._segment = self._dec.decode(b"", final=True)
+        self._pending = False
 
     @property
     def last_segment(self) -> str:
@@ -273,12 +281,16 @@ _NUCLEI_MAX = 2048
 
 def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
     # in place where it can be, the same values as the plain expressions
+    # (the ufunc reductions ``z.max()``/``p.sum()`` call, without their Python wrappers)
     z = logits.astype(np.float64)
     z /= temperature
-    z -= z.max()
+    z -= _max(z)
     p = np.exp(z, out=z)
-    p /= p.sum()
+    p /= _sum(p)
     return p
+
+
+_max, _sum = np.maximum.reduce, np.add.reduce
 
 
 def _nucleus(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.ndarray, np.ndarray, float]:
@@ -359,12 +371,21 @@ def expected_tokens(
 
 
 class _Row:
-    __slots__ = ("cache", "sampling", "rng")
+    __slots__ = ("cache", "sampling", "seed", "_rng")
 
-    def __init__(self, cache: list[FakeKVCache], sampling: SamplingParams, rng: np.random.Generator):
+    def __init__(self, cache: list[FakeKVCache], sampling: SamplingParams, seed: int):
         self.cache = cache
         self.sampling = sampling
-        self.rng = rng
+        self.seed = seed
+        self._rng: np.random.Generator | None = None
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The row's sampler, made at its first draw: a greedy row never draws,
+        and a ``PCG64(seed)`` (its SeedSequence) costs ~20 us per request."""
+        if self._rng is None:
+            self._rng = np.random.Generator(np.random.PCG64(self.seed))
+        return self._rng
 
 
 class FakeBackend:
@@ -453,7 +474,10 @@ class FakeBackend:
 
     def _next(self, row: _Row, h: int) -> int:
         logits = fake_logits(self.cfg.seed, h, ByteTokenizer.vocab_size, self.cfg.eos_bias)
-        return sample_token(logits, row.sampling, row.rng)
+        sp = row.sampling
+        if sp.temperature <= 0:  # greedy (``sample_token``'s first case): the sampler is not needed
+            return int(logits.argmax())
+        return sample_token(logits, sp, row.rng)
 
     # ---- the port --------------------------------------------------------
     def step_cost_s(self, plan: StepPlan) -> float:
@@ -480,7 +504,7 @@ class FakeBackend:
         for o in plan.open:
             seed = o.sampling.seed if o.sampling.seed is not None else (self.cfg.seed << 20) + o.rid
             cache = o.cache if o.cache is not None else self.make_cache()
-            self._rows[o.rid] = _Row(cache, o.sampling, np.random.Generator(np.random.PCG64(seed)))
+            self._rows[o.rid] = _Row(cache, o.sampling, seed)
         for rid, n in plan.trim:
             self.trim_cache(self._rows[rid].cache, n)
         if self.cfg.oom_step_prob and (plan.prefill or plan.decode or plan.verify):

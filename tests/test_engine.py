@@ -401,3 +401,22 @@ async def test_a_reader_that_waits_for_the_end_is_woken_once_with_every_delta_qu
             send.send_nowait(last)
         assert [d.token_ids for d in out[:5]] == [[0], [1], [2], [3], [4]] and out[5] is last
         assert len(set(woke)) == 1  # all six taken in the one wake-up
+
+
+def test_the_byte_detokenizer_ascii_fast_path_gives_the_incremental_decoders_text():
+    """ASCII bytes skip the UTF-8 decoder only while it holds nothing: every
+    segment equals the decoder's own, through split, invalid and lone bytes."""
+    import codecs
+
+    from engine.fake_gpu import ByteDetokenizer
+
+    rng = random.Random(5)
+    for _ in range(2000):
+        picks = (lambda: rng.randrange(128), lambda: rng.randrange(128, 256), lambda: 256, lambda: rng.choice([0xC3, 0xE2, 0xF0, 0x82, 0xA9]))
+        tokens = [rng.choice(picks)() for _ in range(rng.randrange(1, 40))]
+        detok, ref = ByteDetokenizer(), codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for t in tokens:
+            detok.add_token(t)
+            assert detok.last_segment == (ref.decode(bytes([t])) if t < 256 else ""), tokens
+        detok.finalize()
+        assert detok.last_segment == ref.decode(b"", final=True)
