@@ -396,11 +396,13 @@ class ColdStore:
     def release(self, nbytes: int) -> None:
         self.reserved -= nbytes
 
-    def indexed(self, path: str, header: KvHeader, nbytes: int) -> list[ColdEntry]:
+    def indexed(self, path: str, header: KvHeader, nbytes: int, tokens: np.ndarray | None = None) -> list[ColdEntry]:
         """Index a committed file; returns the entries it supersedes (their
         files are to be deleted): strict prefixes in the same namespace, only
-        when the new entry can be trimmed (it then serves all of them)."""
-        e = ColdEntry(path, header.ns, as_tokens(header.tokens), nbytes, header.trimmable(), self._next_seq())
+        when the new entry can be trimmed (it then serves all of them).
+        ``tokens``: ``header.tokens`` as int64, when the caller has them."""
+        arr = as_tokens(header.tokens) if tokens is None else tokens
+        e = ColdEntry(path, header.ns, arr, nbytes, header.trimmable(), self._next_seq())
         self._add(e)
         gone: list[ColdEntry] = []
         if e.trimmable:
@@ -704,8 +706,9 @@ class ColdTier(Actor[Inbox]):
             log.warning("[cold_tier] cannot persist this cache: %r", exc)
             store.counters["write_failures"] += 1
             return False
-        header = kvfile.make_header(store.meta_for(ns), tokens, layers, self.wall())
-        path = store.path_for(tokens, ns)
+        arr = as_tokens(tokens)  # once, for the header, the file name and the index
+        header = kvfile.make_header(store.meta_for(ns), arr, layers, self.wall())
+        path = store.path_for(arr, ns)
         writer = KvWriter(store.disk, path, header)
         victims = store.reserve(path, writer.file_bytes)
         if victims is None:
@@ -732,7 +735,7 @@ class ColdTier(Actor[Inbox]):
             return False
         finally:
             store.release(writer.file_bytes)
-        gone = store.indexed(path, header, writer.file_bytes)
+        gone = store.indexed(path, header, writer.file_bytes, arr)
         if gone:
             await self.io(store.delete_files, [g.path for g in gone])
         store.counters["spills"] += 1  # every entry written, whoever asked (mlx-bun's count)

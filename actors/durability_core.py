@@ -22,6 +22,7 @@ import msgspec
 
 from engine.eventlog import EventLog
 from engine.ports import Clock
+from engine.prompt_cache import token_bytes
 from engine.spill_queue import GIB, ItemState, SpillItem, SpillQueue
 
 log = logging.getLogger("ember.durability")
@@ -139,6 +140,7 @@ class Record:
     item: SpillItem | None = None
     attempts: int = 0
     _key: Key | None = None
+    _kb: bytes | None = None
 
     @property
     def key(self) -> Key:
@@ -146,6 +148,14 @@ class Record:
         if self._key is None:
             self._key = (self.ns, tuple(self.tokens))
         return self._key
+
+    @property
+    def token_bytes(self) -> bytes:
+        """``tokens`` as int64 bytes (cached): one list starts with another
+        exactly when its bytes do, compared in C without slicing a list."""
+        if self._kb is None:
+            self._kb = token_bytes(self.tokens)
+        return self._kb
 
     def move(self, to: RecState) -> None:
         if to not in REC_TRANSITIONS[self.state]:
@@ -447,9 +457,9 @@ class DurabilityCore:
 
     def _descendant(self, rec: Record) -> Record | None:
         """A dirty record of the same conversation that extends ``rec``'s tokens."""
-        n = len(rec.tokens)
+        n, kb = len(rec.tokens), rec.token_bytes
         for r in self.records.values():
-            if r is not rec and r.ns == rec.ns and len(r.tokens) > n and r.tokens[:n] == rec.tokens:
+            if r is not rec and r.ns == rec.ns and len(r.tokens) > n and r.token_bytes.startswith(kb):
                 return r
         return None
 

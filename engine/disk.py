@@ -19,6 +19,7 @@ thread in production, inline under virtual time).
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import posixpath
 import random
@@ -163,6 +164,12 @@ class _Handle:
     writable: bool
 
 
+@functools.lru_cache(maxsize=4096)  # the same few thousand names, again and again
+def _norm(path: str) -> str:
+    p = posixpath.normpath("/" + str(path).replace(os.sep, "/"))
+    return "/" + p.lstrip("/")  # normpath keeps a leading "//"
+
+
 class FaultyDisk:
     """An in-memory, crash-simulating, fault-injecting ``Disk``.
 
@@ -206,8 +213,7 @@ class FaultyDisk:
     # ---- helpers -----------------------------------------------------------
     @staticmethod
     def _norm(path: str) -> str:
-        p = posixpath.normpath("/" + str(path).replace(os.sep, "/"))
-        return "/" + p.lstrip("/")  # normpath keeps a leading "//"
+        return _norm(path)
 
     def _now(self) -> float:
         self._tick += 1.0

@@ -387,7 +387,8 @@ def make_header(meta: KvMeta, tokens: Sequence[int], layers: list[Layer], create
         config_fingerprint=meta.config_fingerprint,
         ns=meta.ns,
         tokenizer_hash=meta.tokenizer_hash,
-        tokens=list(map(int, tokens)),
+        # plain ints for the JSON: an int64 array's tolist(), ~6x faster than int() per token
+        tokens=(tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens, dtype=np.int64)).tolist(),
         layers=layers,
     )
 
