@@ -273,6 +273,14 @@ def fake_logits(seed: int, h: int, vocab: int, eos_bias: float = 0.0) -> np.ndar
     return logits
 
 
+@functools.lru_cache(maxsize=8192)
+def greedy_token(seed: int, h: int, vocab: int, eos_bias: float = 0.0) -> int:
+    """The greedy next token after a context whose running hash is ``h``:
+    ``fake_logits(...).argmax()``, memoized like the logits (the simulator's
+    oracle re-derives every greedy token the engine sampled)."""
+    return int(fake_logits(seed, h, vocab, eos_bias).argmax())
+
+
 # (logits, temperature, top_p) -> the kept ids and their cdf, by the identity of
 # a read-only logits array (held in the entry, so its id cannot be reused)
 _NUCLEI: dict[int, tuple[np.ndarray, float, float, np.ndarray, np.ndarray, float]] = {}
@@ -473,10 +481,10 @@ class FakeBackend:
         return h
 
     def _next(self, row: _Row, h: int) -> int:
-        logits = fake_logits(self.cfg.seed, h, ByteTokenizer.vocab_size, self.cfg.eos_bias)
         sp = row.sampling
         if sp.temperature <= 0:  # greedy (``sample_token``'s first case): the sampler is not needed
-            return int(logits.argmax())
+            return greedy_token(self.cfg.seed, h, ByteTokenizer.vocab_size, self.cfg.eos_bias)
+        logits = fake_logits(self.cfg.seed, h, ByteTokenizer.vocab_size, self.cfg.eos_bias)
         return sample_token(logits, sp, row.rng)
 
     # ---- the port --------------------------------------------------------

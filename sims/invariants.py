@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engine.fake_gpu import ByteTokenizer, FakeGPUConfig, _advance, _initial_hash, advance_all, fake_logits, sample_token
+from engine.fake_gpu import (
+    ByteTokenizer,
+    FakeGPUConfig,
+    _advance,
+    _initial_hash,
+    advance_all,
+    fake_logits,
+    greedy_token,
+    sample_token,
+)
 from engine.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -267,9 +276,12 @@ class Oracle:
         h_prompt = h
         rng = np.random.Generator(np.random.PCG64(sp.seed)) if sp.temperature > 0 else None
         out: list[int] = []
+        seed, vocab, bias = self.cfg.seed, self.vocab, self.cfg.eos_bias
         for _ in range(sp.max_tokens):
-            logits = fake_logits(self.cfg.seed, h, self.vocab, self.cfg.eos_bias)
-            tok = int(logits.argmax()) if rng is None else sample_token(logits, sp, rng)
+            if rng is None:  # the argmax of the logits (a pure function of h, memoized)
+                tok = greedy_token(seed, h, vocab, bias)
+            else:
+                tok = sample_token(fake_logits(seed, h, vocab, bias), sp, rng)
             if tok == ByteTokenizer.EOS and not sp.ignore_eos:
                 break
             out.append(tok)
