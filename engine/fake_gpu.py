@@ -301,6 +301,11 @@ def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
 _max, _sum = np.maximum.reduce, np.add.reduce
 
 
+def _cut(p: np.ndarray, order: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray, int]:
+    cdf = p[order].cumsum()
+    return order, cdf, (min(int(cdf.searchsorted(top_p)) + 1, p.size) if top_p < 1.0 else p.size)
+
+
 def _nucleus(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.ndarray, np.ndarray, float]:
     """The ids kept by temperature + top-p in descending probability, their
     cumulative probabilities and the total. Memoized for the read-only
@@ -313,9 +318,15 @@ def _nucleus(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.n
     # one sort serves both the nucleus cut and the draw, which runs over the
     # kept ids in descending probability (the same distribution as a draw in id order);
     # array methods, not the np.* wrappers around them (the same calls, less overhead)
-    order = (-p).argsort(kind="stable")
-    cdf = p[order].cumsum()
-    cut = min(int(cdf.searchsorted(top_p)) + 1, p.size) if top_p < 1.0 else p.size
+    neg = -p
+    order, cdf, cut = _cut(p, neg.argsort(), top_p)  # introsort: ~3x faster than the stable sort
+    head = neg[order[: cut + 1]]
+    if cut >= p.size or not (head[:-1] < head[1:]).all():
+        # Two of the kept values tie (or the last kept ties the first dropped):
+        # only there can the orders differ, and the stable sort decides. With
+        # every kept value strictly above the next, both sorts put the same ids
+        # first, so the cut, the kept ids and their cdf are the stable sort's.
+        order, cdf, cut = _cut(p, neg.argsort(kind="stable"), top_p)
     kept, cdf, total = order[:cut].copy(), cdf[:cut].copy(), float(cdf[cut - 1])
     if not logits.flags.writeable:
         if len(_NUCLEI) >= _NUCLEI_MAX:

@@ -420,3 +420,32 @@ def test_the_byte_detokenizer_ascii_fast_path_gives_the_incremental_decoders_tex
             assert detok.last_segment == (ref.decode(bytes([t])) if t < 256 else ""), tokens
         detok.finalize()
         assert detok.last_segment == ref.decode(b"", final=True)
+
+
+def test_the_nucleus_is_the_stable_sorts_even_where_logits_tie():
+    """_nucleus sorts with introsort and falls back to the stable sort where
+    kept values tie: kept ids, cdf and total equal a stable sort's, for fake
+    logits and for logits full of ties (rounded), at several temperatures and
+    top-p values including 1."""
+    import numpy as np
+
+    from engine.fake_gpu import _NUCLEI, _nucleus, _softmax, fake_logits
+
+    def stable(logits, t, top_p):
+        p = _softmax(logits, t)
+        order = np.argsort(-p, kind="stable")
+        cdf = np.cumsum(p[order])
+        cut = min(int(np.searchsorted(cdf, top_p)) + 1, p.size) if top_p < 1.0 else p.size
+        return order[:cut], cdf[:cut], float(cdf[cut - 1])
+
+    rng = np.random.default_rng(1)
+    cases = [fake_logits(0, h, ByteTokenizer.vocab_size) for h in range(300)]
+    for i in range(300):
+        tied = np.round(rng.standard_normal(260).astype(np.float32) * 3, i % 2).astype(np.float32)
+        tied[257:] = -np.inf
+        cases.append(tied)
+    for logits in cases:
+        for t, top_p in ((0.7, 0.95), (1.0, 0.5), (2.0, 0.99), (1.0, 1.0)):
+            _NUCLEI.clear()
+            got, want = _nucleus(logits, t, top_p), stable(logits, t, top_p)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]
