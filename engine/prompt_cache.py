@@ -295,7 +295,7 @@ class PromptCache:
 
     def snapshot(self, tokens: Sequence[int], ns: str) -> Any:
         """A private copy of the exact entry ``tokens`` (None if not held)."""
-        e = self._entries.get((ns, as_tokens(tokens).tobytes()))
+        e = self._entries.get((ns, token_bytes(tokens)))
         return None if e is None else self.ops.clone_cache(e.cache)
 
     # ---- insertion and eviction -------------------------------------------
