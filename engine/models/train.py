@@ -260,6 +260,46 @@ def top1_agreement(a, b, windows: np.ndarray, batch: int = 16) -> float:
     return hit / n
 
 
+def repeat_window(window: np.ndarray, rng, style: str = "jump") -> np.ndarray:
+    """A window whose text repeats.
+
+    ``jump``: at a random point p it jumps back to an earlier point s and goes
+    on from there as the original did, until the window is full — a file that
+    holds an earlier part of itself again, as code (and the grounded
+    speculation benchmark) often does. ``cycle``: the window's first k tokens
+    (k in [n/8, n/2]) repeated to its length. Both were tried (docs/models.md):
+    each teaches copying and each made greedy output loop more."""
+    n = len(window)
+    if style == "cycle":
+        k = int(rng.integers(max(2, n // 8), n // 2 + 1))
+        return np.resize(window[:k], n)
+    p = int(rng.integers(n // 4, (3 * n) // 4))
+    s = int(rng.integers(0, p - n // 16))
+    return np.concatenate([window[:p], window[s : s + n - p]])
+
+def copy_windows(tokens: np.ndarray, excerpt: int, max_windows: int) -> np.ndarray:
+    """Held-out excerpts given twice: (2 * excerpt + 1)-token windows."""
+    wins = eval_windows(tokens, excerpt, max_windows)[:, :excerpt]
+    return np.concatenate([wins, wins, wins[:, :1]], axis=1)
+
+
+def copy_top1(model, windows: np.ndarray, batch: int = 16) -> float:
+    """Teacher-forced top-1 accuracy over the second copy of each window."""
+    import mlx.core as mx
+
+    half = (windows.shape[1] - 1) // 2
+    hit, n = 0, 0
+    for i in range(0, len(windows), batch):
+        w = mx.array(windows[i : i + batch])
+        x, y = w[:, :-1], w[:, 1:]
+        pred = mx.argmax(model(x)[:, half:], axis=-1)
+        h = (pred == y[:, half:]).sum()
+        mx.eval(h)
+        hit += h.item()
+        n += pred.size
+    return hit / n
+
+
 def evaluate(model, windows: np.ndarray, batch: int = 16):
     """Mean next-token loss (nats) and teacher-forced top-1 accuracy."""
     import mlx.core as mx
@@ -296,8 +336,17 @@ def train_model(
     eval_every: int,
     teacher=None,
     distill: float = 0.0,
+    init=None,
+    repeat_frac: float = 0.0,
+    repeat_style: str = "jump",
 ):
     """Train one model; returns (model, record dict).
+
+    ``init``: continue from this (loaded) model instead of a fresh one.
+    ``repeat_frac``: that share of the batch rows is a corpus excerpt repeated
+    until the window is full (see ``repeat_window``): it teaches the model to
+    copy what its context already holds, which the corpus windows alone hardly
+    do (a 128-token window of stdlib source rarely repeats a long span).
 
     With a ``teacher`` and ``distill`` = a > 0 the loss is (1 - a) * cross-entropy
     on the corpus + a * KL(teacher || model) on the teacher's next-token
@@ -310,7 +359,7 @@ def train_model(
 
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
-    model = make_model(config)
+    model = make_model(config) if init is None else init
     mx.eval(model.parameters())
     n_params = count_params(model)
     log(f"[{name}] {n_params / 1e6:.2f}M params, config {json.dumps(config)}")
@@ -358,7 +407,11 @@ def train_model(
 
     def get_batch():
         starts = rng.integers(0, max_start, size=batch)
-        w = mx.array(train_tokens[starts[:, None] + offs[None, :]])
+        rows = train_tokens[starts[:, None] + offs[None, :]]
+        if repeat_frac > 0.0:
+            for i in np.flatnonzero(rng.random(batch) < repeat_frac):
+                rows[i] = repeat_window(rows[i], rng, repeat_style)
+        w = mx.array(rows)
         return w[:, :-1], w[:, 1:]
 
     l0, a0 = evaluate(model, eval_wins)
@@ -425,6 +478,9 @@ def train_model(
         "warmup": warmup,
         "weight_decay": weight_decay,
         "distill": distill if teacher is not None else 0.0,
+        "repeat_frac": repeat_frac,
+        "repeat_style": repeat_style if repeat_frac > 0 else None,
+        "init": "continued" if init is not None else "fresh",
         "train_time_s": round(train_time, 1),
         "ms_per_step": round(1000 * t_timed / max(1, n_timed), 1),
         "curve": curve,
@@ -478,7 +534,8 @@ def decode_step_ms(model, prompt_ids, warmup: int = 16, steps: int = 128) -> flo
     return 1000.0 * float(np.median(times))
 
 
-def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray) -> dict:
+def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray,
+            heldout_tokens: np.ndarray | None = None) -> dict:
     """Reload both models with mlx_lm.load and measure the acceptance numbers."""
     import mlx.core as mx
     from mlx_lm import generate, load
@@ -500,6 +557,15 @@ def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray) -> dict
         "draft_top1": da,
         "draft_target_top1_agreement": top1_agreement(target, draft, heldout_wins),
     }
+    if heldout_tokens is not None:
+        # Can the model continue text its context already holds? (What prompt
+        # lookup speculation bets on: a file that repeats.)
+        for excerpt in (100, 200):
+            cw = copy_windows(heldout_tokens, excerpt, 64)
+            res["heldout"][f"target_copy{excerpt}_top1"] = copy_top1(target, cw)
+            res["heldout"][f"draft_copy{excerpt}_top1"] = copy_top1(draft, cw)
+        log("copy top-1 (second copy of a held-out excerpt): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in res["heldout"].items() if "copy" in k))
     log(f"held-out: target loss {tl:.3f} top1 {ta:.3f} | draft loss {dl:.3f} top1 {da:.3f}")
 
     for p in DEMO_PROMPTS:
@@ -583,6 +649,17 @@ def main(argv=None):
     ap.add_argument("--distill", type=float, default=0.0,
                     help="drafter loss weight on KL(target || drafter), 0..1 (0: corpus only)")
     ap.add_argument("--draft-layers", type=int, default=DRAFT_CONFIG["num_hidden_layers"])
+    ap.add_argument("--continue-target", action="store_true",
+                    help="keep training the target already in --out/tiny (same tokenizer) "
+                         "for --steps-target steps at --seq-len, then re-measure the pair")
+    ap.add_argument("--repeat-frac", type=float, default=0.0,
+                    help="share of training windows that are an excerpt repeated to the "
+                         "window's length (teaches copying from the context)")
+    ap.add_argument("--repeat-style", choices=("jump", "cycle"), default="jump",
+                    help="how a repeated window repeats (see repeat_window)")
+    ap.add_argument("--eval-seq-len", type=int, default=None,
+                    help="held-out window length for the recorded measurements "
+                         "(default: --seq-len)")
     args = ap.parse_args(argv)
 
     import mlx.core as mx
@@ -615,8 +692,9 @@ def main(argv=None):
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(str(out / "tiny"))
-        heldout_wins = eval_windows(encode_files(hf, heldout_files), args.seq_len, heldout_n)
-        res = measure(out / "tiny", out / "tiny-draft", heldout_wins)
+        heldout_tokens = encode_files(hf, heldout_files)
+        heldout_wins = eval_windows(heldout_tokens, args.eval_seq_len or args.seq_len, heldout_n)
+        res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
         for sub in ("tiny", "tiny-draft"):
             f = out / sub / "training_log.json"
             if f.exists():
@@ -627,6 +705,9 @@ def main(argv=None):
         return res
     log(f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files, "
         f"{sum(len(t) for _, t in train_files) / 1e6:.1f}M train chars")
+    if args.continue_target:
+        return continue_target(args, target_cfg, train_files, heldout_files, t_start,
+                               eval_n=eval_n, heldout_n=heldout_n, eval_every=eval_every, argv=argv)
     if args.draft_only:
         return train_draft_only(args, draft_cfg, train_files, heldout_files, t_start,
                                 eval_n=eval_n, heldout_n=heldout_n, eval_every=eval_every, argv=argv)
@@ -666,7 +747,7 @@ def main(argv=None):
         del draft
 
     train_wall = time.time() - t_start
-    res = measure(out / "tiny", out / "tiny-draft", heldout_wins)
+    res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
     total_wall = time.time() - t_start
     meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
                     wall_s_until_saved=round(train_wall, 1), wall_s_total=round(total_wall, 1))
@@ -722,7 +803,7 @@ def train_draft_only(args, draft_cfg, train_files, heldout_files, t_start, *, ev
                 shutil.copy2(out / "tiny" / name, tok_dir / name)
         save_model_dir(draft, draft_cfg, tok_dir, out / "tiny-draft", eos_id)
     del draft, teacher
-    res = measure(out / "tiny", out / "tiny-draft", heldout_wins)
+    res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
     meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
                     wall_s_total=round(time.time() - t_start, 1))
     (out / "tiny-draft" / "training_log.json").write_text(json.dumps(dict(meta, training=drec), indent=1) + "\n")
@@ -732,6 +813,51 @@ def train_draft_only(args, draft_cfg, train_files, heldout_files, t_start, *, ev
         tmeta["measurements"] = res
         f.write_text(json.dumps(tmeta, indent=1) + "\n")
     log(f"drafter done in {time.time() - t_start:.0f}s; out {out}")
+    return meta
+
+
+def continue_target(args, target_cfg, train_files, heldout_files, t_start, *, eval_n, heldout_n, eval_every, argv):
+    """Keep training the target in ``--out/tiny`` (a second stage: longer
+    windows, some of them repeated excerpts), save it in place with its
+    tokenizer, and re-measure the pair. The drafter is left as it is."""
+    from mlx_lm import load
+    from transformers import AutoTokenizer
+
+    out = args.out
+    hf = AutoTokenizer.from_pretrained(str(out / "tiny"))
+    eos_id = hf.convert_tokens_to_ids(EOS_TOKEN)
+    train_tokens = encode_files(hf, train_files)
+    heldout_tokens = encode_files(hf, heldout_files)
+    eval_wins = eval_windows(heldout_tokens, args.seq_len, eval_n)
+    heldout_wins = eval_windows(heldout_tokens, args.eval_seq_len or args.seq_len, heldout_n)
+    init, _ = load(str(out / "tiny"))
+    target, trec = train_model(
+        "target", target_cfg, train_tokens, eval_wins, seed=args.seed + 2,
+        minutes=None if args.steps_target else args.minutes_target, steps=args.steps_target,
+        lr=args.lr_target, batch=args.batch, seq_len=args.seq_len, warmup=args.warmup,
+        weight_decay=0.1, eval_every=eval_every, init=init, repeat_frac=args.repeat_frac,
+        repeat_style=args.repeat_style)
+    with tempfile.TemporaryDirectory() as td:
+        tok_dir = Path(td)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+            if (out / "tiny" / name).exists():
+                shutil.copy2(out / "tiny" / name, tok_dir / name)
+        save_model_dir(target, target_cfg, tok_dir, out / "tiny", eos_id)
+    del target, init
+    res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
+    meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
+                    wall_s_total=round(time.time() - t_start, 1))
+    f = out / "tiny" / "training_log.json"
+    before = json.loads(f.read_text()) if f.exists() else {}
+    # The first stage's record stays: this model is that run plus this one.
+    stages = before.get("stages") or [{k: v for k, v in before.items() if k != "measurements"}]
+    f.write_text(json.dumps(dict(meta, training=trec, stages=stages), indent=1) + "\n")
+    d = out / "tiny-draft" / "training_log.json"
+    if d.exists():
+        dmeta = json.loads(d.read_text())
+        dmeta["measurements"] = res
+        d.write_text(json.dumps(dmeta, indent=1) + "\n")
+    log(f"target continued in {time.time() - t_start:.0f}s; out {out}")
     return meta
 
 
