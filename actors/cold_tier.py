@@ -181,6 +181,10 @@ class ColdStore:
         self.reserved = 0
         self._seq = 0
         self.adds = 0  # entries indexed so far: a ``holds`` that was False stays False until this moves
+        # the latest adds, (ns, key, trimmable), the oldest being add number ``_added_base + 1``:
+        # a ``holds`` that was False at add n only needs the entries added since (``added_since``)
+        self._added: list[tuple[str, bytes, bool]] = []
+        self._added_base = 0
         self.counters = {
             "restores": 0,
             "spills": 0,  # entries written
@@ -311,6 +315,10 @@ class ColdStore:
         e.key = e.tokens.tobytes()
         self._index.add(e.ns, e.key, e, e.trimmable)
         self.adds += 1
+        self._added.append((e.ns, e.key, e.trimmable))
+        if len(self._added) > 256:
+            del self._added[:128]
+            self._added_base += 128
         self.entry_bytes += e.nbytes
 
     def _remove_path(self, path: str) -> ColdEntry | None:
@@ -361,6 +369,13 @@ class ColdStore:
         if self._index.extending(ns, key):
             return True
         return any(e.key == key for e in self._index.rigid(ns))
+
+    def added_since(self, n: int) -> list[tuple[str, bytes, bool]] | None:
+        """The entries indexed after add number ``n`` as (ns, key, trimmable),
+        whether still indexed or not; None if they are no longer all kept."""
+        if n < self._added_base:
+            return None
+        return self._added[n - self._added_base :]
 
     def longest_entry(self) -> int:
         return max((int(e.tokens.size) for e in self._paths.values()), default=0)

@@ -443,8 +443,18 @@ class ColdTierPort:
                 del self._keys[next(iter(self._keys))]
             hit = self._keys[id(tokens)] = [tokens, token_bytes(tokens), None, -1]
         store = self.tier.store
-        if hit[3] == store.adds and hit[2] == ns:
-            return False
+        if hit[2] == ns and hit[3] >= 0:
+            if hit[3] == store.adds:
+                return False
+            # Only an entry indexed since the "no" can cover the key now: if none
+            # of those does (an entry that is gone covers nothing either), the
+            # "no" stands without a lookup in the index.
+            new = store.added_since(hit[3])
+            if new is not None:
+                key = hit[1]
+                if not any(n == ns and (k.startswith(key) if trim else k == key) for n, k, trim in new):
+                    hit[3] = store.adds
+                    return False
         if store.holds_key(hit[1], ns):
             return True
         hit[2], hit[3] = ns, store.adds

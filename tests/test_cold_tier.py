@@ -650,3 +650,40 @@ async def test_store_now_writes_on_the_callers_task_or_queues_behind_the_tier_wr
         t.stop()
     with pytest.raises(EngineDead):
         await t.store_now(A, "", feed(A), ungated)
+
+
+def test_the_durability_ports_holds_answers_as_the_index_does_under_adds_and_evictions():
+    """ColdTierPort.holds keeps a "no" per token list and, once entries were
+    indexed since, looks only at those (``ColdStore.added_since``): its
+    answers must be the index's own through random adds, removals and a
+    window of adds that outgrows what the store keeps."""
+    import random
+
+    from actors.cold_tier import ColdEntry
+    from actors.durability import ColdTierPort
+
+    store = ColdStore(FaultyDisk(), "/c", model_id="m", config_fingerprint="f", tokenizer_hash="t", max_bytes=1 << 30)
+
+    class Tier:
+        pass
+
+    tier = Tier()
+    tier.store = store
+    port = ColdTierPort(tier)  # type: ignore[arg-type]
+    rng = random.Random(7)
+    stems = [[rng.randrange(4) for _ in range(rng.randrange(1, 6))] for _ in range(12)]
+    keys = [(ns, s[:n]) for s in stems for n in range(1, len(s) + 1) for ns in ("", "b")]
+    asked = [(list(t), ns) for ns, t in keys]  # fixed lists: the port caches by list identity
+    paths = 0
+    for step in range(3000):
+        r = rng.random()
+        if r < 0.3:
+            ns, t = rng.choice(keys)
+            paths += 1
+            store._add(ColdEntry(f"/c/{paths}", ns, np.asarray(t, np.int64), 1, rng.random() < 0.8, store._next_seq()))
+        elif r < 0.45 and len(store):
+            store.forget(rng.choice(store.entries()))
+        else:
+            tokens, ns = rng.choice(asked)
+            assert port.holds(tokens, ns) == store.holds(tokens, ns), (step, tokens, ns)
+    assert store.adds > 300  # past the kept window of adds at least once
