@@ -348,10 +348,15 @@ class ColdStore:
         be trimmed are skipped); ties prefer less to trim, then the most recent."""
         prompt = as_tokens(tokens)
         best, best_p, best_trim, best_seq = None, 0, 0, -1
-        for e in self._index.candidates(ns, prompt):
+        for e in self._index.rigid(ns):
             p = usable_prefix(e.tokens, e.trimmable, prompt)
             if p <= 0:
                 continue
+            trim = e.tokens.size - p
+            if (p, -trim, e.seq) > (best_p, -best_trim, best_seq):
+                best, best_p, best_trim, best_seq = e, p, trim, e.seq
+        run, p = self._index.run(ns, prompt)  # every one of them serves p (> 0) tokens
+        for e in run:
             trim = e.tokens.size - p
             if (p, -trim, e.seq) > (best_p, -best_trim, best_seq):
                 best, best_p, best_trim, best_seq = e, p, trim, e.seq

@@ -137,11 +137,20 @@ class PrefixIndex:
         tokens, keyed like the entries): the trimmable ones sharing
         the most tokens with it (capped at ``len(prompt) - 1``, the usable
         limit, so every entry tied at the cap is in), and every rigid one."""
-        out = list(self._rigid.get(ns, {}).values())
+        run, _ = self.run(ns, prompt)
+        return list(self._rigid.get(ns, {}).values()) + run
+
+    def run(self, ns: str, prompt: np.ndarray) -> tuple[list[Any], int]:
+        """The trimmable half of ``candidates`` and the usable prefix ``t``
+        every one of them serves: the longest common prefix with any entry is
+        at a neighbour of the prompt's place, so each entry of the run shares
+        at least ``t`` = min(that, the cap) tokens and none shares more than the
+        cap allows, i.e. ``usable_prefix`` is ``t`` for all of them, without a
+        comparison each. ``([], 0)`` when no trimmable entry serves any token."""
         keys = self._keys.get(ns)
         cap = prompt.size - 1
         if not keys or cap <= 0:
-            return out
+            return [], 0
         vals = self._vals[ns]
         i = bisect_left(keys, prompt.tobytes())
         best = 0
@@ -150,14 +159,14 @@ class PrefixIndex:
                 best = max(best, common_prefix(vals[j].tokens, prompt))
         t = min(best, cap)
         if t <= 0:
-            return out
+            return [], 0
         head = prompt[:t].tobytes()
         lo, hi = i, i
         while lo > 0 and keys[lo - 1].startswith(head):
             lo -= 1
         while hi < len(keys) and keys[hi].startswith(head):
             hi += 1
-        return out + vals[lo:hi]
+        return vals[lo:hi], t
 
     def extending(self, ns: str, key: bytes) -> bool:
         """True if some trimmable entry's tokens start with ``key``'s (equal or longer)."""
@@ -247,10 +256,15 @@ class PromptCache:
         """The entry serving the longest usable prefix (a pure lookup)."""
         prompt = as_tokens(tokens)
         best, best_rank = None, (0, 0, 0)
-        for e in self._index.candidates(ns, prompt):
+        for e in self._index.rigid(ns):
             p = usable_prefix(e.tokens, e.trimmable, prompt)
             rank = (p, p - e.tokens.size, e.order)  # longest, least to trim, most recent
             if p > 0 and rank > best_rank:
+                best, best_rank = e, rank
+        run, p = self._index.run(ns, prompt)  # every one of them serves p (> 0) tokens
+        for e in run:
+            rank = (p, p - e.tokens.size, e.order)
+            if rank > best_rank:
                 best, best_rank = e, rank
         return best, best_rank[0]
 

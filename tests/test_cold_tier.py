@@ -687,3 +687,33 @@ def test_the_durability_ports_holds_answers_as_the_index_does_under_adds_and_evi
             tokens, ns = rng.choice(asked)
             assert port.holds(tokens, ns) == store.holds(tokens, ns), (step, tokens, ns)
     assert store.adds > 300  # past the kept window of adds at least once
+
+
+def test_find_picks_what_a_scan_of_every_entry_picks():
+    """ColdStore.find reads the prefix index's run (every entry of it serving
+    the same prefix) instead of comparing each: the entry and length must be
+    a full scan's (longest usable prefix, then least to trim, then most recent)."""
+    import random
+
+    from actors.cold_tier import ColdEntry
+    from engine.prompt_cache import usable_prefix
+
+    rng = random.Random(11)
+    store = ColdStore(FaultyDisk(), "/c", model_id="m", config_fingerprint="f", tokenizer_hash="t", max_bytes=1 << 30)
+    stems = [[rng.randrange(3) for _ in range(rng.randrange(1, 9))] for _ in range(10)]
+    for i in range(400):
+        s = rng.choice(stems)
+        t = s[: rng.randrange(1, len(s) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(3))]
+        ns = rng.choice(["", "x"])
+        if rng.random() < 0.6:
+            store._add(ColdEntry(f"/c/{i}", ns, np.asarray(t, np.int64), 1, rng.random() < 0.85, store._next_seq()))
+        elif len(store) and rng.random() < 0.3:
+            store.forget(rng.choice(store.entries()))
+        prompt = rng.choice(stems)[: rng.randrange(1, 9)] + [rng.randrange(3) for _ in range(rng.randrange(3))]
+        want, want_p = None, 0
+        for e in store.entries():
+            p = usable_prefix(e.tokens, e.trimmable, np.asarray(prompt, np.int64)) if e.ns == ns else 0
+            if p > 0 and (want is None or (p, -(e.tokens.size - p), e.seq) > (want_p, -(want.tokens.size - want_p), want.seq)):
+                want, want_p = e, p
+        got, got_p = store.find(prompt, ns)
+        assert (got, got_p) == (want, want_p), (i, prompt, ns)
