@@ -636,7 +636,7 @@ class MLXBackend:
             self._due = None  # every row has all its tokens by then
             return
         keys = [(r, r.sampler.key) for r in rows if not r.sampler.greedy]
-        logits = self.model(tokens[:, None], cache=batch.cache)
+        logits = batch.decode(self.model, tokens)
         nxt = self._sample_last(logits, [r.sampler for r in rows])
         self._queued.append(_Ahead(nxt, keys))
         self._due = self._built = nxt

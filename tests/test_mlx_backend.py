@@ -572,3 +572,42 @@ def test_rows_prefilled_in_one_step(rig, together):
     finally:
         rig.b.prefill_together = True
         rig.step(close=rids)
+
+
+def test_one_token_steps_skip_the_mask_only_without_padding(mlx, monkeypatch):
+    """A batch whose rows have no left padding decodes without building the
+    all-True mask (and gives mlx-lm's own KVCache logits, bit for bit); once a
+    row with padding joins, the mask is back."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from engine.mlx_batch import DecodeBatch, merge_caches
+
+    backend, device = mlx
+    calls = []
+    real = BatchKVCache.make_mask
+    monkeypatch.setattr(BatchKVCache, "make_mask", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+
+    def run():
+        model = backend.model
+        a, b = backend.tokenizer.encode(PROMPTS[3]), backend.tokenizer.encode(PROMPTS[2])
+        ref, mine = make_prompt_cache(model), make_prompt_cache(model)
+        model(mx.array(a[:-1])[None], cache=ref)
+        model(mx.array(a[:-1])[None], cache=mine)
+        batch = DecodeBatch()
+        batch.add([1], merge_caches([mine]))
+        assert batch.aligned()
+        got = batch.decode(model, mx.array([a[-1]]))
+        want = model(mx.array([[a[-1]]]), cache=ref)
+        same = mx.array_equal(got, want).item()
+        n_aligned = len(calls)
+        other = make_prompt_cache(model)
+        model(mx.array(b[:-1])[None], cache=other)
+        batch.add([2], merge_caches([other]))
+        aligned_after = batch.aligned()
+        batch.decode(model, mx.array([7, b[-1]]))
+        return same, n_aligned, aligned_after, len(calls)
+
+    same, n_aligned, aligned_after, n_total = device.call(run)
+    assert same
+    assert n_aligned == 0
+    assert not aligned_after and n_total == 1
