@@ -14,7 +14,9 @@ Legs: single-stream decode, aggregate decode at 4 and 8 streams, cold TTFT at
 restart leg (flush, SIGTERM, respawn, the same long prompt: cached tokens and
 TTFT; mlx_lm.server keeps nothing across a restart, so its restart TTFT is its
 cold TTFT), Ember decode with the SSD tier on vs off, speculation speedup at the
-best γ, and a bare ``mlx_lm.stream_generate`` loop as the single-stream ceiling.
+best γ, and a bare ``mlx_lm.stream_generate`` loop as the single-stream ceiling,
+in its own process and behind the thinnest streaming server
+(``sims/bare_server.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Server:
     port: int
     log_path: Path
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of server_env()
 
     @property
     def url(self) -> str:
@@ -72,7 +75,7 @@ class Server:
     def start(self, timeout_s: float = 180.0) -> float:
         t0 = time.perf_counter()
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, env=server_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, env={**server_env(), **self.env}, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -266,6 +269,12 @@ async def run(args: argparse.Namespace) -> Results:
     if "spec" in legs:
         extra.append(Server("ember-spec", ember_cmd(p := free_port(), "--draft-model", "tiny-draft", "--num-draft-tokens", str(args.gamma)), p, work / "ember-spec.log"))
         extra.append(Server("mlx-lm-spec", mlx_cmd(p := free_port(), "--draft-model", str(resolve_model("tiny-draft")), "--num-draft-tokens", str(args.gamma)), p, work / "mlx-lm-spec.log"))
+    if "bare" in legs:
+        # The bare loop behind the thinnest streaming server, measured with the same
+        # client: what the HTTP hop and a client on the same cores cost any server.
+        bare_cmd = lambda port: [sys.executable, "-m", "sims.bare_server", "--model", str(model_dir), "--port", str(port)]  # noqa: E731
+        extra.append(Server("bare-http", bare_cmd(p := free_port()), p, work / "bare-http.log"))
+        extra.append(Server("bare-http-1", bare_cmd(p := free_port()), p, work / "bare-http-1.log", env={"OPENBLAS_NUM_THREADS": "1"}))
     servers = [ember, mlxlm, *extra]
     for s in servers:
         progress(f"starting {s.name}")
@@ -344,6 +353,9 @@ async def run(args: argparse.Namespace) -> Results:
                     # Ember runs a 1-row decode on one OpenBLAS thread (engine.blas); the
                     # bare loop gets the same setting too, and the faster one is the ceiling.
                     res.add("bare", "1 thread", bare_loop_tps(model_dir, prompts.of(64, offset=5000 + rnd), 128, blas_threads=1))
+                    for srv in (s for s in extra if s.name.startswith("bare-http")):
+                        progress(f"round {rnd + 1}: {srv.name} (bare loop behind HTTP)")
+                        res.add("bare_http", srv.name, await leg_decode1(client, srv, prompts, rnd))
     finally:
         for s in servers:
             s.stop()
@@ -427,6 +439,17 @@ def report(res: Results, args: argparse.Namespace) -> str:
                   f"Ember single-stream over HTTP {fmt(e, ' tok/s')} = **{fmt(e / b if e and b else None, '×')}** of it (target ≥ 0.95×)."]
         if e and b:
             ratios["vs bare loop"] = e / b
+        h2, h1 = res.med("bare_http", "bare-http"), res.med("bare_http", "bare-http-1")
+        h = max(x for x in (h1, h2, 0.0) if x is not None) or None
+        if h:
+            lines += ["", f"The same loop behind the thinnest streaming server (`sims/bare_server.py`: "
+                      f"`stream_generate` on a thread, one SSE event per token), measured with the same client as "
+                      f"the two servers: {fmt(h2, ' tok/s')} with default threads, {fmt(h1, ' tok/s')} with one. "
+                      f"Ember = **{fmt(e / h if e else None, '×')}** of the faster; mlx_lm.server "
+                      f"{fmt((res.med('decode1', 'mlx-lm') or 0) / h, '×')}. The in-process loop pays no HTTP hop "
+                      "and has no client beside it on the two cores; this one does, like the servers."]
+            if e:
+                ratios["vs bare loop behind HTTP"] = e / h
     lines += ["", "## Raw samples", "", "```json", json.dumps(res.rows, indent=1, default=float), "```", ""]
     lines += res.notes
     res.notes = [json.dumps(ratios)]
