@@ -38,7 +38,9 @@ plain decode, ``E = 1``.
   asking the Drafter or the Verifier anything — and then probes γ = 1 once to
   find out whether drafts started paying (the text may have become
   repetitive). Each probe that does not turn speculation back on doubles the
-  hold, up to ``probe_max``; and the hold is never shorter than what keeps
+  hold, up to ``probe_max`` (a new request starts from the spacing the
+  engine's latest probe verdict left, as its acceptance starts from the
+  engine's); and the hold is never shorter than what keeps
   probing under ``probe_budget`` (2%) of the time, given what a verify round
   costs over a plain one at this batch size and that every row of the batch
   probes. A row drafts only when the model promises ``margin`` (5%) more
@@ -124,6 +126,10 @@ class GammaPolicy:
         self.probe_cap = probe_cap
         self.margin = margin  # drafting must promise this much more than plain decode
         self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
+        # Engine-wide too: the probe spacing the latest probe verdict left, so a
+        # new request starts with it instead of re-learning it (on a drafter the
+        # target rejects, 5 probes per 160-token request instead of 2).
+        self.probe_seed = probe_first
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=cost_window)  # (rows, drafts, s)
         self._draft_s: deque[float] = deque(maxlen=64)  # per drafted token, for the stats
         self._coef: tuple[tuple[float, float], tuple[float, float, float] | None] = ((1.0, 0.0), None)
@@ -139,7 +145,7 @@ class GammaPolicy:
             raise ValueError(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}, got {fixed}")
         fixed = fixed if fixed is not None else self.fixed
         return RowPolicy(
-            fixed=fixed, accept=list(self.accept), seen=[0] * self.gamma_max, probe_every=self.probe_first
+            fixed=fixed, accept=list(self.accept), seen=[0] * self.gamma_max, probe_every=self.probe_seed
         )
 
     def observe_round(self, row: RowPolicy, drafted: int, accepted: int) -> None:
@@ -371,6 +377,7 @@ class GammaPolicy:
         if row.probing:  # the probe round just ran: keep its verdict
             row.probing = False
             row.probe_every = self.probe_first if g > 0 else min(self.probe_max, row.probe_every * 2)
+            self.probe_seed = row.probe_every
         if g > 0:
             return (0, 1) if self._explore_plain(row) else (g, 0)
         return 0, max(row.probe_every, self._probe_spacing())

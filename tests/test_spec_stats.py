@@ -259,3 +259,32 @@ def test_policy_explores_a_plain_round_when_it_never_saw_one():
         p.observe_cost(0, 0.010, rows=1, drafted_tokens=0, draft_s=0)
     assert p.after_hold(row)[0] > 0  # then back to drafting, not a probe from γ = 1
     assert not row.probing
+
+
+def test_a_new_request_starts_from_the_engines_probe_spacing():
+    """Probing is learned engine-wide, like acceptance: after one request's
+    probes failed, the next starts with its longer hold; after a probe that
+    turned drafting back on, new requests probe early again."""
+    p = GammaPolicy(probe_first=4, probe_max=32, probe_budget=1.0)  # spacing: the schedule alone
+    for g in range(7):
+        for _ in range(4):
+            p.observe_cost(g, 0.010 + 0.002 * g, rows=1, drafted_tokens=g, draft_s=0)
+    first = p.new_row(None)
+    assert first.probe_every == 4
+    for _ in range(60):  # long enough for the engine-wide acceptance to learn it too
+        p.observe_round(first, 1, 0)
+    for _ in range(3):  # three failed probes: 4 -> 8 -> 16 -> 32
+        p.choose(first)
+        p.after_hold(first)
+        p.observe_round(first, 1, 0)
+    p.choose(first)
+    assert first.probe_every == 32
+    second = p.new_row(None)
+    assert second.probe_every == 32
+    assert p.choose(second) == (0, 32)
+    # the second request's text repeats: its probe turns drafting on again
+    p.after_hold(second)
+    for _ in range(30):
+        p.observe_round(second, 1, 1)
+    assert p.choose(second)[0] > 0
+    assert p.new_row(None).probe_every == 4
