@@ -231,9 +231,9 @@ class AdmissionNeverWaits(Checker):
 
 def _waiting_senders(ref: Any) -> Any:
     """The collection whose size is the inbox's ``statistics().tasks_waiting_send``
-    (anyio's memory stream state), read directly: building the statistics
-    after each of ~500 k events was a tenth of the checkers' cost. None if
-    anyio's internals differ (then ``statistics()`` is used)."""
+    (the actor inbox's queue of waiting senders), read directly: building the
+    statistics after each of ~500 k events was a tenth of the checkers' cost.
+    None if the inbox is of another kind (then ``statistics()`` is used)."""
     waiting = getattr(getattr(getattr(ref, "_send", None), "_state", None), "waiting_senders", None)
     try:
         return waiting if len(waiting) == ref.statistics().tasks_waiting_send else None

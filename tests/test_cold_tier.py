@@ -20,7 +20,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache,
 
 from actors.cold_tier import ColdStore, ColdTier, Demoted, Restore, Spill, Store, entry_id, ns_folder, run_inline, ungated
 from actors.events import EngineBusy, EngineIdle
-from actors.runtime import ActorRef
+from actors.runtime import ActorRef, inbox
 from actors.scheduler import Demote, Restored
 from engine import kvfile
 from engine.disk import FaultyDisk, RealDisk
@@ -334,9 +334,10 @@ async def test_disk_full_drops_the_write_warns_once_and_keeps_serving(caplog):
 @pytest.fixture
 def capture():
     """A stand-in Scheduler inbox: what the tier tells it, in order."""
-    send, recv = anyio.create_memory_object_stream(100)
-    with send, recv:
-        yield ActorRef("scheduler", send), recv
+    send, recv = inbox(100)
+    yield ActorRef("scheduler", send), recv
+    send.close()
+    recv.close()
 
 
 def drain(recv) -> list:

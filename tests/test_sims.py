@@ -162,11 +162,12 @@ def test_admission_checker_sees_a_task_waiting_to_send_into_the_scheduler_inbox(
 
     import anyio
 
-    from actors.runtime import ActorRef
+    from actors.runtime import ActorRef, inbox
 
     async def main():
-        send, recv = anyio.create_memory_object_stream(0)
+        send, recv = inbox(1)
         ref = ActorRef("scheduler", send)
+        ref.tell_nowait("full")  # the inbox's one place taken: the next tell waits
 
         class View:
             engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(ref=ref))
@@ -179,6 +180,8 @@ def test_admission_checker_sees_a_task_waiting_to_send_into_the_scheduler_inbox(
             for _ in range(3):
                 await anyio.sleep(0)
             c.on_event("step", 0.0, {"n": 1})  # the tell above waits for inbox space
+            assert c._senders is not None  # read directly, not through statistics()
+            assert (await recv.receive()).msg == "full"
             assert (await recv.receive()).msg == "x"
         c.on_event("step_end", 0.01, {"n": 1})  # nobody waits any more
         send.close()
