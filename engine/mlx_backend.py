@@ -18,7 +18,7 @@ Design:
   ``mlx_lm.generate_step`` (model call, ``mx.eval`` of the cache state), so
   prompt numerics match mlx-lm bit for bit, except that chunks of rows at the
   same cache offset in one step share one right-padded forward
-  (``_prefill_together``: 4x faster for 8 short prompts, ~1e-6 apart in fp32;
+  (``_prefill_together``: 1.5x faster for 8 short prompts, ~1e-6 apart in fp32;
   ``EngineConfig(batch_prefill=False)`` turns it off).
 * Decode: rows past prefill live in one persistent ``DecodeBatch``; a step is
   ONE forward over all of them. A row joins at its first decode/verify (its
@@ -526,7 +526,8 @@ class MLXBackend:
         """One ``(B, L)`` forward for B rows at the same cache offset, shorter
         chunks right-padded; causal attention keeps the padding out of every
         real position, whose keys and values are cut back into each row's own
-        cache. 8 prompts of 48 tokens: 4x faster than eight B=1 forwards.
+        cache. 8 prompts of 48 tokens: 1.5x (quiet machine) to 4x (loaded)
+        faster than eight B=1 forwards (``python -m sims.bench_forward``).
         Not bit for bit the B=1 forward: a GEMM over more rows, and attention
         over a padded length, may take another kernel path, ~1e-6 apart in
         fp32 (the same class as a batched decode or verify step; greedy tokens

@@ -131,8 +131,8 @@ class DecodeBatch:
 
         mlx-lm's ``BatchKVCache`` builds a ``(B, 1, 1, L)`` mask every step,
         all True when no row has left padding; then the step runs without one,
-        as mlx-lm's own ``KVCache`` decode does (~5% of a batch-1 step here,
-        sims.bench_engine)."""
+        as mlx-lm's own ``KVCache`` decode does (~6% of a batch-1 step here,
+        ``python -m sims.bench_forward --legs mask``)."""
         if not self.aligned():
             return model(tokens[:, None], cache=self.cache)
         for c in self.cache:

@@ -1,0 +1,165 @@
+"""Micro-benchmarks of single forwards on the bundled target, side by side:
+
+    python -m sims.bench_forward            # all three legs
+    python -m sims.bench_forward --legs width,mask,prefill --rounds 8
+
+* ``width``: a forward over n = 1..5 tokens on a warm KV cache (a verify
+  window of γ = n − 1), one OpenBLAS thread as the engine runs it; ratio to
+  n = 1 (docs/bench-spec.md, finding 5).
+* ``mask``: batch-1 decode, pipelined like ``generate_step``, through mlx-lm's
+  ``KVCache``, its ``BatchKVCache`` (which builds an all-True mask every step)
+  and a ``BatchKVCache`` stepped without it as ``engine.mlx_batch.DecodeBatch``
+  does (docs/bench-engine.md, item 8).
+* ``prefill``: eight 48-token prompts prefilled one by one (B=1 each) vs in one
+  ``(8, 48)`` forward, as ``MLXBackend._prefill_together`` does
+  (docs/mlx-backend.md).
+
+Each leg alternates its variants round by round and prints medians and the
+ratios; single numbers on this shared machine move by tens of percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def width_leg(model: Any, ids: list[int], rounds: int, steps: int = 100) -> dict[int, float]:
+    """Median ms of a forward over n tokens on a 300-token cache, n = 1..5."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(ids[:300])[None], cache=cache))
+    out: dict[int, list[float]] = {n: [] for n in range(1, 6)}
+    for _ in range(rounds):
+        for n in out:
+            x = mx.array(ids[300 : 300 + n])[None]
+            ts = []
+            for _ in range(steps):
+                ts.append(_timed(lambda: mx.eval(mx.argmax(model(x, cache=cache)[0], axis=-1))))
+                for c in cache:
+                    c.trim(n)
+            out[n].append(1000 * statistics.median(ts))
+    return {n: statistics.median(v) for n, v in out.items()}
+
+
+def mask_leg(model: Any, ids: list[int], rounds: int, steps: int = 200) -> dict[str, float]:
+    """Decode tok/s of a batch-1 greedy loop through three cache kinds."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    from engine.mlx_batch import DecodeBatch, merge_caches
+
+    def run(kind: str) -> float:
+        cache = make_prompt_cache(model)
+        logits = model(mx.array(ids[:64])[None], cache=cache)
+        y = mx.argmax(logits[:, -1], axis=-1)
+        if kind == "KVCache":
+            step = lambda t: model(t[:, None], cache=cache)  # noqa: E731
+        else:
+            batch = DecodeBatch()
+            batch.add([0], merge_caches([cache]))
+            assert all(type(c) is BatchKVCache for c in batch.cache)
+            if kind == "BatchKVCache":
+                step = lambda t: model(t[:, None], cache=batch.cache)  # noqa: E731
+            else:
+                step = lambda t: batch.decode(model, t)  # noqa: E731
+        nxt = mx.argmax(step(y)[:, -1], axis=-1)
+        mx.async_eval(nxt)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            y = nxt
+            nxt = mx.argmax(step(y)[:, -1], axis=-1)
+            mx.async_eval(nxt)
+            y.item()
+        return steps / (time.perf_counter() - t0)
+
+    kinds = ["KVCache", "BatchKVCache", "BatchKVCache, no mask (DecodeBatch.decode)"]
+    out: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(rounds):
+        for k in kinds[r % 3 :] + kinds[: r % 3]:
+            out[k].append(run(k))
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def prefill_leg(model: Any, ids: list[int], rounds: int) -> dict[str, float]:
+    """Median ms to prefill eight 48-token prompts, alone vs together."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    rows = [ids[i * 300 : i * 300 + 48] for i in range(8)]
+
+    def alone() -> None:
+        for r in rows:
+            c = make_prompt_cache(model)
+            model(mx.array(r)[None], cache=c)
+            mx.eval([x.state for x in c])
+
+    def together() -> None:
+        c = make_prompt_cache(model)
+        model(mx.array(rows), cache=c)
+        mx.eval([x.state for x in c])
+
+    alone(), together()
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(1000 * _timed(alone))
+        b.append(1000 * _timed(together))
+    return {"8 x B=1": statistics.median(a), "one (8, 48) forward": statistics.median(b)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine.blas import blas_threads, maybe_reexec_with_openblas
+
+    maybe_reexec_with_openblas()
+    ap = argparse.ArgumentParser(prog="python -m sims.bench_forward", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--legs", default="width,mask,prefill")
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args(argv)
+
+    import sysconfig
+    from pathlib import Path
+
+    from mlx_lm import load
+
+    from engine.models import resolve_model
+
+    model, tok = load(str(resolve_model(args.model)))
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+    ids = tok.encode(text * 3)
+    legs = args.legs.split(",")
+    if "width" in legs:
+        blas_threads().use(1)
+        w = width_leg(model, ids, args.rounds)
+        print("forward over n tokens on a 300-token cache, 1 OpenBLAS thread (median ms):")
+        for n, ms in w.items():
+            print(f"  n={n}: {ms:6.2f} ms  {ms / w[1]:.2f}x of n=1")
+    if "mask" in legs:
+        blas_threads().use(1)
+        m = mask_leg(model, ids, args.rounds)
+        base = m["KVCache"]
+        print("batch-1 greedy decode, pipelined (median tok/s):")
+        for k, v in m.items():
+            print(f"  {k:45s} {v:6.0f}  {v / base:.3f}x of KVCache")
+    if "prefill" in legs:
+        blas_threads().use(0)
+        p = prefill_leg(model, ids, args.rounds)
+        a, b = p.values()
+        print("prefill of eight 48-token prompts (median ms):")
+        for k, v in p.items():
+            print(f"  {k:22s} {v:7.1f} ms")
+        print(f"  together / alone: {b / a:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
