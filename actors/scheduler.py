@@ -435,32 +435,50 @@ class SchedulerCore:
     def _emit(self, row: Row, tokens: list[int]) -> None:
         """Append sampled tokens to a row; finish it on EOS, a stop string or length."""
         eos = self.backend.tokenizer.eos_token_ids
-        text_parts: list[str] = []
-        out_ids: list[int] = []
+        params, detok, stop, generated = row.params, row.detok, row.stop, row.generated
         reason = None
-        for tok in tokens:
-            if tok in eos and not row.params.ignore_eos:
-                reason = "stop"
-                break
-            row.generated.append(tok)
-            out_ids.append(tok)
-            self.counters["generated_tokens"] += 1
-            row.detok.add_token(tok)
-            text_parts.append(row.stop.feed(row.detok.last_segment))
-            if row.stop.stopped:
-                reason = "stop"
-                break
-            if len(row.generated) >= row.params.max_tokens:
-                reason = "length"
-                break
-        row.next_input = row.generated[-1] if row.generated else row.next_input
+        if len(tokens) == 1:  # a decode step's one token (the common case), without the loop
+            tok = tokens[0]
+            if tok in eos and not params.ignore_eos:
+                reason, out_ids, text = "stop", [], ""
+            else:
+                generated.append(tok)
+                out_ids = [tok]
+                self.counters["generated_tokens"] += 1
+                detok.add_token(tok)
+                text = stop.feed(detok.last_segment)
+                if stop.stopped:
+                    reason = "stop"
+                elif len(generated) >= params.max_tokens:
+                    reason = "length"
+        else:
+            text_parts: list[str] = []
+            out_ids = []
+            for tok in tokens:
+                if tok in eos and not params.ignore_eos:
+                    reason = "stop"
+                    break
+                generated.append(tok)
+                out_ids.append(tok)
+                self.counters["generated_tokens"] += 1
+                detok.add_token(tok)
+                text_parts.append(stop.feed(detok.last_segment))
+                if stop.stopped:
+                    reason = "stop"
+                    break
+                if len(generated) >= params.max_tokens:
+                    reason = "length"
+                    break
+            text = "".join(text_parts)
+        if generated:
+            row.next_input = generated[-1]
         if reason is None:
-            self.outbox.append(RowDelta(rid=row.rid, text="".join(text_parts), token_ids=out_ids))
+            self.outbox.append(RowDelta(rid=row.rid, text=text, token_ids=out_ids))
             return
-        if out_ids or text_parts:
-            self.outbox.append(RowDelta(rid=row.rid, text="".join(text_parts), token_ids=out_ids))
+        if out_ids:  # a token went through the detokenizer (and so a text part, maybe empty)
+            self.outbox.append(RowDelta(rid=row.rid, text=text, token_ids=out_ids))
         self.counters["finished"] += 1
-        self.events.record("finish", self.clock.now(), rid=row.rid, reason=reason, n=len(row.generated))
+        self.events.record("finish", self.clock.now(), rid=row.rid, reason=reason, n=len(generated))
         self._finish(row, reason, keep_cache=True)
 
     def take_outbox(self) -> list[RowDelta]:

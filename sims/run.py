@@ -426,10 +426,16 @@ class Simulation:
                 getattr(getattr(stream, "_recv", None), "wake_at_end", lambda: None)()
                 usage = reason = None
                 async with stream:
-                    async for d in stream:
+                    while True:
+                        # what is queued is taken without a coroutine per delta;
+                        # only an empty stream is awaited (one wake-up, at its end)
+                        d = stream.next_nowait()
+                        if d is None:
+                            d = await stream.__anext__()
                         out.extend(d.token_ids)
                         if d.finish_reason is not None:
                             usage, reason = d.usage, d.finish_reason
+                            break
                 break
             except InvalidRequest as exc:
                 self.notes.append(f"request {req.id} rejected as invalid: {exc}")
