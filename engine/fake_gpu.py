@@ -240,19 +240,73 @@ def _generator_at(seed: int, h: int) -> np.random.Generator:
     the fake GPU's cost; setting the state of one reused generator from a
     256-bit hash (128-bit state, odd 128-bit increment: an independent-looking
     stream per context) costs a few. Per thread: a backend may step off the
-    event loop."""
-    g = getattr(_tls, "gen", None)
-    if g is None:
-        g = _tls.gen = np.random.Generator(np.random.PCG64(0))
-    x = int.from_bytes(hashlib.blake2b(b"%d:%d" % (seed, h), digest_size=32).digest(), "little")
-    g.bit_generator.state = {
+    event loop. Where this numpy's PCG64 state has the layout
+    ``_raw_state_setter`` checks, the digest's bytes are written into it
+    directly (the ``state`` property's dict parsing was a third of a draw)."""
+    gs = getattr(_tls, "gen", None)
+    if gs is None:
+        g = np.random.Generator(np.random.PCG64(0))
+        gs = _tls.gen = (g, _raw_state_setter(g))
+    g, raw = gs
+    d = hashlib.blake2b(b"%d:%d" % (seed, h), digest_size=32).digest()
+    if raw is not None:
+        raw(d)
+        return g
+    x = int.from_bytes(d, "little")
+    g.bit_generator.state = _state_dict(x)
+    return g
+
+
+def _state_dict(x: int) -> dict[str, Any]:
+    return {
         "bit_generator": "PCG64",
         # the digest's first 16 bytes (little endian) and its last 16, made odd
         "state": {"state": x & _MASK128, "inc": (x >> 128) | 1},
         "has_uint32": 0,
         "uinteger": 0,
     }
-    return g
+
+
+def _raw_state_setter(g: np.random.Generator) -> Any:
+    """A function that sets ``g``'s PCG64 to ``_state_dict`` of a 32-byte
+    digest by writing the bytes in place: numpy's ``pcg64_state`` (a pointer
+    to the 128-bit state and increment, then ``has_uint32`` and ``uinteger``)
+    with native 128-bit integers on a little-endian 64-bit machine, where the
+    state's 16 bytes are the digest's first 16 and the increment's its last
+    16 with the low bit set. None unless setting a few digests this way gives
+    exactly the state (and the draws) the ``state`` property gives."""
+    try:
+        import ctypes
+        import sys
+
+        if sys.byteorder != "little" or ctypes.sizeof(ctypes.c_void_p) != 8:
+            return None
+        addr = g.bit_generator.ctypes.state_address
+        inner_addr = ctypes.c_void_p.from_address(addr).value
+        if not inner_addr:
+            return None
+        inner = memoryview((ctypes.c_uint8 * 32).from_address(inner_addr)).cast("B")
+        flags = memoryview((ctypes.c_uint8 * 8).from_address(addr + 8)).cast("B")
+        zero8 = bytes(8)
+
+        def raw(d: bytes) -> None:
+            inner[:] = d
+            inner[16] |= 1
+            flags[:] = zero8
+
+        ref = np.random.Generator(np.random.PCG64(0))
+        for i in range(4):
+            d = hashlib.blake2b(b"check:%d" % i, digest_size=32).digest()
+            g.standard_normal(3, dtype=np.float32)  # leaves a buffered uint32 behind
+            raw(d)
+            ref.bit_generator.state = _state_dict(int.from_bytes(d, "little"))
+            if g.bit_generator.state != ref.bit_generator.state:
+                return None
+            if not np.array_equal(g.standard_normal(9, dtype=np.float32), ref.standard_normal(9, dtype=np.float32)):
+                return None
+        return raw
+    except Exception:  # noqa: BLE001 - any surprise: the ``state`` property
+        return None
 
 
 _MASK128 = (1 << 128) - 1

@@ -449,3 +449,26 @@ def test_the_nucleus_is_the_stable_sorts_even_where_logits_tie():
             _NUCLEI.clear()
             got, want = _nucleus(logits, t, top_p), stable(logits, t, top_p)
             assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[2] == want[2]
+
+
+def test_fake_gpu_raw_state_setter_gives_the_state_property_s_draws():
+    """``_generator_at`` writes the digest into PCG64's state in place where
+    the layout checks out; the draws must be those of the ``state`` property."""
+    import hashlib
+
+    import numpy as np
+
+    from engine import fake_gpu as fg
+
+    fg._generator_at(0, 0)
+    ref = np.random.Generator(np.random.PCG64(0))
+    for h in range(0, 300 * 7919, 7919):
+        got = fg._generator_at(3, h)
+        a, r = got.standard_normal(260, dtype=np.float32), got.random()
+        ref.bit_generator.state = fg._state_dict(int.from_bytes(hashlib.blake2b(b"%d:%d" % (3, h), digest_size=32).digest(), "little"))
+        assert np.array_equal(a, ref.standard_normal(260, dtype=np.float32)) and r == ref.random()
+    # a generator whose layout is not the expected one gets no raw setter
+    class Odd:
+        bit_generator = None
+
+    assert fg._raw_state_setter(Odd()) is None
