@@ -532,6 +532,7 @@ class Scheduler(Actor[Inbox]):
         self._watch_timer: asyncio.TimerHandle | None = None
         self._hang_scope: anyio.CancelScope | None = None
         self._hung: int | None = None  # the step the watchdog gave up on
+        self._exact_cost = False  # the device's runs take exactly their cost (``main``)
 
     async def stopping(self, reason: BaseException | None) -> None:
         for env in self._settle_waiters:  # their closes will never be put
@@ -597,6 +598,7 @@ class Scheduler(Actor[Inbox]):
         # ``fail_after`` did. (A timer that outlived its step would stop the
         # virtual clock at an instant of its own and move every later float time.)
         self._watch_loop = loop
+        self._exact_cost = bool(getattr(self.device, "exact_cost", False))
         try:
             with anyio.CancelScope() as self._hang_scope:
                 await self._loop()
@@ -647,8 +649,14 @@ class Scheduler(Actor[Inbox]):
         cost = core.backend.step_cost_s(plan)
         try:
             if self._watch_loop is not None:  # the watchdog timer (``main``)
-                self._step_n = core.steps
-                self._watch_timer = self._watch_loop.call_at(core.clock.now() + self.step_timeout_s, self._watch)
+                loop, now = self._watch_loop, core.clock.now()
+                deadline = now + self.step_timeout_s
+                # A device whose run takes exactly its cost (the fake GPU's
+                # InlineDevice) finishes a step that ends a clock tick before
+                # the deadline: the timer could never fire, and is not set.
+                if not (self._exact_cost and now + cost + loop._clock_resolution < deadline):
+                    self._step_n = core.steps
+                    self._watch_timer = loop.call_at(deadline, self._watch)
                 result = await self.device.run(core.backend.step, plan, cost_s=cost)
             else:
                 with anyio.fail_after(self.step_timeout_s) if self.step_timeout_s else _nullcontext():

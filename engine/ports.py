@@ -187,6 +187,11 @@ class InlineDevice:
     is cheap numpy work.
     """
 
+    exact_cost = True
+    """A run takes exactly ``cost_s`` of clock time: its sleep, then ``fn``
+    inline (the Scheduler's step watchdog reads this: a step whose cost ends
+    before its deadline cannot hang)."""
+
     def __init__(self, clock: Clock):
         self.clock = clock
 
