@@ -26,6 +26,7 @@ engine is idle a snapshot is the Scheduler's own ``snapshot`` called here
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Awaitable, Callable, Mapping, Protocol, assert_never
 
@@ -50,7 +51,7 @@ from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure, InboxFull
 from actors.scheduler import Scheduler, Settle, Snapshot
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
-from engine.ports import Clock
+from engine.ports import Clock, LoopClock
 from engine.prompt_cache import token_bytes
 from engine.spill_queue import SpillItem
 
@@ -210,6 +211,9 @@ class DurabilityCoordinator(Actor[Inbox]):
         self._timer_due: float | None = None
         self._timer_scope: anyio.CancelScope | None = None  # the loop's sleep, while it sleeps
         self._timer_wake: anyio.Event | None = None  # set to wake it while it waits for a deadline
+        # on an asyncio loop with the loop's clock: one future the timer waits
+        # on (a loop timer toward the deadline, or none), resolved to re-aim it
+        self._timer_fut: asyncio.Future[None] | None = None
 
     async def main(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -277,7 +281,11 @@ class DurabilityCoordinator(Actor[Inbox]):
         if due != self._timer_due:
             old, self._timer_due = self._timer_due, due
             if due is not None and (old is None or due < old):
-                if self._timer_scope is not None:
+                fut = self._timer_fut
+                if fut is not None:
+                    if not fut.done():
+                        fut.set_result(None)  # waiting, or sleeping toward a later deadline: re-aim
+                elif self._timer_scope is not None:
                     self._timer_scope.cancel()  # sleeping toward a later deadline: re-aim
                 elif self._timer_wake is not None:
                     self._timer_wake.set()
@@ -316,6 +324,9 @@ class DurabilityCoordinator(Actor[Inbox]):
     async def _timer(self) -> None:
         """Tick once ``_timer_due`` passes; re-reads it after every wake-up."""
         clock = self.core.clock
+        loop = asyncio._get_running_loop()
+        if loop is not None and type(clock) is LoopClock:
+            return await self._loop_timer(loop, clock)
         while self._running:
             due = self._timer_due
             if due is None:
@@ -331,6 +342,29 @@ class DurabilityCoordinator(Actor[Inbox]):
                 self._timer_scope = None
                 continue
             self._feed(self._tick)
+
+    async def _loop_timer(self, loop: asyncio.AbstractEventLoop, clock: LoopClock) -> None:
+        """``_timer`` on the asyncio loop it reads the time of: a bare loop
+        timer at the instant ``clock.sleep`` would end (``call_later`` with the
+        same delay) and one future, instead of a cancel scope and a sleep per
+        wait (an anyio scope's enter and exit were most of the timer's cost)."""
+        while self._running:
+            due = self._timer_due
+            handle = None
+            if due is not None:
+                delay = due - clock.now()
+                if delay <= DEADLINE_EPSILON_S:
+                    self._feed(self._tick)
+                    continue
+            self._timer_fut = fut = loop.create_future()
+            if due is not None:
+                handle = loop.call_later(delay, _resolve, fut)
+            try:
+                await fut
+            finally:
+                self._timer_fut = None
+                if handle is not None:
+                    handle.cancel()
 
     def _tick(self) -> None:
         self._timer_due = None
@@ -414,6 +448,11 @@ class DurabilityCoordinator(Actor[Inbox]):
         for env in self._flush_waiters:
             env.answer(report)
         self._flush_waiters = []
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 # ---------------------------------------------------------------------------
