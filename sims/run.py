@@ -16,6 +16,7 @@ digest. On a violation it prints the command that reproduces it and exits 1.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import logging
 import math
@@ -552,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario not in SCENARIOS:
         print(f"unknown scenario {args.scenario!r}; --list shows them", file=sys.stderr)
         return 2
+    # A run allocates millions of short-lived objects and almost no cyclic
+    # garbage: at the default first-generation threshold (700) a chat-10k run
+    # spent ~0.9 s in ~870 young collections (a 2,000-request run: 0.19 s
+    # in 257; 0.05 s in 5 at 20,000). What the run computes does not change.
+    gc.set_threshold(20_000, 10, 10)
     trace = None
     if args.chat_requests:
         from sims import gen
