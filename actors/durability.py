@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any, Awaitable, Callable, Mapping, Protocol, assert_never
 
 import anyio
@@ -214,11 +215,16 @@ class DurabilityCoordinator(Actor[Inbox]):
         # on an asyncio loop with the loop's clock: one future the timer waits
         # on (a loop timer toward the deadline, or none), resolved to re-aim it
         self._timer_fut: asyncio.Future[None] | None = None
+        # the single writer: one task for the actor's life, fed ``WriteItem``s
+        # (the core has one in flight at a time) instead of a task per item
+        self._writes: deque[SpillItem] = deque()
+        self._writer_fut: asyncio.Future[None] | None = None
 
     async def main(self) -> None:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self._timer)
+            tg.start_soon(self._writer)
             async for env in self._inbox_recv:
                 await self._dispatch(env)
                 self._run_effects()
@@ -298,7 +304,10 @@ class DurabilityCoordinator(Actor[Inbox]):
                 else:
                     tg.start_soon(self._snapshot, eff.ns, eff.tokens)
             case WriteItem():
-                tg.start_soon(self._write, eff.item)
+                self._writes.append(eff.item)
+                fut = self._writer_fut
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
             case FlushFinished():
                 waiters, self._flush_waiters = self._flush_waiters, []
                 for env in waiters:
@@ -387,6 +396,22 @@ class DurabilityCoordinator(Actor[Inbox]):
             cache, nbytes = got if got is not None else (None, 0)
             msg = SnapshotTaken(ns=ns, tokens=tokens, cache=cache, nbytes=nbytes)
         await self._tell_self(msg)
+
+    async def _writer(self) -> None:
+        """Write the items ``WriteItem`` hands over, one at a time, in order:
+        a task spawned per item through the task group cost more than the
+        write's own bookkeeping. An item handed over while the one before is
+        finishing (the core pumps the next at its ``store_done``) starts at
+        once; otherwise the writer waits on a bare future."""
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._writes:
+                self._writer_fut = fut = loop.create_future()
+                try:
+                    await fut
+                finally:
+                    self._writer_fut = None
+            await self._write(self._writes.popleft())
 
     async def _write(self, item: SpillItem) -> None:
         """The single writer: one item, each tensor step behind the idle gate.
