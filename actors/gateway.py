@@ -165,32 +165,12 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queue: int = 64
 
 
-class _GatewayRef(ActorRef[Inbox]):
-    """The Gateway's ref. A ``StepOutput`` told while the Gateway waits on an
-    empty inbox is routed on the sender's turn: the Gateway is idle (not in
-    a ``receive``), and routing is synchronous, so it is what the Gateway
-    would do at its next turn, one event-loop turn per GPU step sooner
-    (``Engine._deliver`` tells it once per step). Otherwise (a backlog, a
-    message in hand, a stopped Gateway) it goes through the inbox as before."""
-
-    def __init__(self, gateway: "Gateway"):
-        super().__init__(gateway.name, gateway._inbox_send)
-        self._gateway = gateway
-
-    async def tell(self, msg: Inbox) -> None:
-        if type(msg) is StepOutput and self._send.waiting_room():
-            self._gateway._route(msg.deltas)
-            return
-        await super().tell(msg)
-
-
 class Gateway(Actor[Inbox]):
     name = "gateway"
     inbox_size = 1024
 
     def __init__(self, cfg: GatewayConfig, info: ModelInfo, scheduler: ActorRef[Any]):
         super().__init__()
-        self.ref = _GatewayRef(self)
         self.cfg = cfg
         self.info = info
         self.scheduler = scheduler
