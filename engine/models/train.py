@@ -777,31 +777,50 @@ def run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_token
     }
 
 
+def shipped_tokenizer_data(args, train_files, heldout_files, eval_n: int, heldout_n: int):
+    """The corpus encoded with the tokenizer already in ``--out/tiny`` (a run
+    that keeps the shipped tokenizer): ``(eos_id, train_tokens,
+    heldout_tokens, eval_windows, heldout_windows)``."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(args.out / "tiny"))
+    train_tokens = encode_files(hf, train_files)
+    heldout_tokens = encode_files(hf, heldout_files)
+    return (
+        hf.convert_tokens_to_ids(EOS_TOKEN),
+        train_tokens,
+        heldout_tokens,
+        eval_windows(heldout_tokens, args.seq_len, eval_n),
+        eval_windows(heldout_tokens, args.eval_seq_len or args.seq_len, heldout_n),
+    )
+
+
+def save_keeping_tokenizer(model, config: dict, out: Path, sub: str, eos_id: int) -> None:
+    """Save ``model`` as ``out/sub`` with the tokenizer files of ``out/tiny``
+    (copied aside first: ``sub`` may be ``tiny`` itself)."""
+    with tempfile.TemporaryDirectory() as td:
+        tok_dir = Path(td)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+            if (out / "tiny" / name).exists():
+                shutil.copy2(out / "tiny" / name, tok_dir / name)
+        save_model_dir(model, config, tok_dir, out / sub, eos_id)
+
+
 def train_draft_only(args, draft_cfg, train_files, heldout_files, t_start, *, eval_n, heldout_n, eval_every, argv):
     """Retrain only ``tiny-draft`` against the target already in ``--out/tiny``,
     with that directory's tokenizer (so the pair keeps sharing it)."""
     from mlx_lm import load
-    from transformers import AutoTokenizer
 
     out = args.out
-    hf = AutoTokenizer.from_pretrained(str(out / "tiny"))
-    eos_id = hf.convert_tokens_to_ids(EOS_TOKEN)
-    train_tokens = encode_files(hf, train_files)
-    heldout_tokens = encode_files(hf, heldout_files)
-    eval_wins = eval_windows(heldout_tokens, args.seq_len, eval_n)
-    heldout_wins = eval_windows(heldout_tokens, args.seq_len, heldout_n)
+    eos_id, train_tokens, heldout_tokens, eval_wins, heldout_wins = shipped_tokenizer_data(
+        args, train_files, heldout_files, eval_n, heldout_n)
     teacher = load(str(out / "tiny"))[0] if args.distill > 0 else None
     draft, drec = train_model(
         "draft", draft_cfg, train_tokens, eval_wins, seed=args.seed + 1,
         minutes=args.minutes_draft, steps=args.steps_draft, lr=args.lr_draft,
         batch=args.batch, seq_len=args.seq_len, warmup=args.warmup, weight_decay=0.1,
         eval_every=eval_every, teacher=teacher, distill=args.distill)
-    with tempfile.TemporaryDirectory() as td:
-        tok_dir = Path(td)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-            if (out / "tiny" / name).exists():
-                shutil.copy2(out / "tiny" / name, tok_dir / name)
-        save_model_dir(draft, draft_cfg, tok_dir, out / "tiny-draft", eos_id)
+    save_keeping_tokenizer(draft, draft_cfg, out, "tiny-draft", eos_id)
     del draft, teacher
     res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
     meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
@@ -821,15 +840,10 @@ def continue_target(args, target_cfg, train_files, heldout_files, t_start, *, ev
     windows, some of them repeated excerpts), save it in place with its
     tokenizer, and re-measure the pair. The drafter is left as it is."""
     from mlx_lm import load
-    from transformers import AutoTokenizer
 
     out = args.out
-    hf = AutoTokenizer.from_pretrained(str(out / "tiny"))
-    eos_id = hf.convert_tokens_to_ids(EOS_TOKEN)
-    train_tokens = encode_files(hf, train_files)
-    heldout_tokens = encode_files(hf, heldout_files)
-    eval_wins = eval_windows(heldout_tokens, args.seq_len, eval_n)
-    heldout_wins = eval_windows(heldout_tokens, args.eval_seq_len or args.seq_len, heldout_n)
+    eos_id, train_tokens, heldout_tokens, eval_wins, heldout_wins = shipped_tokenizer_data(
+        args, train_files, heldout_files, eval_n, heldout_n)
     init, _ = load(str(out / "tiny"))
     target, trec = train_model(
         "target", target_cfg, train_tokens, eval_wins, seed=args.seed + 2,
@@ -837,12 +851,7 @@ def continue_target(args, target_cfg, train_files, heldout_files, t_start, *, ev
         lr=args.lr_target, batch=args.batch, seq_len=args.seq_len, warmup=args.warmup,
         weight_decay=0.1, eval_every=eval_every, init=init, repeat_frac=args.repeat_frac,
         repeat_style=args.repeat_style)
-    with tempfile.TemporaryDirectory() as td:
-        tok_dir = Path(td)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-            if (out / "tiny" / name).exists():
-                shutil.copy2(out / "tiny" / name, tok_dir / name)
-        save_model_dir(target, target_cfg, tok_dir, out / "tiny", eos_id)
+    save_keeping_tokenizer(target, target_cfg, out, "tiny", eos_id)
     del target, init
     res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
     meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
