@@ -437,39 +437,24 @@ class SchedulerCore:
         eos = self.backend.tokenizer.eos_token_ids
         params, detok, stop, generated = row.params, row.detok, row.stop, row.generated
         reason = None
-        if len(tokens) == 1:  # a decode step's one token (the common case), without the loop
-            tok = tokens[0]
+        text_parts: list[str] = []
+        out_ids: list[int] = []
+        for tok in tokens:
             if tok in eos and not params.ignore_eos:
-                reason, out_ids, text = "stop", [], ""
-            else:
-                generated.append(tok)
-                out_ids = [tok]
-                self.counters["generated_tokens"] += 1
-                detok.add_token(tok)
-                text = stop.feed(detok.last_segment)
-                if stop.stopped:
-                    reason = "stop"
-                elif len(generated) >= params.max_tokens:
-                    reason = "length"
-        else:
-            text_parts: list[str] = []
-            out_ids = []
-            for tok in tokens:
-                if tok in eos and not params.ignore_eos:
-                    reason = "stop"
-                    break
-                generated.append(tok)
-                out_ids.append(tok)
-                self.counters["generated_tokens"] += 1
-                detok.add_token(tok)
-                text_parts.append(stop.feed(detok.last_segment))
-                if stop.stopped:
-                    reason = "stop"
-                    break
-                if len(generated) >= params.max_tokens:
-                    reason = "length"
-                    break
-            text = "".join(text_parts)
+                reason = "stop"
+                break
+            generated.append(tok)
+            out_ids.append(tok)
+            self.counters["generated_tokens"] += 1
+            detok.add_token(tok)
+            text_parts.append(stop.feed(detok.last_segment))
+            if stop.stopped:
+                reason = "stop"
+                break
+            if len(generated) >= params.max_tokens:
+                reason = "length"
+                break
+        text = "".join(text_parts)
         if generated:
             row.next_input = generated[-1]
         if reason is None:
