@@ -185,7 +185,8 @@ class MLXBackend:
         self.engine_seed = engine_seed
         probe = make_prompt_cache(model)
         self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
-        self.prefill_together = prefill_together
+        # rows prefilling together are split back into plain KVCaches
+        self.prefill_together = prefill_together and all(type(c) is KVCache for c in probe)
         floats = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
         first = next(floats, None)
         kv_scheme = [type(c).__name__ for c in probe] + [str(first.dtype if first is not None else "")]
@@ -510,8 +511,7 @@ class MLXBackend:
         # one forward (mlx_lm.BatchGenerator prefills its prompts together too).
         groups: dict[int, list[tuple[_Row, list[int]]]] = {}
         for row, tokens in ready:
-            together = self.prefill_together and all(type(c) is KVCache for c in row.cache)
-            key = row.fed if together else -1 - row.rid
+            key = row.fed if self.prefill_together else -1 - row.rid
             groups.setdefault(key, []).append((row, tokens))
         for group in groups.values():
             if len(group) == 1:
