@@ -143,6 +143,28 @@ class DeltaReceiver:
                 if ch.waiter is fut:
                     ch.waiter = None
 
+    async def wait(self, timeout: float) -> bool:
+        """Wait until something is queued (a delta, a failure, the end), at most
+        ``timeout`` seconds; False when the time ran out first. Takes nothing.
+        A bare loop timer instead of an anyio cancel scope: a streamed token
+        waits once, and the scope's enter and exit (task and backend lookups,
+        a deadline, its own timer) cost about as much as the rest of that
+        token's path through the loop (py-spy of ``ember serve`` at 8 streams).
+        Cancel-safe like ``receive``: a cancelled wait loses nothing."""
+        ch = self._ch
+        if ch.items or ch.send_closed or ch.recv_closed:
+            return True
+        loop = asyncio.get_running_loop()
+        ch.waiter = fut = loop.create_future()
+        timer = loop.call_later(timeout, _time_up, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            if ch.waiter is fut:
+                ch.waiter = None
+        return bool(ch.items or ch.send_closed or ch.recv_closed)
+
     def wake_at_end(self) -> None:
         """Wake this reader only when the stream ends (a delta with a finish
         reason, a failure, or the close), not for every delta: for a caller
@@ -153,6 +175,11 @@ class DeltaReceiver:
     def close(self) -> None:
         self._ch.recv_closed = True
         self._ch.items.clear()
+
+
+def _time_up(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def delta_stream() -> tuple[DeltaSender, DeltaReceiver]:

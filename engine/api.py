@@ -109,6 +109,15 @@ class RequestStream:
             raise EngineDead("the request stream ended without a finish") from None
         return self._take(item)
 
+    async def wait(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the next delta (or the end) to be
+        queued, without taking it: True if ``next_nowait``/``__anext__`` now
+        answers at once. The keep-alive of a streaming server, without a cancel
+        scope per token."""
+        if self.finished:
+            return True
+        return await self._recv.wait(timeout)
+
     def _take(self, item: Any) -> Delta:
         if isinstance(item, Failure):
             self.finished = True

@@ -76,3 +76,59 @@ async def test_a_writer_that_keeps_up_sends_each_delta_as_it_comes():
         tg.start_soon(produce)
         writes = await _serve(RequestStream(_Gateway(), 1, rx))
     assert [len(_events(w)) for w in writes] == [1, 1, 2, 1]  # a, b, c + usage, [DONE]
+
+
+async def test_an_idle_stream_sends_keepalives_until_its_delta_comes():
+    tx, rx = delta_stream()
+    writes: list[bytes] = []
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message["body"]:
+            writes.append(message["body"])
+
+    async def produce():
+        await anyio.sleep(0.25)  # five keep-alive periods with nothing to send
+        tx.send_nowait(Delta(rid=1, text="a", token_ids=[0], finish_reason="stop",
+                             usage=Usage(prompt_tokens=1, completion_tokens=1)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(produce)
+        await EventStream(RequestStream(_Gateway(), 1, rx), CompletionRenderer("m", include_usage=True),
+                          keepalive_s=0.04)({"type": "http"}, _never_disconnect, send)
+    keepalives = [w for w in writes if w == b": keepalive\n\n"]
+    assert 3 <= len(keepalives) <= 7, writes
+    assert writes.index(keepalives[-1]) < len(writes) - 2  # then the delta (+ usage), then [DONE]
+    assert [json.loads(e)["choices"][0]["text"] for e in _events(writes[-2]) if json.loads(e)["choices"]] == ["a"]
+
+
+async def test_a_cancelled_wait_loses_no_delta_and_leaves_no_waiter():
+    tx, rx = delta_stream()
+    stream = RequestStream(_Gateway(), 1, rx)
+    with anyio.move_on_after(0.02):
+        await stream.wait(60)
+    assert rx._ch.waiter is None
+    assert await stream.wait(0.01) is False  # timed out: nothing queued
+    tx.send_nowait(Delta(rid=1, text="a", token_ids=[5]))
+    assert await stream.wait(60) is True  # already queued: no wait at all
+    assert stream.next_nowait().token_ids == [5]
+
+
+async def test_a_stream_that_ends_without_a_finish_fails_the_writer_not_hangs_it():
+    tx, rx = delta_stream()
+    writes: list[bytes] = []
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message["body"]:
+            writes.append(message["body"])
+
+    async def end():
+        await anyio.sleep(0.02)
+        tx.close()  # the engine died between tokens
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(end)
+        with anyio.fail_after(5):
+            await EventStream(RequestStream(_Gateway(), 1, rx), CompletionRenderer("m", include_usage=True),
+                              keepalive_s=60)({"type": "http"}, _never_disconnect, send)
+    body = b"".join(writes)
+    assert b'"error"' in body and body.endswith(b"data: [DONE]\n\n"), body

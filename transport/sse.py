@@ -103,15 +103,10 @@ class EventStream(Response):
             except EngineError as exc:
                 d, failed = None, exc
             if d is None and failed is None:
-                # Only the receive sits under the deadline: it is cancel-safe, the writes are not.
-                with anyio.move_on_after(self.keepalive_s):
-                    try:
-                        d = await self.stream.__anext__()
-                    except EngineError as exc:  # this request failed, or the engine died
-                        failed = exc
-                if d is None and failed is None:
+                # Only the wait has a deadline: it is cancel-safe, the writes are not.
+                if not await self.stream.wait(self.keepalive_s):
                     await body([KEEPALIVE])
-                    continue
+                continue
             # Everything already queued goes out in one write.
             chunks: list[bytes] = []
             finished = False
