@@ -472,3 +472,42 @@ def test_fake_gpu_raw_state_setter_gives_the_state_property_s_draws():
         bit_generator = None
 
     assert fg._raw_state_setter(Odd()) is None
+
+
+def test_fake_logits_and_tokens_are_those_of_the_plain_formula():
+    """The logits are drawn, scaled and offset in one vector add, greedy
+    tokens skip the logits memo, and a sampled token's nucleus is cut among
+    the likeliest ids and drawn by a bisect on Python lists: the values and
+    the tokens must be those of the plain formula, the full stable sort and
+    numpy's searchsorted, for several EOS biases and sampling settings."""
+    import numpy as np
+
+    from engine import fake_gpu as fg
+
+    def plain_logits(seed, h, vocab, eos_bias):
+        logits = fg._generator_at(seed, h).standard_normal(vocab, dtype=np.float32)
+        logits *= 3.0
+        logits[ByteTokenizer.EOS] += eos_bias - 4.0
+        logits[ByteTokenizer.EOS + 1 :] = -np.inf
+        return logits
+
+    def plain_sample(logits, t, top_p, rng):
+        p = fg._softmax(logits, t)
+        order = np.argsort(-p, kind="stable")
+        cdf = np.cumsum(p[order])
+        cut = min(int(np.searchsorted(cdf, top_p)) + 1, p.size) if top_p < 1.0 else p.size
+        i = int(cdf[:cut].searchsorted(rng.random() * float(cdf[cut - 1]), side="right"))
+        return int(order[min(i, cut - 1)])
+
+    for bias in (0.0, 1.5, -0.3, 0.1):
+        for h in range(0, 400 * 7919, 7919):
+            want = plain_logits(5, h, ByteTokenizer.vocab_size, bias)
+            got = fg.fake_logits(5, h, ByteTokenizer.vocab_size, bias)
+            assert np.array_equal(got, want) and not got.flags.writeable
+            assert fg.greedy_token(5, h, ByteTokenizer.vocab_size, bias) == int(want.argmax())
+    for t, top_p in ((0.7, 0.95), (1.0, 0.5), (2.0, 0.99), (1.0, 1.0), (0.3, 0.999999)):
+        sp = SamplingParams(max_tokens=1, temperature=t, top_p=top_p)
+        a, b = np.random.Generator(np.random.PCG64(9)), np.random.Generator(np.random.PCG64(9))
+        for h in range(300):
+            logits = fg.fake_logits(2, h * 31, ByteTokenizer.vocab_size)
+            assert fg.sample_token(logits, sp, a) == plain_sample(logits, t, top_p, b)
