@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import sysconfig
 import time
@@ -124,7 +126,24 @@ def fmt_ratio(x: float) -> str:
     return f"{x:.2f}×"
 
 
-def report(configs: list[Config], workloads: list[str], args: argparse.Namespace, meta: dict[str, str]) -> str:
+def ceiling(per_call: float | None, gamma: int | None, width_ms: dict[int, float] | None) -> float | None:
+    """Speedup a fixed-γ configuration would reach with a drafter that costs
+    nothing and no per-round overhead: the tokens it gains per target call over
+    what the (γ+1)-token verify forward costs against a one-token one. Above
+    1.0 the engine has room to win; below it no drafter cost and no engine
+    work can make that γ pay, at the acceptance this pair reaches."""
+    if per_call is None or gamma is None or not width_ms or gamma + 1 not in width_ms:
+        return None
+    return per_call / (width_ms[gamma + 1] / width_ms[1])
+
+
+def report(
+    configs: list[Config],
+    workloads: list[str],
+    args: argparse.Namespace,
+    meta: dict[str, str],
+    width_ms: dict[int, float] | None = None,
+) -> str:
     base = configs[0]
     lines = [
         f"Command: `python -m sims.bench_spec {' '.join(sys.argv[1:])}`".rstrip(),
@@ -136,13 +155,23 @@ def report(configs: list[Config], workloads: list[str], args: argparse.Namespace
         "the medians.",
         "",
     ]
+    if width_ms:
+        lines += [
+            "Verify forward cost on the target, same run (`sims.bench_forward` width leg, 1 OpenBLAS thread, "
+            "batch 1): " + ", ".join(f"n={n} {ms / width_ms[1]:.2f}×" for n, ms in width_ms.items())
+            + " of n=1. The last column of the one-request workloads is the speedup each fixed γ would reach with "
+            "a drafter that costs nothing: tokens per target call ÷ the cost of its γ+1-token forward.",
+            "",
+        ]
     for w in workloads:
         b_best, b_med = max(base.tps[w]), statistics.median(base.tps[w])
+        bounded = width_ms is not None and w != "batch4"  # the width cost was measured at batch 1
         lines += [
             f"### {w}",
             "",
-            "| config | tok/s (best round) | speedup (best) | speedup (median) | acceptance | tokens / target call |",
-            "|---|---|---|---|---|---|",
+            "| config | tok/s (best round) | speedup (best) | speedup (median) | acceptance | tokens / target call |"
+            + (" ceiling, free drafter |" if bounded else ""),
+            "|---|---|---|---|---|---|" + ("---|" if bounded else ""),
         ]
         for c in configs:
             best, med = max(c.tps[w]), statistics.median(c.tps[w])
@@ -150,10 +179,14 @@ def report(configs: list[Config], workloads: list[str], args: argparse.Namespace
             per_call = None
             if c.rounds.get(w):
                 per_call = (c.rounds[w] + c.accepted.get(w, 0)) / c.rounds[w]
-            lines.append(
+            row = (
                 f"| {c.name} | {best:.1f} | {fmt_ratio(best / b_best)} | {fmt_ratio(med / b_med)} | "
                 f"{'–' if acc is None else f'{acc:.0%}'} | {'–' if per_call is None else f'{per_call:.2f}'} |"
             )
+            if bounded:
+                cap = ceiling(per_call, c.gamma if c.drafter else None, width_ms)
+                row += f" {'–' if cap is None else fmt_ratio(cap)} |"
+            lines.append(row)
         lines.append("")
     adaptive = [c for c in configs if c.drafter and c.gamma is None]
     if adaptive:
@@ -204,7 +237,8 @@ async def main_async(args: argparse.Namespace) -> str:
             "model": args.model,
             "draft": args.draft,
         }
-        text = report(configs, workloads, args, meta)
+        width_ms = verify_width_cost(args.model, args.rounds)
+        text = report(configs, workloads, args, meta, width_ms)
         print(text, flush=True)  # before the anatomy: the sweep's numbers are kept whatever happens next
         if args.out:
             args.out.write_text(text + "\n")
@@ -223,6 +257,27 @@ async def main_async(args: argparse.Namespace) -> str:
         else:
             anatomy_text = ""
         return text + anatomy_text
+
+
+def verify_width_cost(model_name: str, rounds: int) -> dict[int, float]:
+    """Median ms of a target forward over n = 1..5 tokens (a verify window of
+    γ = n − 1) at one OpenBLAS thread, as the engine runs it for one row. In a
+    child process: MLX driven from this process's main thread beside the
+    engines' MLX threads aborted the interpreter at exit, now and then."""
+    code = (
+        "import json, sys, sysconfig\n"
+        "from pathlib import Path\n"
+        "from mlx_lm import load\n"
+        "from engine.blas import blas_threads\n"
+        "from engine.models import resolve_model\n"
+        "from sims.bench_forward import width_leg\n"
+        "model, tok = load(str(resolve_model(sys.argv[1])))\n"
+        "ids = tok.encode((Path(sysconfig.get_paths()['stdlib']) / 'textwrap.py').read_text() * 3)\n"
+        "blas_threads().use(1)\n"
+        "print(json.dumps(width_leg(model, ids, int(sys.argv[2]))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, model_name, str(max(1, rounds))], capture_output=True, text=True, check=True)
+    return {int(n): ms for n, ms in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
 async def anatomy(engine: Any, prompt: Any, params: Any) -> dict[str, float]:

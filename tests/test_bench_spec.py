@@ -1,0 +1,20 @@
+"""The speculation benchmark's free-drafter ceiling: tokens per target call
+over the relative cost of the γ+1-token verify forward."""
+
+from sims.bench_spec import ceiling
+
+
+def test_the_ceiling_divides_tokens_per_call_by_the_window_cost():
+    width = {1: 2.0, 2: 2.8, 3: 3.0, 4: 3.6, 5: 4.0}
+    assert ceiling(1.5, 2, width) == 1.5 / (3.0 / 2.0)
+    assert ceiling(2.8, 4, width) == 2.8 / 2.0
+    # a γ that accepts nothing is slower than plain decode by the window's cost
+    assert ceiling(1.0, 1, width) < 1.0
+
+
+def test_no_ceiling_without_a_fixed_gamma_or_a_measured_window():
+    width = {1: 2.0, 2: 2.8}
+    assert ceiling(None, 1, width) is None  # speculation off: no target calls counted
+    assert ceiling(1.4, None, width) is None  # adaptive γ mixes window widths
+    assert ceiling(1.4, 3, width) is None  # the 4-token window was not measured
+    assert ceiling(1.4, 1, None) is None
