@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 
+import sys
+
 import pytest
 
 mx = pytest.importorskip("mlx.core")
@@ -492,6 +494,23 @@ def test_mlx_thread_runs_everything_on_one_thread():
     assert set(seen) == {dev.thread_ident} and dev.thread_ident != threading.get_ident()
     with pytest.raises(RuntimeError):
         dev.submit(where, 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux-only")
+def test_the_mlx_thread_carries_its_name_in_the_os():
+    """top -H, perf and /proc (sims.cpu_per_token) tell the MLX thread apart by it."""
+    import os
+    import threading
+
+    from engine.mlx_device import MLXThread
+
+    dev = MLXThread()
+    try:
+        tid = dev.call(threading.get_native_id)
+        with open(f"/proc/{os.getpid()}/task/{tid}/comm") as f:
+            assert f.read().strip() == "ember-mlx"
+    finally:
+        dev.close()
 
 
 def test_retrained_weights_change_the_fingerprint(tmp_path):
