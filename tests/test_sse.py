@@ -30,12 +30,19 @@ def _events(body: bytes) -> list[str]:
     return [e[len("data: "):] for e in body.decode().split("\n\n") if e.startswith("data: ")]
 
 
-async def _serve(stream: RequestStream) -> list[bytes]:
+def _collector():
+    """The body bytes of each write, and the ASGI ``send`` that collects them."""
     writes: list[bytes] = []
 
     async def send(message):
         if message["type"] == "http.response.body" and message["body"]:
             writes.append(message["body"])
+
+    return writes, send
+
+
+async def _serve(stream: RequestStream) -> list[bytes]:
+    writes, send = _collector()
 
     renderer = CompletionRenderer("m", include_usage=True)
     ended = []
@@ -80,11 +87,7 @@ async def test_a_writer_that_keeps_up_sends_each_delta_as_it_comes():
 
 async def test_an_idle_stream_sends_keepalives_until_its_delta_comes():
     tx, rx = delta_stream()
-    writes: list[bytes] = []
-
-    async def send(message):
-        if message["type"] == "http.response.body" and message["body"]:
-            writes.append(message["body"])
+    writes, send = _collector()
 
     async def produce():
         await anyio.sleep(0.25)  # five keep-alive periods with nothing to send
@@ -115,11 +118,7 @@ async def test_a_cancelled_wait_loses_no_delta_and_leaves_no_waiter():
 
 async def test_a_stream_that_ends_without_a_finish_fails_the_writer_not_hangs_it():
     tx, rx = delta_stream()
-    writes: list[bytes] = []
-
-    async def send(message):
-        if message["type"] == "http.response.body" and message["body"]:
-            writes.append(message["body"])
+    writes, send = _collector()
 
     async def end():
         await anyio.sleep(0.02)
