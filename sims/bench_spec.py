@@ -126,15 +126,18 @@ def fmt_ratio(x: float) -> str:
     return f"{x:.2f}×"
 
 
-def ceiling(per_call: float | None, gamma: int | None, width_ms: dict[int, float] | None) -> float | None:
-    """Speedup a fixed-γ configuration would reach with a drafter that costs
-    nothing and no per-round overhead: the tokens it gains per target call over
-    what the (γ+1)-token verify forward costs against a one-token one. Above
-    1.0 the engine has room to win; below it no drafter cost and no engine
-    work can make that γ pay, at the acceptance this pair reaches."""
+def ceiling(
+    per_call: float | None, gamma: int | None, width_ms: dict[int, float] | None, draft_step_ms: float = 0.0
+) -> float | None:
+    """Speedup a fixed-γ configuration would reach with no per-round overhead:
+    the tokens it gains per target call over what the round's forwards cost
+    against a one-token target step — the (γ+1)-token verify, plus γ drafter
+    steps of ``draft_step_ms`` each (0: a drafter that costs nothing). Above
+    1.0 the engine has room to win; below it no engine work can make that γ
+    pay, at the acceptance this pair reaches."""
     if per_call is None or gamma is None or not width_ms or gamma + 1 not in width_ms:
         return None
-    return per_call / (width_ms[gamma + 1] / width_ms[1])
+    return per_call / ((width_ms[gamma + 1] + gamma * draft_step_ms) / width_ms[1])
 
 
 def report(
@@ -143,6 +146,7 @@ def report(
     args: argparse.Namespace,
     meta: dict[str, str],
     width_ms: dict[int, float] | None = None,
+    draft_step_ms: float | None = None,
 ) -> str:
     base = configs[0]
     lines = [
@@ -159,8 +163,11 @@ def report(
         lines += [
             "Verify forward cost on the target, same run (`sims.bench_forward` width leg, 1 OpenBLAS thread, "
             "batch 1): " + ", ".join(f"n={n} {ms / width_ms[1]:.2f}×" for n, ms in width_ms.items())
-            + " of n=1. The last column of the one-request workloads is the speedup each fixed γ would reach with "
-            "a drafter that costs nothing: tokens per target call ÷ the cost of its γ+1-token forward.",
+            + " of n=1"
+            + (f"; a one-token step of the draft model {draft_step_ms / width_ms[1]:.2f}× of the target's" if draft_step_ms else "")
+            + ". The last columns of the one-request workloads are the speedup each fixed γ would reach with no "
+            "per-round overhead: tokens per target call ÷ the cost of the γ+1-token verify forward, with a drafter "
+            "that costs nothing and, for the draft model, with its γ measured steps added.",
             "",
         ]
     for w in workloads:
@@ -170,8 +177,8 @@ def report(
             f"### {w}",
             "",
             "| config | tok/s (best round) | speedup (best) | speedup (median) | acceptance | tokens / target call |"
-            + (" ceiling, free drafter |" if bounded else ""),
-            "|---|---|---|---|---|---|" + ("---|" if bounded else ""),
+            + (" ceiling, free drafter | ceiling, this drafter |" if bounded else ""),
+            "|---|---|---|---|---|---|" + ("---|---|" if bounded else ""),
         ]
         for c in configs:
             best, med = max(c.tps[w]), statistics.median(c.tps[w])
@@ -184,8 +191,11 @@ def report(
                 f"{'–' if acc is None else f'{acc:.0%}'} | {'–' if per_call is None else f'{per_call:.2f}'} |"
             )
             if bounded:
-                cap = ceiling(per_call, c.gamma if c.drafter else None, width_ms)
-                row += f" {'–' if cap is None else fmt_ratio(cap)} |"
+                gamma = c.gamma if c.drafter else None
+                cap = ceiling(per_call, gamma, width_ms)
+                # prompt lookup is a Python scan (0.1 ms a round in the anatomy): its own ceiling is the free one
+                own = cap if c.drafter == "ngram" else ceiling(per_call, gamma, width_ms, draft_step_ms or 0.0) if draft_step_ms else None
+                row += f" {'–' if cap is None else fmt_ratio(cap)} | {'–' if own is None else fmt_ratio(own)} |"
             lines.append(row)
         lines.append("")
     adaptive = [c for c in configs if c.drafter and c.gamma is None]
@@ -237,8 +247,8 @@ async def main_async(args: argparse.Namespace) -> str:
             "model": args.model,
             "draft": args.draft,
         }
-        width_ms = verify_width_cost(args.model, args.rounds)
-        text = report(configs, workloads, args, meta, width_ms)
+        width_ms, draft_step_ms = verify_width_cost(args.model, args.draft, args.rounds)
+        text = report(configs, workloads, args, meta, width_ms, draft_step_ms)
         print(text, flush=True)  # before the anatomy: the sweep's numbers are kept whatever happens next
         if args.out:
             args.out.write_text(text + "\n")
@@ -259,11 +269,12 @@ async def main_async(args: argparse.Namespace) -> str:
         return text + anatomy_text
 
 
-def verify_width_cost(model_name: str, rounds: int) -> dict[int, float]:
+def verify_width_cost(model_name: str, draft_name: str, rounds: int) -> tuple[dict[int, float], float | None]:
     """Median ms of a target forward over n = 1..5 tokens (a verify window of
-    γ = n − 1) at one OpenBLAS thread, as the engine runs it for one row. In a
-    child process: MLX driven from this process's main thread beside the
-    engines' MLX threads aborted the interpreter at exit, now and then."""
+    γ = n − 1), and of a one-token draft-model step, at one OpenBLAS thread as
+    the engine runs them for one row. In a child process: MLX driven from this
+    process's main thread beside the engines' MLX threads aborted the
+    interpreter at exit, now and then."""
     code = (
         "import json, sys, sysconfig\n"
         "from pathlib import Path\n"
@@ -274,10 +285,17 @@ def verify_width_cost(model_name: str, rounds: int) -> dict[int, float]:
         "model, tok = load(str(resolve_model(sys.argv[1])))\n"
         "ids = tok.encode((Path(sysconfig.get_paths()['stdlib']) / 'textwrap.py').read_text() * 3)\n"
         "blas_threads().use(1)\n"
-        "print(json.dumps(width_leg(model, ids, int(sys.argv[2]))))\n"
+        "width = width_leg(model, ids, int(sys.argv[3]))\n"
+        "draft = None\n"
+        "if sys.argv[2] != 'ngram':\n"
+        "    dm, _ = load(str(resolve_model(sys.argv[2])))\n"
+        "    draft = width_leg(dm, ids, int(sys.argv[3]))[1]\n"
+        "print(json.dumps([width, draft]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, model_name, str(max(1, rounds))], capture_output=True, text=True, check=True)
-    return {int(n): ms for n, ms in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    argv = [sys.executable, "-c", code, model_name, draft_name, str(max(1, rounds))]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    width, draft = json.loads(out.stdout.strip().splitlines()[-1])
+    return {int(n): ms for n, ms in width.items()}, draft
 
 
 async def anatomy(engine: Any, prompt: Any, params: Any) -> dict[str, float]:

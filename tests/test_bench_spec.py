@@ -10,6 +10,8 @@ def test_the_ceiling_divides_tokens_per_call_by_the_window_cost():
     assert ceiling(2.8, 4, width) == 2.8 / 2.0
     # a γ that accepts nothing is slower than plain decode by the window's cost
     assert ceiling(1.0, 1, width) < 1.0
+    # a drafter's own steps come on top of the verify window
+    assert ceiling(1.5, 2, width, draft_step_ms=0.5) == 1.5 / ((3.0 + 2 * 0.5) / 2.0)
 
 
 def test_no_ceiling_without_a_fixed_gamma_or_a_measured_window():
