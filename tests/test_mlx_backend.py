@@ -630,3 +630,58 @@ def test_one_token_steps_skip_the_mask_only_without_padding(mlx, monkeypatch):
     assert same
     assert n_aligned == 0
     assert not aligned_after and n_total == 1
+
+
+@pytest.mark.parametrize("n, fed", [(20, 20), (40, 39)], ids=["prefix", "exact-hit-trimmed"])
+def test_a_prefix_view_continues_exactly_and_leaves_the_stored_cache_as_it_was(mlx, n, fed):
+    """``prefix_view`` hands out lazy slices of a stored cache; the row's next
+    forward must give what a cache prefilled the same way gives, and writing
+    into the view (even at a position the stored arrays hold, the exact-hit
+    case trimmed by one) must not change the stored arrays."""
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    backend, device = mlx
+    model = backend.model
+    ids = list(range(3, 43))  # 40 tokens
+    suffix = [7, 11, 13]
+
+    def run() -> None:
+        stored = make_prompt_cache(model)
+        mx.eval(model(mx.array([ids]), cache=stored))
+        before = [(np.array(c.keys[..., : c.offset, :]), np.array(c.values[..., : c.offset, :])) for c in stored]
+
+        view = backend.prefix_view(stored, n)
+        assert all(c.offset == n for c in view)
+        if fed < n:
+            assert backend.trim_cache(view, n - fed) == n - fed
+        feed = ids[fed:n] + suffix
+        got = model(mx.array([feed]), cache=view)
+
+        # The oracle: an evaluated copy of the whole entry trimmed to what was
+        # fed (what take() handed out before). A cache prefilled with only the
+        # first n tokens is not one: a 40-token forward computes their keys
+        # ~1e-6 apart from a 20-token one (another GEMM shape).
+        owned = backend.clone_cache(stored)
+        trim_prompt_cache(owned, 40 - fed)
+        want = model(mx.array([feed]), cache=owned)
+        assert np.array_equal(np.array(got), np.array(want))
+        for c, (k, v) in zip(stored, before):
+            assert c.offset == 40
+            assert np.array_equal(np.array(c.keys[..., :40, :]), k) and np.array_equal(np.array(c.values[..., :40, :]), v)
+
+    device.call(run)
+
+
+def test_a_prefix_view_refuses_more_tokens_than_the_cache_holds(mlx):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    backend, device = mlx
+
+    def run() -> None:
+        stored = make_prompt_cache(backend.model)
+        mx.eval(backend.model(mx.array([[5, 6, 7]]), cache=stored))
+        with pytest.raises(ValueError, match="holds 3 tokens"):
+            backend.prefix_view(stored, 4)
+
+    device.call(run)
