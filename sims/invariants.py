@@ -274,17 +274,25 @@ class Oracle:
         h, skip = start if start is not None else (self.h0, 0)
         h = self.extend(h, prompt[skip:])
         h_prompt = h
-        rng = np.random.Generator(np.random.PCG64(sp.seed)) if sp.temperature > 0 else None
         out: list[int] = []
+        append = out.append
         seed, vocab, bias = self.cfg.seed, self.vocab, self.cfg.eos_bias
-        for _ in range(sp.max_tokens):
-            if rng is None:  # the argmax of the logits (a pure function of h, memoized)
+        # EOS ends the answer unless ignored (-1: no token stops it)
+        eos = -1 if sp.ignore_eos else ByteTokenizer.EOS
+        if sp.temperature <= 0:
+            for _ in range(sp.max_tokens):  # the argmax of the logits (a pure function of h, memoized)
                 tok = greedy_token(seed, h, vocab, bias)
-            else:
-                tok = sample_token(fake_logits(seed, h, vocab, bias), sp, rng)
-            if tok == ByteTokenizer.EOS and not sp.ignore_eos:
+                if tok == eos:
+                    break
+                append(tok)
+                h = _advance(h, tok)
+            return out, h_prompt
+        rng = np.random.Generator(np.random.PCG64(sp.seed))
+        for _ in range(sp.max_tokens):
+            tok = sample_token(fake_logits(seed, h, vocab, bias), sp, rng)
+            if tok == eos:
                 break
-            out.append(tok)
+            append(tok)
             h = _advance(h, tok)
         return out, h_prompt
 
