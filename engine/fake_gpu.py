@@ -70,6 +70,11 @@ class ByteDetokenizer:
     def add_token(self, token: int) -> None:
         if token < 128 and not self._pending:  # what the decoder gives an ASCII byte with nothing held
             self._segment = chr(token)
+        elif not self._pending and (token < 0xC2 or 0xF5 <= token < 256):
+            # a byte that cannot start a sequence (a lone continuation byte,
+            # an overlong or out-of-range lead), with nothing held: the
+            # decoder replaces it and still holds nothing
+            self._segment = "\ufffd"
         elif token < 256:
             self._segment = self._dec.decode(bytes([token]))
             self._pending = bool(self._dec.getstate()[0])
@@ -600,10 +605,12 @@ class FakeBackend:
         else:
             h = self._h0
         H, D = self.cfg.num_kv_heads, self.cfg.head_dim
-        hashes = running_hashes(h, tokens)
+        # the tokens as an array once (for the hashes and the cache rows; ids
+        # below 2**24 are exact in float32 from int64 as from a Python int)
+        toks = np.fromiter(tokens, np.int64, n) if isinstance(tokens, list) else np.asarray(tokens, np.int64)
+        hashes = running_hashes(h, toks)
         h = int(hashes[-1]) if n else h
         pos = np.arange(last.offset, last.offset + n, dtype=np.float32)
-        toks = np.asarray(tokens, np.float32)
         keys = np.zeros((1, H, n, D), np.float32)
         keys[..., 0] = toks
         keys[..., 1] = pos

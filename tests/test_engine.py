@@ -420,6 +420,12 @@ def test_the_byte_detokenizer_ascii_fast_path_gives_the_incremental_decoders_tex
             assert detok.last_segment == (ref.decode(bytes([t])) if t < 256 else ""), tokens
         detok.finalize()
         assert detok.last_segment == ref.decode(b"", final=True)
+    for a in range(257):  # every byte after every byte (and EOS): held or not, replaced or not
+        for b in range(257):
+            detok, ref = ByteDetokenizer(), codecs.getincrementaldecoder("utf-8")(errors="replace")
+            for t in (a, b):
+                detok.add_token(t)
+                assert detok.last_segment == (ref.decode(bytes([t])) if t < 256 else ""), (a, b)
 
 
 def test_the_nucleus_is_the_stable_sorts_even_where_logits_tie():
