@@ -76,8 +76,13 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     m = min(a.size, b.size)
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if diff.size else m
+    if m == 0:
+        return 0
+    # the first difference by argmax, which stops at the first True of a bool
+    # array: no index array of every difference, no np.* wrappers
+    diff = a[:m] != b[:m]
+    i = int(diff.argmax())
+    return i if diff[i] else m
 
 
 def usable_prefix(entry: np.ndarray, trimmable: bool, prompt: np.ndarray) -> int:
