@@ -51,6 +51,8 @@ class CacheOps(Protocol):
 
     def clone_cache(self, cache: Any) -> Any: ...
 
+    def prefix_view(self, cache: Any, n: int) -> Any: ...
+
     def trim_cache(self, cache: Any, n: int) -> int: ...
 
     def cache_trimmable(self, cache: Any) -> bool: ...
@@ -252,6 +254,12 @@ class PromptCache:
         self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()  # oldest use first
         self._index = PrefixIndex()
         self._order = 0
+        # ``_entries`` is in order of last use and ``last_used`` is the clock at
+        # that use, so while the clock never went back (the loop's never does)
+        # last_used never decreases along ``_entries`` and the idle entries are
+        # a prefix of it (``demote_idle``)
+        self._latest = float("-inf")
+        self._use_ordered = True
         self.bytes = 0
         self.counters = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "spills": 0, "demotions": 0, "superseded": 0}
 
@@ -291,18 +299,18 @@ class PromptCache:
         """Length ``take`` would serve now, without copying or touching recency."""
         return self.best(tokens, ns)[1]
 
-    def take(self, tokens: Sequence[int], ns: str) -> tuple[Any, int]:
-        """A private copy trimmed to the longest usable prefix, and its length;
-        ``(None, 0)`` on a miss. The stored entry stays and becomes most recent."""
+    def take(self, tokens: Sequence[int], ns: str, min_len: int = 1) -> tuple[Any, int]:
+        """A private cache of the longest usable prefix, and its length;
+        ``(None, 0)`` on a miss or a prefix shorter than ``min_len``. The
+        stored entry stays and becomes most recent. The private cache is the
+        backend's ``prefix_view``: on MLX lazy slices that the row's first
+        forward copies on the MLX thread, not a copy made here on the loop."""
         entry, p = self.best(tokens, ns)
-        if entry is None:
+        if entry is None or p < min_len:
             self.counters["misses"] += 1
             return None, 0
         try:
-            clone = self.ops.clone_cache(entry.cache)
-            excess = entry.tokens.size - p
-            if excess and self.ops.trim_cache(clone, excess) != excess:
-                raise RuntimeError(f"trim of {excess} tokens fell short")
+            clone = self.ops.prefix_view(entry.cache, p)
         except Exception as exc:  # a cache fault is a miss, never a wrong token
             log.warning("[prompt_cache] take failed, serving a miss: %r", exc)
             self.counters["misses"] += 1
@@ -310,7 +318,7 @@ class PromptCache:
         self._entries.move_to_end((entry.ns, entry.tokens.tobytes()))
         self._order += 1
         entry.order = self._order
-        entry.last_used = self.now()
+        entry.last_used = self._stamp()
         self.counters["hits"] += 1
         return clone, p
 
@@ -340,7 +348,7 @@ class PromptCache:
             for e in self._index.prefixes_of(ns, key[1]):
                 self.bytes -= self._drop((ns, e.tokens.tobytes())).nbytes  # type: ignore[union-attr]
                 self.counters["superseded"] += 1
-        entry = _Entry(ns, toks, cache, nbytes, trimmable, self.now())
+        entry = _Entry(ns, toks, cache, nbytes, trimmable, self._stamp())
         if nbytes > self.max_bytes:
             self._evict(entry, "evictions")
         else:
@@ -366,6 +374,15 @@ class PromptCache:
         except Exception as exc:  # the cold tier could not take it: the entry is just dropped
             _log_hook_failure("spill dropped", exc)
 
+    def _stamp(self) -> float:
+        """``now()`` for a use; notes a clock that went back."""
+        t = self.now()
+        if t < self._latest:
+            self._use_ordered = False
+        else:
+            self._latest = t
+        return t
+
     def demote_idle(self, idle_s: float) -> tuple[int, float | None]:
         """Spill entries unused for ``idle_s`` and free them. Returns how many
         were demoted and when the next one falls due (None: nothing left).
@@ -374,6 +391,20 @@ class PromptCache:
             return 0, None
         now = self.now()
         n = 0
+        if self._use_ordered:
+            # The idle entries are the oldest used (see ``__init__``): stop at
+            # the first one used since, which is also the next one due (the
+            # scan below, without a pass over every entry at each idle sweep).
+            entries = self._entries
+            while entries:
+                key, e = next(iter(entries.items()))
+                if not now - e.last_used >= idle_s:
+                    return n, e.last_used + idle_s
+                self._drop(key)
+                self.bytes -= e.nbytes
+                self._evict(e, "demotions")
+                n += 1
+            return n, None
         for key, e in list(self._entries.items()):
             if now - e.last_used >= idle_s:
                 self._drop(key)

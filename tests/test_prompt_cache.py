@@ -284,6 +284,11 @@ class MlxOps:
     def clone_cache(self, cache):
         return copy.deepcopy(cache)
 
+    def prefix_view(self, cache, n):
+        from engine.mlx_backend import prefix_view
+
+        return prefix_view(cache, n)
+
     def trim_cache(self, cache, n):
         from mlx_lm.models.cache import trim_prompt_cache
 
@@ -372,3 +377,43 @@ def test_indexed_lookup_picks_what_the_linear_scan_picked():
         got = sorted(e.tobytes() for e in idx.prefixes_of("", q.tobytes()))
         want = sorted(e.tobytes() for e in entries if e.size < q.size and np.array_equal(e, q[: e.size]))
         assert got == want
+
+
+def test_demote_idle_stops_at_the_first_entry_in_use_and_scans_after_a_clock_went_back():
+    """The idle entries are the oldest used while the clock never goes back:
+    demote_idle stops at the first entry in use. Against a scan of every
+    entry, over random puts, takes and sweeps, with a clock that only moves
+    forward and with one that sometimes goes back (then it scans)."""
+    import random
+
+    for back in (False, True):
+        rng = random.Random(3 if back else 4)
+        now = [0.0]
+        got, want = Spills(), Spills()
+        pc, ref = make(now=lambda: now[0], on_spill=got), make(now=lambda: now[0], on_spill=want)
+
+        def scan(idle_s):  # the full scan demote_idle does
+            n = 0
+            for key, e in list(ref._entries.items()):
+                if now[0] - e.last_used >= idle_s:
+                    ref._drop(key)
+                    ref.bytes -= e.nbytes
+                    ref._evict(e, "demotions")
+                    n += 1
+            return n, min((e.last_used + idle_s for e in ref._entries.values()), default=None)
+
+        for _ in range(400):
+            now[0] += rng.choice([0.0, 1.0, 7.5, 30.0]) - (rng.choice([0.0, 0.0, 0.0, 20.0]) if back else 0.0)
+            toks = [rng.randrange(4) for _ in range(rng.randrange(2, 12))]
+            op = rng.random()
+            if op < 0.45:
+                pc.put(toks, "", feed(toks))
+                ref.put(toks, "", feed(toks))
+            elif op < 0.8:
+                assert pc.take(toks, "")[1] == ref.take(toks, "")[1]
+            else:
+                idle = rng.choice([5.0, 20.0, 60.0])
+                assert pc.demote_idle(idle) == scan(idle)
+            assert [(k, e.last_used) for k, e in pc._entries.items()] == [(k, e.last_used) for k, e in ref._entries.items()]
+        assert [s[0] for s in got.got] == [s[0] for s in want.got] and len(got.got) > 10
+        assert pc._use_ordered is not back
