@@ -136,7 +136,7 @@ class RowDelta(msgspec.Struct, frozen=True, kw_only=True):
 class PrefixCache(Protocol):
     """The RAM prompt-cache tier as the Scheduler uses it (see engine.prompt_cache)."""
 
-    def take(self, tokens: list[int], ns: str) -> tuple[Any, int]: ...
+    def take(self, tokens: list[int], ns: str, min_len: int = 1) -> tuple[Any, int]: ...
 
     def put(self, tokens: list[int], ns: str, cache: Any) -> None: ...
 
@@ -193,6 +193,7 @@ class Row:
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: int = 8
     prefill_chunk: int = 512
+    min_cached_prefix: int = 1  # shorter cached prefixes (RAM or SSD) are not reused
 
 
 class SchedulerCore:
@@ -282,7 +283,7 @@ class SchedulerCore:
         if row.prepared is not None:
             (cache, cached), row.prepared = row.prepared, None
         elif self.prefix_cache is not None:
-            cache, cached = self.prefix_cache.take(row.prompt, row.ns)
+            cache, cached = self.prefix_cache.take(row.prompt, row.ns, min_len=self.cfg.min_cached_prefix)
             cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
             if self._wait_for_cold(row, cache, cached):
                 return
@@ -299,10 +300,11 @@ class SchedulerCore:
     def _wait_for_cold(self, row: Row, cache: Any, cached: int) -> bool:
         """Park the row in RESTORING when SSD holds a strictly longer prefix
         (ties go to RAM); the batch keeps stepping without it."""
-        if self.cold is None or self.cold.longest(row.prompt, row.ns) <= cached:
+        floor = max(cached, self.cfg.min_cached_prefix - 1)  # restore only what is worth a disk read
+        if self.cold is None or self.cold.longest(row.prompt, row.ns) <= floor:
             return False
         try:
-            self.cold.request_restore(row.rid, row.prompt, row.ns, cached)
+            self.cold.request_restore(row.rid, row.prompt, row.ns, floor)
         except Exception as exc:  # the cold tier is gone or full: serve from RAM or cold
             log.warning("[scheduler] restore request for row %d failed: %r", row.rid, exc)
             return False

@@ -168,7 +168,9 @@ class Engine:
         spec = self.speculation
         self.core = SchedulerCore(
             backend,
-            SchedulerConfig(max_batch=config.max_batch, prefill_chunk=config.prefill_chunk),
+            SchedulerConfig(
+                max_batch=config.max_batch, prefill_chunk=config.prefill_chunk, min_cached_prefix=config.min_cached_prefix
+            ),
             clock,
             events,
             self.prefix_cache,

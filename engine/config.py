@@ -26,6 +26,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ssd_cache_max_gib: float = 32.0
     ssd_cache_verify: bool = False
     ssd_demote_idle_s: float | None = None  # None: 300 when the SSD tier is on
+    # a cached prefix shorter than this is not reused (RAM or SSD): it would save
+    # a few tokens of prefill and cost a cache copy or a disk read, and keep the
+    # row out of a batched prefill (rows prefill together from the same offset)
+    min_cached_prefix: int = 16
     # durability
     writebehind: bool = True
     writebehind_debounce_s: float = 1.0
@@ -50,6 +54,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest("max_queue must be >= 0", "max_queue")
         if self.prefill_chunk < 1:
             raise InvalidRequest("prefill_chunk must be >= 1", "prefill_chunk")
+        if self.min_cached_prefix < 1:
+            raise InvalidRequest("min_cached_prefix must be >= 1", "min_cached_prefix")
         if self.prompt_cache_gib < 0:
             raise InvalidRequest("prompt_cache_gib must be >= 0", "prompt_cache_gib")
         if self.ssd_cache_dir and self.prompt_cache_gib == 0:

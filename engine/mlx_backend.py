@@ -163,6 +163,46 @@ class _Ahead:
     keys: list[tuple[_Row, mx.array]]  # the sampled rows' PRNG keys before it, to undo it
 
 
+@dataclass(frozen=True)
+class CachePrefix:
+    """The first ``n`` positions of a stored cache, as ``PromptCache.take``
+    hands them out on the event loop: the slices are cut by ``prefix_view``
+    when the row opens on the MLX thread (MLX's streams belong to the thread
+    that made them; an op built on the loop cannot run on the MLX thread)."""
+
+    cache: list[Any]
+    n: int
+
+
+def prefix_view(cache: list[Any], n: int) -> list[Any]:
+    """A private cache of the first ``n`` positions of a stored one, with
+    nothing copied or evaluated yet. Each ``KVCache`` gets lazy slices of the stored arrays;
+    the row's first forward on the MLX thread copies them as it writes
+    (MLX never writes into a buffer another array still holds, so the
+    stored entry stays as it was; tested). ``clone_cache`` copied and
+    evaluated the whole entry on the loop and then trimmed it: 7-17 ms
+    for an 8k-token entry of the bundled model, a stall of every stream on
+    every hit, however few of its tokens the hit reused. Other cache kinds
+    are copied whole and trimmed to ``n``."""
+    out: list[Any] = []
+    for c in cache:
+        if type(c) is KVCache:
+            view = KVCache()
+            if c.keys is not None and n > 0:
+                if n > c.offset:
+                    raise ValueError(f"the cache holds {c.offset} tokens, not {n}")
+                view.keys, view.values, view.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+            out.append(view)
+            continue
+        c = copy.deepcopy(c)
+        size = getattr(c, "offset", None)
+        if isinstance(size, int) and size != n:
+            if size < n or not c.is_trimmable() or c.trim(size - n) != size - n:
+                raise ValueError(f"a {type(c).__name__} holding {size} tokens cannot serve {n}")
+        out.append(c)
+    return out
+
+
 class MLXBackend:
     """Implements ``engine.ports.Backend``; every call runs on the MLX thread."""
 
@@ -264,34 +304,12 @@ class MLXBackend:
         mx.eval([c.state for c in out])
         return out
 
-    def prefix_view(self, cache: list[Any], n: int) -> list[Any]:
-        """A private cache of the first ``n`` positions of a stored one, made
-        without copying or evaluating anything on the calling thread (the
-        event loop). Each ``KVCache`` gets lazy slices of the stored arrays;
-        the row's first forward on the MLX thread copies them as it writes
-        (MLX never writes into a buffer another array still holds, so the
-        stored entry stays as it was; tested). ``clone_cache`` copied and
-        evaluated the whole entry on the loop and then trimmed it: 7-17 ms
-        for an 8k-token entry of the bundled model, a stall of every stream,
-        to reuse as little as the 3 tokens of a chat template's opening.
-        Other cache kinds are copied whole and trimmed to ``n``."""
-        out: list[Any] = []
-        for c in cache:
-            if type(c) is KVCache:
-                view = KVCache()
-                if c.keys is not None and n > 0:
-                    if n > c.offset:
-                        raise ValueError(f"the cache holds {c.offset} tokens, not {n}")
-                    view.keys, view.values, view.offset = c.keys[..., :n, :], c.values[..., :n, :], n
-                out.append(view)
-                continue
-            c = copy.deepcopy(c)
-            size = getattr(c, "offset", None)
-            if isinstance(size, int) and size != n:
-                if size < n or not c.is_trimmable() or c.trim(size - n) != size - n:
-                    raise ValueError(f"a {type(c).__name__} holding {size} tokens cannot serve {n}")
-            out.append(c)
-        return out
+    def prefix_view(self, cache: list[Any], n: int) -> CachePrefix:
+        """Called on the event loop: checks the length, defers the slicing to ``_open``."""
+        held = [c.offset for c in cache if type(c) is KVCache and c.keys is not None]
+        if any(h < n for h in held):
+            raise ValueError(f"the cache holds {min(held)} tokens, not {n}")
+        return CachePrefix(cache, n)
 
     def trim_cache(self, cache: list[Any], n: int) -> int:
         return trim_prompt_cache(cache, n)
@@ -470,6 +488,12 @@ class MLXBackend:
                 cache, fed = self.make_cache(), 0
             else:
                 cache, fed = o.cache, o.cached
+                if isinstance(cache, CachePrefix):
+                    try:
+                        cache = prefix_view(cache.cache, cache.n)
+                    except Exception as exc:  # noqa: BLE001 - this row fails, not the step
+                        res.errors[o.rid] = f"prefix cache: {exc}"
+                        continue
                 size = getattr(cache[0], "offset", None)
                 if isinstance(size, int) and size != fed:
                     if size < fed or not can_trim_prompt_cache(cache):

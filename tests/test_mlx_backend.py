@@ -641,6 +641,8 @@ def test_a_prefix_view_continues_exactly_and_leaves_the_stored_cache_as_it_was(m
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+    from engine.mlx_backend import CachePrefix, prefix_view
+
     backend, device = mlx
     model = backend.model
     ids = list(range(3, 43))  # 40 tokens
@@ -651,7 +653,9 @@ def test_a_prefix_view_continues_exactly_and_leaves_the_stored_cache_as_it_was(m
         mx.eval(model(mx.array([ids]), cache=stored))
         before = [(np.array(c.keys[..., : c.offset, :]), np.array(c.values[..., : c.offset, :])) for c in stored]
 
-        view = backend.prefix_view(stored, n)
+        pending = backend.prefix_view(stored, n)  # what PromptCache.take gets on the loop
+        assert isinstance(pending, CachePrefix) and pending.n == n
+        view = prefix_view(pending.cache, pending.n)  # what _open makes of it on the MLX thread
         assert all(c.offset == n for c in view)
         if fed < n:
             assert backend.trim_cache(view, n - fed) == n - fed
@@ -682,6 +686,6 @@ def test_a_prefix_view_refuses_more_tokens_than_the_cache_holds(mlx):
         stored = make_prompt_cache(backend.model)
         mx.eval(backend.model(mx.array([[5, 6, 7]]), cache=stored))
         with pytest.raises(ValueError, match="holds 3 tokens"):
-            backend.prefix_view(stored, 4)
+            backend.prefix_view(stored, 4)  # checked on the loop, before anything is cut
 
     device.call(run)

@@ -135,7 +135,7 @@ class RecordingPrefixCache:
     def __init__(self) -> None:
         self.puts: list[tuple[list[int], object]] = []
 
-    def take(self, tokens, ns):
+    def take(self, tokens, ns, min_len=1):
         return None, 0
 
     def put(self, tokens, ns, cache):
