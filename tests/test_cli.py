@@ -28,6 +28,7 @@ def ember(*args: str, openblas: bool = False, timeout: float = 60) -> subprocess
         (["serve", "--fake-gpu", "--port", "http"], "invalid int value"),
         (["serve", "--fake-gpu", "--prompt-cache", "0", "--ssd-cache", "/tmp/ember-ssd"], "the SSD cache needs the RAM tier"),
         (["serve", "--fake-gpu", "--batch", "0"], "max_batch must be >= 1"),
+        (["serve", "--fake-gpu", "--min-cached-prefix", "0"], "min_cached_prefix must be >= 1"),
         (["serve", "--model", "/nonexistent/model/dir"], "neither a bundled model"),
         (["serve", "--model", "/tmp", "--draft-model", "/nonexistent/draft"], "neither a bundled model"),
         (["generate", "--fake-gpu"], "--prompt"),
@@ -89,12 +90,13 @@ def test_serve_flags_map_onto_engine_config(tmp_path):
             "serve", "--fake-gpu", "--batch", "16", "--max-queue", "5", "--prompt-cache", "0.5",
             "--ssd-cache", str(tmp_path), "--ssd-cache-max", "3", "--ssd-cache-verify", "--ssd-demote-idle", "30",
             "--draft-model", "ngram", "--num-draft-tokens", "4", "--served-model-name", "mine",
+            "--min-cached-prefix", "64",
         ]
     )
     config = engine_config(args, args.parser)
     assert (config.backend, config.max_batch, config.max_queue, config.prompt_cache_gib) == ("fake", 16, 5, 0.5)
     assert (config.ssd_cache_dir, config.ssd_cache_max_gib, config.ssd_cache_verify) == (str(tmp_path), 3.0, True)
     assert (config.ssd_demote_idle_s, config.draft_model, config.num_draft_tokens) == (30.0, "ngram", 4)
-    assert config.model_name == "mine"
+    assert config.model_name == "mine" and config.min_cached_prefix == 64
     defaults = engine_config(build_parser().parse_args(["serve", "--fake-gpu"]), args.parser)
     assert defaults == type(config)(backend="fake")  # unset flags leave EngineConfig's defaults

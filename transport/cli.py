@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssd-cache-max", type=float, metavar="GIB", help="byte cap of the SSD tier")
     s.add_argument("--ssd-cache-verify", action="store_true", help="checksum tensors when restoring from SSD")
     s.add_argument("--ssd-demote-idle", type=float, metavar="SECONDS", help="demote RAM entries idle this long to SSD")
+    s.add_argument("--min-cached-prefix", type=int, metavar="TOKENS", help="shortest cached prefix worth reusing (default 16)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=serve, parser=s)
 
@@ -73,6 +74,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "ssd_cache": "ssd_cache_dir",
         "ssd_cache_max": "ssd_cache_max_gib",
         "ssd_demote_idle": "ssd_demote_idle_s",
+        "min_cached_prefix": "min_cached_prefix",
         "draft_model": "draft_model",
         "num_draft_tokens": "num_draft_tokens",
         "served_model_name": "model_name",
