@@ -118,6 +118,33 @@ async def engine_decode(engine: Any, n: int) -> tuple[float, float, float]:
     return count / (stamps[-1] - stamps[0]), 1e3 * (time.process_time() - cpu) / count, 1e3 * med(gaps)
 
 
+def backend_decode(engine: Any, n: int, rid: int) -> float:
+    """Decode tok/s of the Engine's own backend driven in a plain loop on its
+    MLX thread — step, then ``run_ahead`` as ``MLXThread.after_each`` does —
+    with no Scheduler and no event loop in between: what the per-token
+    hand-off between the two threads costs, next to ``engine_decode``. Runs
+    while the Engine is idle, on a row id the Scheduler never uses."""
+    from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan
+    from engine.types import SamplingParams
+
+    backend, prompt = engine.backend, engine.tokenizer.encode(PROMPT)
+
+    def loop() -> float:
+        backend.step(StepPlan(open=[OpenRow(rid, SamplingParams(max_tokens=n + 1, ignore_eos=True))],
+                              prefill=[PrefillChunk(rid, prompt[:-1])]))
+        token, first = prompt[-1], 0.0
+        for i in range(n):
+            token = backend.step(StepPlan(decode=[DecodeRow(rid, token)])).tokens[rid]
+            backend.run_ahead()
+            if i == 0:
+                first = time.perf_counter()
+        last = time.perf_counter()
+        backend.step(StepPlan(close=[rid]))
+        return (n - 1) / (last - first)
+
+    return engine.device.call(loop)
+
+
 async def engine_aggregate(engine: Any, conc: int, n: int) -> float:
     from engine.types import SamplingParams
 
@@ -263,18 +290,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with Engine.open(config, events=EventLog(keep=False)) as engine:
         bare_decode(model, tok, 32)  # warm both
         await engine_decode(engine, 32)
-        a, a1, b = [], [], []
-        for _ in range(args.rounds):
+        a, a1, b, alone = [], [], [], []
+        for r in range(args.rounds):
             a.append(bare_decode(model, tok, args.tokens))
             b.append(await engine_decode(engine, args.tokens))
             if blas_threads().active:  # the bare loop's other setting: the faster one is the ceiling
                 a1.append(bare_decode(model, tok, args.tokens, threads=1))
+            alone.append(backend_decode(engine, args.tokens, rid=10**9 + r))
         ra, rb, ra1 = [x[0] for x in a], [x[0] for x in b], [x[0] for x in a1]
         out["single"] = {"bare": ra, "engine": rb, "bare_med": med(ra), "engine_med": med(rb), "ratio": med(rb) / med(ra),
                          "bare1": ra1, "bare1_med": med(ra1), "ratio1": med(rb) / med(ra1) if ra1 else None,
                          "blas_default_threads": blas_threads().default,
                          "bare_cpu_ms": med([x[1] for x in a]), "engine_cpu_ms": med([x[1] for x in b]),
-                         "bare_gap_ms": med([x[2] for x in a]), "engine_gap_ms": med([x[2] for x in b])}
+                         "bare_gap_ms": med([x[2] for x in a]), "engine_gap_ms": med([x[2] for x in b]),
+                         "backend_alone": alone, "backend_alone_med": med(alone)}
         out["cpu"] = await cpu_breakdown(engine, model, tok, args.tokens)
         if args.profile:
             out["timeline"] = await timeline(engine, args.tokens)
@@ -426,6 +455,19 @@ def table(res: dict[str, Any], ref: dict[str, Any] | None, command: str) -> str:
             f"| all rounds | {', '.join(f'{x:.0f}' for x in s['bare1'])} | | |",
             "",
             f"Engine against the faster of the two bare settings: **{best:.3f}**.",
+        ]
+    if s.get("backend_alone"):
+        ceiling = max(s["bare_med"], s.get("bare1_med") or 0.0)
+        lines += [
+            "",
+            "The Engine's own backend driven in a plain loop on its MLX thread (step, then run-ahead, as "
+            "`MLXThread` does), with no Scheduler or event loop between tokens, in the same rounds:",
+            "",
+            "| | median tok/s | all rounds | / faster bare loop | Engine / backend alone |",
+            "|---|---|---|---|---|",
+            f"| backend alone | {s['backend_alone_med']:.0f} | "
+            f"{', '.join(f'{x:.0f}' for x in s['backend_alone'])} | **{s['backend_alone_med'] / ceiling:.3f}** | "
+            f"**{s['engine_med'] / s['backend_alone_med']:.3f}** |",
         ]
     c = res["cpu"]
     lines += [
