@@ -79,10 +79,11 @@ class Demote(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Durability → Scheduler (ask, sent nowait): clone the RAM entry holding
-    exactly ``tokens`` in ``ns``, between steps, in O(1). The reply is
-    ``(clones, nbytes)`` — owned by the asker — or None when the entry is gone.
-    It never holds admission: the clone is cheap and nothing waits for idle."""
+    """Durability → Scheduler (ask, sent nowait): the RAM entry holding exactly
+    ``tokens`` in ``ns``, between steps, in O(1). The reply is ``(cache,
+    nbytes)`` — the entry's cache itself, which nothing writes after it was
+    stored, for the SSD writer to read — or None when the entry is gone. It
+    never holds admission: nothing is copied and nothing waits for idle."""
 
     ns: str
     tokens: list[int]
@@ -328,7 +329,8 @@ class SchedulerCore:
         self.events.record("restored", self.clock.now(), rid=row.rid, cached=row.prepared[1] if row.prepared else 0)
 
     def snapshot(self, msg: Snapshot) -> tuple[Any, int] | None:
-        """Owned clones of the exact RAM entry ``msg`` names, and their bytes."""
+        """The exact RAM entry ``msg`` names (its cache, shared: entries are
+        never written after ``put``), and its bytes."""
         if self.prefix_cache is None:
             return None
         clone = self.prefix_cache.snapshot(msg.tokens, msg.ns)

@@ -373,6 +373,11 @@ async def test_mlx_engine_restart_restores_the_prefix_and_matches_the_cold_run(t
         assert cold.usage.cached_tokens == 0
         await engine.acomplete(engine.encode("x = 1"), SamplingParams(max_tokens=2))  # its first step closes the row above into RAM
         assert engine.stats()["prompt_cache"]["puts"] >= 1
+        # A row that continues from a view of the stored entry, before the
+        # entry is written to SSD: the snapshot shares the entry, so the row
+        # must not have written into it (checked by the restored run below).
+        branch = await engine.acomplete(prompt[:200] + engine.encode(" branch"), sp)
+        assert branch.usage.cached_tokens == 200
         assert (await engine.aflush()).durable
     async with Engine.open(cfg) as engine:  # a restart: only the SSD tier knows the prefix
         warm = await engine.acomplete(prompt, sp)
