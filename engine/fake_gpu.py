@@ -583,12 +583,9 @@ class FakeBackend:
     def cache_nbytes(self, cache: list[FakeKVCache]) -> int:
         return sum(c.nbytes for c in cache)
 
-    def clone_cache(self, cache: list[FakeKVCache]) -> list[FakeKVCache]:
-        return [c.copy() for c in cache]
-
     def prefix_view(self, cache: list[FakeKVCache], n: int) -> list[FakeKVCache]:
         """A private copy of the first ``n`` positions (the MLX backend's is lazy)."""
-        out = self.clone_cache(cache)
+        out = [c.copy() for c in cache]
         excess = min((c.offset for c in out), default=n) - n
         if excess < 0 or (excess and self.trim_cache(out, excess) != excess):
             raise ValueError(f"the cache cannot serve {n} tokens")

@@ -179,8 +179,8 @@ def prefix_view(cache: list[Any], n: int) -> list[Any]:
     nothing copied or evaluated yet. Each ``KVCache`` gets lazy slices of the stored arrays;
     the row's first forward on the MLX thread copies them as it writes
     (MLX never writes into a buffer another array still holds, so the
-    stored entry stays as it was; tested). ``clone_cache`` copied and
-    evaluated the whole entry on the loop and then trimmed it: 7-17 ms
+    stored entry stays as it was; tested). The copy the prompt cache used
+    to take evaluated the whole entry on the loop and then trimmed it: 7-17 ms
     for an 8k-token entry of the bundled model, a stall of every stream on
     every hit, however few of its tokens the hit reused. Other cache kinds
     are copied whole and trimmed to ``n``."""
@@ -287,22 +287,6 @@ class MLXBackend:
             else:
                 total += c.nbytes
         return total
-
-    def clone_cache(self, cache: list[Any]) -> list[Any]:
-        out = []
-        for c in cache:
-            if type(c) is KVCache and c.keys is not None:
-                k = KVCache()
-                k.keys = mx.contiguous(c.keys[..., : c.offset, :])
-                k.values = mx.contiguous(c.values[..., : c.offset, :])
-                k.offset = c.offset
-                out.append(k)
-            elif type(c) is KVCache:
-                out.append(KVCache())
-            else:
-                out.append(copy.deepcopy(c))
-        mx.eval([c.state for c in out])
-        return out
 
     def prefix_view(self, cache: list[Any], n: int) -> CachePrefix:
         """Called on the event loop: checks the length, defers the slicing to ``_open``."""

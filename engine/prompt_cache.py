@@ -21,7 +21,7 @@ in use, does not refresh recency on a fetch, has no spill hook, returns an
 empty remainder on an exact hit, and ``PromptTrie.search`` reports only the
 shortest extension past the divergence point, ignoring trimmability, so it can
 miss a usable entry. The cache operations come from the backend port
-(``cache_nbytes``/``clone_cache``/``trim_cache``/``cache_trimmable``, which on
+(``cache_nbytes``/``prefix_view``/``trim_cache``/``cache_trimmable``, which on
 MLX are mlx-lm's ``trim_prompt_cache``/``can_trim_prompt_cache``); the lookup
 goes through ``PrefixIndex`` (a bisect over the entries' sorted token bytes,
 shared with the cold tier's index), not a scan of every entry: a 10,000-request
@@ -48,8 +48,6 @@ class CacheOps(Protocol):
     """The slice of ``engine.ports.Backend`` the tiers need."""
 
     def cache_nbytes(self, cache: Any) -> int: ...
-
-    def clone_cache(self, cache: Any) -> Any: ...
 
     def prefix_view(self, cache: Any, n: int) -> Any: ...
 

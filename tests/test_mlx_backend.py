@@ -353,7 +353,7 @@ def test_open_from_a_prefix_cache_holding_the_whole_prompt(rig):
     assert out == ref
 
 
-def test_cache_ops_count_real_bytes_and_clone_privately(rig):
+def test_cache_ops_count_real_bytes_and_views_are_private(rig):
     p = rig.ids(PROMPTS[3])[:40]
     r = rig.open_prefilled(p)
     cache = rig.step(close=[r], keep_cache={r}).closed[r]
@@ -364,11 +364,13 @@ def test_cache_ops_count_real_bytes_and_clone_privately(rig):
     per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * cache[0].keys.dtype.size
     assert rig.d.call(b.cache_nbytes, cache) == per_token * (len(p) - 1)
     assert sum(c.nbytes for c in cache) > per_token * (len(p) - 1)  # mlx-lm counts capacity
-    clone = rig.d.call(b.clone_cache, cache)
+    from engine.mlx_backend import prefix_view
+
+    clone = rig.d.call(prefix_view, cache, len(p) - 1)  # what a row opened from a prompt-cache hit gets
     assert rig.d.call(b.cache_trimmable, clone)
     assert rig.d.call(b.trim_cache, clone, 10) == 10
     assert clone[0].offset == len(p) - 11 and cache[0].offset == len(p) - 1
-    # Writing into the clone leaves the original intact.
+    # Writing into the view leaves the original intact.
     def snapshot():
         return [mx.array(c.keys[..., : c.offset, :]) for c in cache]
 
@@ -382,14 +384,21 @@ def test_cache_ops_count_real_bytes_and_clone_privately(rig):
     assert rig.d.call(lambda: all(mx.array_equal(x, y).item() for x, y in zip(before, after)))
 
 
-def test_caches_handed_out_can_be_copied_on_another_thread(rig):
-    """The prompt-cache tier clones between steps on the event-loop thread."""
+def test_caches_handed_out_are_taken_on_another_thread_and_opened_on_the_mlx_one(rig):
+    """The prompt-cache tier takes a prefix between steps on the event-loop
+    thread; the row that opens with it cuts the view on the MLX thread."""
+    from engine.mlx_backend import CachePrefix
+
     p = rig.ids(PROMPTS[0])
     r = rig.open_prefilled(p)
     rig.step(decode=[DecodeRow(r, p[-1])])
     cache = rig.step(close=[r], keep_cache={r}).closed[r]
-    clone = rig.b.clone_cache(cache)  # this (test) thread, not the MLX one
-    assert isinstance(clone[0], KVCache) and clone[0].offset == len(p)
+    pending = rig.b.prefix_view(cache, len(p))  # this (test) thread, not the MLX one
+    assert isinstance(pending, CachePrefix) and pending.n == len(p)
+    rig.next_rid += 1
+    res = rig.step(open=[OpenRow(rig.next_rid, GREEDY, pending, len(p) - 1)], decode=[DecodeRow(rig.next_rid, p[-1])])
+    assert not res.errors and rig.next_rid in res.tokens
+    rig.step(close=[rig.next_rid])
 
 
 def test_bad_rows_are_reported_per_row(rig):
@@ -662,11 +671,13 @@ def test_a_prefix_view_continues_exactly_and_leaves_the_stored_cache_as_it_was(m
         feed = ids[fed:n] + suffix
         got = model(mx.array([feed]), cache=view)
 
-        # The oracle: an evaluated copy of the whole entry trimmed to what was
+        # The oracle: an owned copy of the whole entry trimmed to what was
         # fed (what take() handed out before). A cache prefilled with only the
         # first n tokens is not one: a 40-token forward computes their keys
         # ~1e-6 apart from a 20-token one (another GEMM shape).
-        owned = backend.clone_cache(stored)
+        owned = make_prompt_cache(model)
+        for o, c in zip(owned, stored):
+            o.keys, o.values, o.offset = mx.array(np.array(c.keys)), mx.array(np.array(c.values)), c.offset
         trim_prompt_cache(owned, 40 - fed)
         want = model(mx.array([feed]), cache=owned)
         assert np.array_equal(np.array(got), np.array(want))

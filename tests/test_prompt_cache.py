@@ -7,7 +7,6 @@ the KV a fresh prefill of the served prefix produces.
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 from hypothesis import given, settings
@@ -285,9 +284,6 @@ class MlxOps:
         from engine.kvfile import cache_bytes
 
         return cache_bytes(cache)
-
-    def clone_cache(self, cache):
-        return copy.deepcopy(cache)
 
     def prefix_view(self, cache, n):
         from engine.mlx_backend import prefix_view
