@@ -696,11 +696,7 @@ def main(argv=None):
         heldout_wins = eval_windows(heldout_tokens, args.eval_seq_len or args.seq_len, heldout_n)
         res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
         for sub in ("tiny", "tiny-draft"):
-            f = out / sub / "training_log.json"
-            if f.exists():
-                meta = json.loads(f.read_text())
-                meta["measurements"] = res
-                f.write_text(json.dumps(meta, indent=1) + "\n")
+            update_measurements(out / sub / "training_log.json", res)
         print(json.dumps({k: v for k, v in res.items() if k != "demos"}, indent=1))
         return res
     log(f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files, "
@@ -826,13 +822,17 @@ def train_draft_only(args, draft_cfg, train_files, heldout_files, t_start, *, ev
     meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
                     wall_s_total=round(time.time() - t_start, 1))
     (out / "tiny-draft" / "training_log.json").write_text(json.dumps(dict(meta, training=drec), indent=1) + "\n")
-    f = out / "tiny" / "training_log.json"
-    if f.exists():
-        tmeta = json.loads(f.read_text())
-        tmeta["measurements"] = res
-        f.write_text(json.dumps(tmeta, indent=1) + "\n")
+    update_measurements(out / "tiny" / "training_log.json", res)
     log(f"drafter done in {time.time() - t_start:.0f}s; out {out}")
     return meta
+
+
+def update_measurements(log_file: Path, res: dict) -> None:
+    """The pair was re-measured: a model's training log carries the new numbers."""
+    if log_file.exists():
+        meta = json.loads(log_file.read_text())
+        meta["measurements"] = res
+        log_file.write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def continue_target(args, target_cfg, train_files, heldout_files, t_start, *, eval_n, heldout_n, eval_every, argv):
@@ -861,11 +861,7 @@ def continue_target(args, target_cfg, train_files, heldout_files, t_start, *, ev
     # The first stage's record stays: this model is that run plus this one.
     stages = before.get("stages") or [{k: v for k, v in before.items() if k != "measurements"}]
     f.write_text(json.dumps(dict(meta, training=trec, stages=stages), indent=1) + "\n")
-    d = out / "tiny-draft" / "training_log.json"
-    if d.exists():
-        dmeta = json.loads(d.read_text())
-        dmeta["measurements"] = res
-        d.write_text(json.dumps(dmeta, indent=1) + "\n")
+    update_measurements(out / "tiny-draft" / "training_log.json", res)
     log(f"target continued in {time.time() - t_start:.0f}s; out {out}")
     return meta
 
