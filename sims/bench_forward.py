@@ -117,6 +117,32 @@ def prefill_leg(model: Any, ids: list[int], rounds: int) -> dict[str, float]:
     return {"8 x B=1": statistics.median(a), "one (8, 48) forward": statistics.median(b)}
 
 
+def load_with_ids(model_name: str) -> tuple[Any, Any, list[int]]:
+    """The model, its tokenizer, and the token ids every leg feeds (textwrap.py, three times)."""
+    import sysconfig
+    from pathlib import Path
+
+    from mlx_lm import load
+
+    from engine.models import resolve_model
+
+    model, tok = load(str(resolve_model(model_name)))
+    return model, tok, tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text() * 3)
+
+
+def verify_costs(model_name: str, draft_name: str, rounds: int) -> tuple[dict[int, float], float | None]:
+    """The width leg at one OpenBLAS thread (as the engine runs a 1-row step),
+    and a one-token step of the draft model (None for ``ngram``), median ms:
+    what sims.bench_spec's ceiling columns divide by."""
+    from engine.blas import blas_threads
+
+    model, _, ids = load_with_ids(model_name)
+    blas_threads().use(1)
+    width = width_leg(model, ids, rounds)
+    draft = None if draft_name == "ngram" else width_leg(load_with_ids(draft_name)[0], ids, rounds)[1]
+    return width, draft
+
+
 def main(argv: list[str] | None = None) -> None:
     from engine.blas import blas_threads, maybe_reexec_with_openblas
 
@@ -127,16 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args(argv)
 
-    import sysconfig
-    from pathlib import Path
-
-    from mlx_lm import load
-
-    from engine.models import resolve_model
-
-    model, tok = load(str(resolve_model(args.model)))
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
-    ids = tok.encode(text * 3)
+    model, tok, ids = load_with_ids(args.model)
     legs = args.legs.split(",")
     if "width" in legs:
         blas_threads().use(1)

@@ -276,21 +276,9 @@ def verify_width_cost(model_name: str, draft_name: str, rounds: int) -> tuple[di
     process's main thread beside the engines' MLX threads aborted the
     interpreter at exit, now and then."""
     code = (
-        "import json, sys, sysconfig\n"
-        "from pathlib import Path\n"
-        "from mlx_lm import load\n"
-        "from engine.blas import blas_threads\n"
-        "from engine.models import resolve_model\n"
-        "from sims.bench_forward import width_leg\n"
-        "model, tok = load(str(resolve_model(sys.argv[1])))\n"
-        "ids = tok.encode((Path(sysconfig.get_paths()['stdlib']) / 'textwrap.py').read_text() * 3)\n"
-        "blas_threads().use(1)\n"
-        "width = width_leg(model, ids, int(sys.argv[3]))\n"
-        "draft = None\n"
-        "if sys.argv[2] != 'ngram':\n"
-        "    dm, _ = load(str(resolve_model(sys.argv[2])))\n"
-        "    draft = width_leg(dm, ids, int(sys.argv[3]))[1]\n"
-        "print(json.dumps([width, draft]))\n"
+        "import json, sys\n"
+        "from sims.bench_forward import verify_costs\n"
+        "print(json.dumps(verify_costs(sys.argv[1], sys.argv[2], int(sys.argv[3]))))\n"
     )
     argv = [sys.executable, "-c", code, model_name, draft_name, str(max(1, rounds))]
     out = subprocess.run(argv, capture_output=True, text=True, check=True)
