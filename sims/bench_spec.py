@@ -69,6 +69,28 @@ def grounded_prompts(tokenizer: Any, n: int = 3, excerpt_tokens: int = 200) -> l
     return out
 
 
+def workload_prompts(tokenizer: Any, n: int) -> dict[str, list[list[int]]]:
+    """The three workloads' prompts as token ids (``n`` per sequential workload)."""
+    return {
+        "free": [tokenizer.encode(p) for p in FREE_PROMPTS[:n]],
+        "grounded": grounded_prompts(tokenizer, n=n),
+        "batch4": [tokenizer.encode(p) for p in FREE_PROMPTS[:4]],
+    }
+
+
+def common_args(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The options this bench shares with ``sims.bench_adaptive``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--draft", default="tiny-draft")
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--prompts", type=int, default=3, help="prompts per sequential workload")
+    ap.add_argument("--workloads", default="free,grounded,batch4")
+    ap.add_argument("--out", type=Path, default=None, help="also write the markdown report here")
+    return ap
+
+
 @dataclass
 class Config:
     name: str
@@ -225,11 +247,7 @@ async def main_async(args: argparse.Namespace) -> str:
             cfg = EngineConfig(**base, draft_model=c.drafter, num_draft_tokens=c.gamma)
             c.engine = await stack.enter_async_context(Engine.open(cfg))
         tok = configs[0].engine.tokenizer
-        prompts = {
-            "free": [tok.encode(p) for p in FREE_PROMPTS[: args.prompts]],
-            "grounded": grounded_prompts(tok, n=args.prompts),
-            "batch4": [tok.encode(p) for p in FREE_PROMPTS[:4]],
-        }
+        prompts = workload_prompts(tok, args.prompts)
         workloads = [w for w in args.workloads.split(",") if w in prompts]
         params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
         warm = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -348,16 +366,9 @@ def main(argv: list[str] | None = None) -> None:
     from engine.blas import maybe_reexec_with_openblas
 
     maybe_reexec_with_openblas()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--draft", default="tiny-draft")
-    ap.add_argument("--tokens", type=int, default=160)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--prompts", type=int, default=3, help="prompts per sequential workload")
+    ap = common_args(__doc__, rounds=5)
     ap.add_argument("--gammas", default="1,2,3,4")
-    ap.add_argument("--workloads", default="free,grounded,batch4")
     ap.add_argument("--anatomy", action="store_true", help="also time the parts of a round, per configuration")
-    ap.add_argument("--out", type=Path, default=None, help="also write the markdown report here")
     args = ap.parse_args(argv)
     text = asyncio.run(main_async(args))
     if args.anatomy:

@@ -20,3 +20,22 @@ def test_no_ceiling_without_a_fixed_gamma_or_a_measured_window():
     assert ceiling(1.4, None, width) is None  # adaptive γ mixes window widths
     assert ceiling(1.4, 3, width) is None  # the 4-token window was not measured
     assert ceiling(1.4, 1, None) is None
+
+
+def test_the_adaptive_bench_interval_is_a_t_interval_of_log_ratios():
+    import math
+    import statistics
+
+    from sims.bench_adaptive import paired_interval, t95, verdict
+
+    ratios = [0.95, 1.02, 0.99, 1.04, 0.98, 1.01]
+    g, lo, hi = paired_interval(ratios)
+    logs = [math.log(r) for r in ratios]
+    half = 2.571 * statistics.stdev(logs) / math.sqrt(6)  # t(0.975, df=5)
+    assert g == math.exp(statistics.fmean(logs))
+    assert (lo, hi) == (math.exp(statistics.fmean(logs) - half), math.exp(statistics.fmean(logs) + half))
+    # between tabulated degrees of freedom the wider (lower-df) quantile is used
+    assert t95(11) == t95(10) > t95(12)
+    assert verdict(0.975, 1.01) == "**met**"
+    assert verdict(0.95, 1.01) == "not resolved"
+    assert verdict(0.90, 0.96) == "**missed**"
