@@ -41,3 +41,29 @@ def test_copy_windows_are_an_excerpt_twice():
     w = copy_windows(tokens, 100, 8)
     assert w.shape == (8, 201)
     assert (w[:, :100] == w[:, 100:200]).all()
+
+
+def test_loop_mask_marks_every_token_of_a_repeated_ngram_and_nothing_else():
+    from engine.models.train import loop_mask
+
+    cont = np.array([[5, 6, 7, 8, 9, 5, 6, 7, 8, 1], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    m = loop_mask(cont, 4)
+    # row 0: "5 6 7 8" comes back at positions 5..8; position 9 (1) is new
+    assert m[0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1, 0]
+    assert not m[1].any()  # no repeat, no penalty
+    # a loop of one token: everything from the second full n-gram on
+    assert loop_mask(np.array([[3] * 6]), 2)[0].tolist() == [0, 1, 1, 1, 1, 1]
+
+
+def test_unlikelihood_loss_is_minus_log_one_minus_p_on_the_marked_tokens():
+    import mlx.core as mx
+
+    from engine.models.train import unlikelihood_loss
+
+    logits = mx.log(mx.array([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]]))
+    targets = mx.array([[0, 1]])
+    mask = mx.array([[1.0, 0.0]])
+    got = unlikelihood_loss(logits, targets, mask).item()
+    assert got == pytest.approx(-np.log(1 - 0.5) / 2, rel=1e-5)  # averaged over both positions
+    both = unlikelihood_loss(logits, targets, mx.ones((1, 2))).item()
+    assert both == pytest.approx((-np.log(0.5) - np.log(0.2)) / 2, rel=1e-5)

@@ -300,6 +300,33 @@ def copy_top1(model, windows: np.ndarray, batch: int = 16) -> float:
     return hit / n
 
 
+def loop_mask(cont: np.ndarray, n: int) -> np.ndarray:
+    """1.0 on every token of an n-gram that already occurred earlier in the
+    same row of ``cont`` (a model's own continuation): the tokens of a loop.
+    Only the continuation counts, not its prefix, so continuing text the
+    context holds (copying) is not penalised."""
+    m = np.zeros(cont.shape, np.float32)
+    for b, row in enumerate(cont.tolist()):
+        seen: set[tuple[int, ...]] = set()
+        for t in range(len(row) - n + 1):
+            g = tuple(row[t : t + n])
+            if g in seen:
+                m[b, t : t + n] = 1.0
+            seen.add(g)
+    return m
+
+
+def unlikelihood_loss(logits, targets, mask):
+    """Sequence-level unlikelihood (Welleck et al., 2019, "Neural Text
+    Generation with Unlikelihood Training"): -log(1 - p(token)) on the
+    tokens ``mask`` marks, averaged over all of ``mask``'s positions."""
+    import mlx.core as mx
+
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    p = mx.exp(mx.take_along_axis(logp, targets[..., None], axis=-1)[..., 0])
+    return -(mx.log(mx.clip(1.0 - p, 1e-5, 1.0)) * mask).sum() / mask.size
+
+
 def evaluate(model, windows: np.ndarray, batch: int = 16):
     """Mean next-token loss (nats) and teacher-forced top-1 accuracy."""
     import mlx.core as mx
@@ -339,6 +366,10 @@ def train_model(
     init=None,
     repeat_frac: float = 0.0,
     repeat_style: str = "jump",
+    unlikelihood: float = 0.0,
+    ul_ngram: int = 4,
+    ul_prefix: int = 16,
+    ul_tokens: int = 96,
 ):
     """Train one model; returns (model, record dict).
 
@@ -352,6 +383,14 @@ def train_model(
     on the corpus + a * KL(teacher || model) on the teacher's next-token
     distributions: a drafter is only useful when it predicts what the target
     will say, and the target's distributions say more than the one corpus token.
+
+    ``unlikelihood`` = u > 0 adds sequence-level unlikelihood against greedy
+    loops: each step the model continues ``batch`` corpus prefixes of
+    ``ul_prefix`` tokens greedily for ``ul_tokens`` tokens, and the loss gains
+    u * -log(1 - p) on every token of an ``ul_ngram``-gram that its own
+    continuation already produced (``loop_mask``). Cross-entropy on a corpus
+    batch stays in the same step, so the model keeps the corpus while it
+    unlearns its loops.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -378,7 +417,12 @@ def train_model(
         kl = (mx.exp(t_logp) * (t_logp - logp)).sum(axis=-1).mean()
         return (1.0 - distill) * ce + distill * kl
 
+    def ul_loss_fn(model, x, y, xs, ys, mask):
+        ce = nn.losses.cross_entropy(model(x), y, reduction="mean")
+        return ce + unlikelihood * unlikelihood_loss(model(xs), ys, mask)
+
     loss_and_grad = nn.value_and_grad(model, loss_fn)
+    ul_loss_and_grad = nn.value_and_grad(model, ul_loss_fn)
     distill_loss_and_grad = nn.value_and_grad(model, distill_loss_fn)
     state = [model.state, optimizer.state]
 
@@ -395,6 +439,23 @@ def train_model(
         grads, gnorm = optim.clip_grad_norm(grads, max_norm=1.0)
         optimizer.update(model, grads)
         return loss, gnorm
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def ul_step_fn(x, y, xs, ys, mask):
+        loss, grads = ul_loss_and_grad(model, x, y, xs, ys, mask)
+        grads, gnorm = optim.clip_grad_norm(grads, max_norm=1.0)
+        optimizer.update(model, grads)
+        return loss, gnorm
+
+    def loop_batch():
+        """The model's own greedy continuations and which of their tokens loop."""
+        starts = rng.integers(0, len(train_tokens) - ul_prefix - 1, size=batch)
+        pre = train_tokens[starts[:, None] + np.arange(ul_prefix)[None, :]]
+        cont = greedy_batch(model, pre, ul_tokens)
+        seq = mx.array(np.concatenate([pre, cont], axis=1))
+        mask = np.zeros((batch, ul_prefix + ul_tokens - 1), np.float32)
+        mask[:, ul_prefix - 1 :] = loop_mask(cont, ul_ngram)
+        return seq[:, :-1], seq[:, 1:], mx.array(mask)
 
     def teacher_logp(x):
         if teacher is None or distill <= 0.0:
@@ -431,7 +492,12 @@ def train_model(
         x, y = get_batch()
         t0 = time.perf_counter()
         t_logp = teacher_logp(x)
-        loss, gnorm = step_fn(x, y) if t_logp is None else distill_step_fn(x, y, t_logp)
+        if unlikelihood > 0.0:
+            loss, gnorm = ul_step_fn(x, y, *loop_batch())
+        elif t_logp is None:
+            loss, gnorm = step_fn(x, y)
+        else:
+            loss, gnorm = distill_step_fn(x, y, t_logp)
         mx.eval(loss, gnorm, model.parameters(), optimizer.state)
         dt = time.perf_counter() - t0
         train_time += dt
@@ -480,6 +546,9 @@ def train_model(
         "distill": distill if teacher is not None else 0.0,
         "repeat_frac": repeat_frac,
         "repeat_style": repeat_style if repeat_frac > 0 else None,
+        "unlikelihood": {"weight": unlikelihood, "ngram": ul_ngram, "prefix": ul_prefix, "tokens": ul_tokens}
+        if unlikelihood > 0
+        else None,
         "init": "continued" if init is not None else "fresh",
         "train_time_s": round(train_time, 1),
         "ms_per_step": round(1000 * t_timed / max(1, n_timed), 1),
@@ -493,20 +562,25 @@ def train_model(
 # --------------------------------------------------------------------------
 
 
-def greedy_tokens(model, prompt_ids, n: int):
-    """n greedy tokens (EOS ignored) with an mlx-lm KV cache."""
+def greedy_batch(model, prefixes: np.ndarray, n: int) -> np.ndarray:
+    """n greedy tokens (EOS ignored) for each row of ``prefixes`` (equal
+    lengths), with an mlx-lm KV cache: ``(rows, n)``."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt_ids)[None], cache=cache)
-    y = mx.argmax(logits[:, -1, :], axis=-1)
-    out = []
-    for _ in range(n):
-        out.append(y.item())
-        logits = model(y[:, None], cache=cache)
-        y = mx.argmax(logits[:, -1, :], axis=-1)
-    return out
+    y = mx.argmax(model(mx.array(prefixes), cache=cache)[:, -1, :], axis=-1)
+    out = [y]
+    for _ in range(n - 1):
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+        out.append(y)
+        mx.async_eval(y)
+    return np.array(mx.stack(out, axis=1))
+
+
+def greedy_tokens(model, prompt_ids, n: int):
+    """n greedy tokens (EOS ignored) after one prompt."""
+    return greedy_batch(model, np.array([prompt_ids]), n)[0].tolist()
 
 
 def distinct_ngram_ratio(ids, n: int = 4) -> float:
@@ -657,6 +731,11 @@ def main(argv=None):
                          "window's length (teaches copying from the context)")
     ap.add_argument("--repeat-style", choices=("jump", "cycle"), default="jump",
                     help="how a repeated window repeats (see repeat_window)")
+    ap.add_argument("--unlikelihood", type=float, default=0.0,
+                    help="with --continue-target: weight of sequence-level unlikelihood on the "
+                         "tokens of n-grams the model's own greedy continuation repeats")
+    ap.add_argument("--ul-ngram", type=int, default=4,
+                    help="n of the repeated n-grams --unlikelihood penalises")
     ap.add_argument("--eval-seq-len", type=int, default=None,
                     help="held-out window length for the recorded measurements "
                          "(default: --seq-len)")
@@ -850,7 +929,7 @@ def continue_target(args, target_cfg, train_files, heldout_files, t_start, *, ev
         minutes=None if args.steps_target else args.minutes_target, steps=args.steps_target,
         lr=args.lr_target, batch=args.batch, seq_len=args.seq_len, warmup=args.warmup,
         weight_decay=0.1, eval_every=eval_every, init=init, repeat_frac=args.repeat_frac,
-        repeat_style=args.repeat_style)
+        repeat_style=args.repeat_style, unlikelihood=args.unlikelihood, ul_ngram=args.ul_ngram)
     save_keeping_tokenizer(target, target_cfg, out, "tiny", eos_id)
     del target, init
     res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
