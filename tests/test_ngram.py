@@ -98,3 +98,17 @@ def test_drafter_core_follows_the_context_tail_and_forgets():
 def test_bad_drafter_sizes_fail_at_construction():
     with pytest.raises(ValueError):
         NgramDrafterCore(min_n=5, max_n=4)
+
+
+def test_replay_counts_target_calls_of_greedy_prompt_lookup():
+    from sims.spec_replay import tokens_per_call
+
+    # The continuation repeats the prompt. Calls 1 and 2 have no 2-token
+    # match to copy from (suffixes "7 8" and "8 1" are new) and yield one
+    # token each; then "1 2" matches, so call 3 accepts 3, 4, 5 and adds the
+    # bonus 6, and call 4 accepts the last two: 8 tokens in 4 calls.
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert tokens_per_call(prompt, [1, 2, 3, 4, 5, 6, 7, 8], 3) == 2.0
+    assert tokens_per_call(prompt, [1, 2, 3, 4, 5, 6, 7, 8], 1) == 8 / 5  # 1, 1, then 2 + 2 + 2
+    # nothing to copy: one token per call
+    assert tokens_per_call([1, 2, 3], [9, 10, 11, 12], 4) == 1.0
