@@ -26,7 +26,10 @@ plain decode, ``E = 1``.
 * ``a_j`` is a moving average per request (requests differ: a file being
   edited accepts far more than free text), seeded from an engine-wide moving
   average for the same drafter so a new request starts from experience; a
-  position the request never reached borrows the one before it.
+  position the request never reached borrows the one before it, and a row
+  drafts at most one position past the deepest it has had judged, so it
+  deepens one position per round instead of jumping to γ = 6 on one
+  accepted probe draft.
 * The cost model is fitted engine-wide (the device is shared) by least
   squares over the 25th percentile of the rounds seen at each (rows, drafts)
   — not means, because a round slowed by another process on the machine, or
@@ -340,7 +343,14 @@ class GammaPolicy:
         base = p_none * self._cost(b, 0) + (1.0 - p_none) * self._cost(b, drafts)
         accept = self.effective_accept(row)
         rates = [(tokens + 1.0) / base]
-        for g in range(1, self.gamma_max + 1):
+        # One position past the deepest this request has had judged: a probe's
+        # single accepted draft says nothing about positions 2..6, and jumping
+        # to γ = 6 on it (6 draft-model steps and a 7-token verify, in a batch
+        # for every row) was most of what adaptive γ lost where drafting does
+        # not pay (docs/bench-adaptive.md). A row that keeps accepting deepens
+        # one position per round.
+        reach = next((j for j, n in enumerate(row.seen) if n == 0), self.gamma_max)
+        for g in range(1, min(self.gamma_max, reach + 1) + 1):
             mine = row.hit * self.expected_tokens(accept, g) + (1.0 - row.hit)
             cost = row.hit * self._cost(b, drafts + g) + (1.0 - row.hit) * base
             rates.append((tokens + mine) / cost)
@@ -353,7 +363,7 @@ class GammaPolicy:
             return 0
         best = max(range(len(rates)), key=lambda g: (rates[g], -g))
         nxt = best + 1
-        if 0 < best and nxt <= self.gamma_max and not self.measured(round(drafts) + nxt):
+        if 0 < best and nxt < len(rates) and not self.measured(round(drafts) + nxt):
             return nxt  # measure the next γ; it may be cheaper than estimated
         return best
 

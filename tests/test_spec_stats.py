@@ -288,3 +288,20 @@ def test_a_new_request_starts_from_the_engines_probe_spacing():
         p.observe_round(second, 1, 1)
     assert p.choose(second)[0] > 0
     assert p.new_row(None).probe_every == 4
+
+
+def test_a_row_deepens_one_position_past_what_it_has_seen_judged():
+    """One accepted probe draft says nothing about deeper positions: the next
+    window is at most one position deeper, however good the prior looks."""
+    p = GammaPolicy(gamma_max=6, accept_prior=0.9)
+    for g in range(7):
+        for _ in range(4):
+            p.observe_cost(g, 0.010 + 0.0005 * g, rows=1, drafted_tokens=g, draft_s=0)
+    row = p.new_row(None)
+    p.observe_round(row, 1, 1)  # the probe: one draft, accepted
+    assert p.choose(row)[0] == 2
+    p.observe_round(row, 2, 2)
+    assert p.choose(row)[0] == 3
+    for _ in range(4):
+        p.observe_round(row, 6, 6)  # every position judged and accepted: as deep as it goes
+    assert p.choose(row)[0] == 6
