@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 
+from actors.verifier import accept_window
 from engine.ngram import NgramIndex
 
 
@@ -26,11 +27,9 @@ def tokens_per_call(prompt: list[int], continuation: list[int], gamma: int) -> f
     index.extend(list(prompt))
     i = calls = 0
     while i < len(continuation):
-        draft = index.propose(gamma)
-        accepted = 0
-        while accepted < len(draft) and i + accepted < len(continuation) and draft[accepted] == continuation[i + accepted]:
-            accepted += 1
-        emitted = continuation[i : i + accepted + 1]
+        draft = index.propose(gamma)[: len(continuation) - i - 1]  # no drafts past the end
+        # the Verifier's own rule, against the target's tokens for this window
+        _, emitted = accept_window(draft, continuation[i : i + len(draft) + 1])
         index.extend(emitted)
         i += len(emitted)
         calls += 1
