@@ -396,6 +396,8 @@ def train_model(
     import mlx.nn as nn
     import mlx.optimizers as optim
 
+    if unlikelihood > 0.0 and teacher is not None and distill > 0.0:
+        raise ValueError("unlikelihood and distillation do not combine: the step would drop the distillation term")
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     model = make_model(config) if init is None else init
