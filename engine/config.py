@@ -17,8 +17,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_queue: int = 64
     prefill_chunk: int = 512
     # rows prefilling in the same step share one forward (MLX); False: each
-    # row alone, bit for bit mlx_lm's own prefill (batched is ~1e-6 off in fp32)
+    # row alone, bit for bit mlx_lm's own prefill on the same weights (batched is
+    # ~1e-6 off in fp32)
     batch_prefill: bool = True
+    # on MLX's CPU backend, store Linear weights as W.T once at load: OpenBLAS's
+    # few-row GEMM (decode, verify windows) is faster on that layout
+    # (engine.cpu_layout); logits ~1e-5 from mlx-lm's layout. No effect on GPUs.
+    cpu_pretranspose: bool = True
     step_timeout_s: float | None = None
     # tiered prompt cache
     prompt_cache_gib: float = 2.0  # RAM tier cap; 0 disables

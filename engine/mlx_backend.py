@@ -61,6 +61,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from engine.blas import blas_threads
+from engine.cpu_layout import pretranspose_linears, wants_pretranspose
 from engine.config import EngineConfig
 from engine.device import ThreadDevice
 from engine.mlx_device import MLXThread
@@ -261,7 +262,10 @@ class MLXBackend:
         from mlx_lm import load
 
         model, tokenizer, model_config = load(str(path), return_config=True)
-        return cls(
+        pretransposed = 0
+        if config.cpu_pretranspose and wants_pretranspose():
+            pretransposed = pretranspose_linears(model)
+        backend = cls(
             model,
             tokenizer,
             model_config,
@@ -271,6 +275,8 @@ class MLXBackend:
             weights_digest=_weights_digest(path),
             prefill_together=config.batch_prefill,
         )
+        backend.counters["pretransposed_linears"] = pretransposed
+        return backend
 
     # ---- caches --------------------------------------------------------------
     def make_cache(self) -> list[Any]:

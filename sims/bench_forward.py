@@ -1,7 +1,7 @@
 """Micro-benchmarks of single forwards on the bundled target, side by side:
 
-    python -m sims.bench_forward            # all three legs
-    python -m sims.bench_forward --legs width,mask,prefill --rounds 8
+    python -m sims.bench_forward            # the first three legs
+    python -m sims.bench_forward --legs width,mask,prefill,layout --rounds 8
 
 * ``width``: a forward over n = 1..5 tokens on a warm KV cache (a verify
   window of γ = n − 1), one OpenBLAS thread as the engine runs it; ratio to
@@ -12,6 +12,10 @@
   does (docs/bench-engine.md, item 8).
 * ``prefill``: eight 48-token prompts prefilled one by one (B=1 each) vs in one
   ``(8, 48)`` forward, as ``MLXBackend._prefill_together`` does
+  (docs/mlx-backend.md).
+* ``layout``: the width leg's forwards (n = 1..5 at batch 1) and a batch-4
+  decode step on mlx-lm's weight layout vs the same weights stored ``W.T``
+  (``engine.cpu_layout``, what the engine runs on a CPU), one OpenBLAS thread
   (docs/mlx-backend.md).
 
 Each leg alternates its variants round by round and prints medians and the
@@ -117,6 +121,44 @@ def prefill_leg(model: Any, ids: list[int], rounds: int) -> dict[str, float]:
     return {"8 x B=1": statistics.median(a), "one (8, 48) forward": statistics.median(b)}
 
 
+def layout_leg(model_name: str, ids: list[int], rounds: int, steps: int = 60) -> dict[str, dict[str, float]]:
+    """Median ms of forwards on mlx-lm's layout vs ``W.T`` (two loads of one
+    checkpoint), alternating model by model within each round."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.cpu_layout import pretranspose_linears
+    from engine.models import resolve_model
+
+    path = str(resolve_model(model_name))
+    models = {"mlx-lm layout": load(path)[0], "W.T (engine)": load(path)[0]}
+    pretranspose_linears(models["W.T (engine)"])
+    shapes = [f"n={n}" for n in range(1, 6)] + ["B=4 decode"]
+    out: dict[str, dict[str, list[float]]] = {k: {s: [] for s in shapes} for k in models}
+    caches = {}
+    for name, m in models.items():
+        one = make_prompt_cache(m)
+        four = make_prompt_cache(m)
+        mx.eval(m(mx.array(ids[:300])[None], cache=one), m(mx.array([ids[i * 300 : i * 300 + 300] for i in range(4)]), cache=four))
+        caches[name] = (one, four)
+    for r in range(rounds):
+        for name in list(models)[r % 2 :] + list(models)[: r % 2]:
+            m, (one, four) = models[name], caches[name]
+            for shape in shapes:
+                if shape.startswith("n="):
+                    n, cache, x = int(shape[2:]), one, mx.array(ids[300 : 300 + int(shape[2:])])[None]
+                else:
+                    n, cache, x = 1, four, mx.array([[ids[1200 + i]] for i in range(4)])
+                ts = []
+                for _ in range(steps):
+                    ts.append(_timed(lambda: mx.eval(mx.argmax(m(x, cache=cache)[:, -1], axis=-1))))
+                    for c in cache:
+                        c.trim(n)
+                out[name][shape].append(1000 * statistics.median(ts))
+    return {k: {s: statistics.median(v) for s, v in d.items()} for k, d in out.items()}
+
+
 def load_with_ids(model_name: str) -> tuple[Any, Any, list[int]]:
     """The model, its tokenizer, and the token ids every leg feeds (textwrap.py, three times)."""
     import sysconfig
@@ -135,8 +177,11 @@ def verify_costs(model_name: str, draft_name: str, rounds: int) -> tuple[dict[in
     and a one-token step of the draft model (None for ``ngram``), median ms:
     what sims.bench_spec's ceiling columns divide by."""
     from engine.blas import blas_threads
+    from engine.cpu_layout import pretranspose_linears, wants_pretranspose
 
     model, _, ids = load_with_ids(model_name)
+    if wants_pretranspose():  # the target's layout in the engine (engine.cpu_layout)
+        pretranspose_linears(model)
     blas_threads().use(1)
     width = width_leg(model, ids, rounds)
     draft = None if draft_name == "ngram" else width_leg(load_with_ids(draft_name)[0], ids, rounds)[1]
@@ -176,6 +221,14 @@ def main(argv: list[str] | None = None) -> None:
         for k, v in p.items():
             print(f"  {k:22s} {v:7.1f} ms")
         print(f"  together / alone: {b / a:.2f}x")
+    if "layout" in legs:
+        blas_threads().use(1)
+        lay = layout_leg(args.model, ids, args.rounds)
+        (na, a), (nb, b) = lay.items()
+        print(f"forwards on a warm cache, 1 OpenBLAS thread (median ms): {na} | {nb} | ratio")
+        for shape in a:
+            print(f"  {shape:11s} {a[shape]:6.2f} | {b[shape]:6.2f} | {b[shape] / a[shape]:.2f}x")
+        print(f"  verify window n=4 over n=1: {a['n=4'] / a['n=1']:.2f}x | {b['n=4'] / b['n=1']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -197,6 +197,7 @@ def test_rejections_across_the_cache_step_roll_back_per_row():
     whole (trim 4 back across the step), row B accepts 2 of 3 (trim 1) — the
     per-row rollback (common trim + right-padding roll). Both then decode
     exactly like mlx-lm's generate_step, and A's KV equals a fresh prefill."""
+    from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -211,8 +212,12 @@ def test_rejections_across_the_cache_step_roll_back_per_row():
         a_prompt, b_prompt = ids[:BOUNDARY - 2], ids[1000:1100]
         vocab = backend.info.vocab_size
 
+        # mlx-lm's own load of the checkpoint: the backend's model may have its
+        # weights laid out for the CPU (engine.cpu_layout)
+        oracle = device.call(lambda: load(str(resolve_model(cfg.model)))[0])
+
         def reference(prompt: list[int], n: int) -> list[int]:
-            return [t for t, _ in generate_step(mx.array(prompt), backend.model, max_tokens=n)]
+            return [t for t, _ in generate_step(mx.array(prompt), oracle, max_tokens=n)]
 
         ref_a, ref_b = device.call(reference, a_prompt, 8), device.call(reference, b_prompt, 8)
         greedy = SamplingParams(max_tokens=1000)
@@ -245,8 +250,8 @@ def test_rejections_across_the_cache_step_roll_back_per_row():
         def kv_error() -> float:
             mine = backend.row_cache(1)
             fed = a_prompt + out_a[:-1]
-            ref = make_prompt_cache(backend.model)
-            backend.model(mx.array(fed)[None], cache=ref)
+            ref = make_prompt_cache(oracle)
+            oracle(mx.array(fed)[None], cache=ref)
             assert all(c.offset == len(fed) for c in mine)
             n = len(fed)
             return max(

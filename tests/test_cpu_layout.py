@@ -1,0 +1,58 @@
+"""engine.cpu_layout: Linear weights stored as W.T for OpenBLAS compute what
+mlx-lm's layout computes. The oracle is mlx-lm's own load of the checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+nn = pytest.importorskip("mlx.nn")
+
+from mlx_lm import load  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from engine.cpu_layout import PretransposedLinear, pretranspose_linears  # noqa: E402
+from engine.models import resolve_model  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads the bundled target twice
+
+
+def test_a_biased_linear_computes_the_same():
+    mx.random.seed(0)
+    lin = nn.Linear(24, 40, bias=True)
+    x = mx.random.normal((3, 24))
+    swapped = PretransposedLinear(lin)
+    assert swapped.weight_t.shape == (24, 40)
+    assert mx.allclose(swapped(x), lin(x), atol=1e-5).item()
+
+
+def test_quantized_linears_are_left_alone():
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.QuantizedLinear(64, 64, group_size=32, bits=4))
+    assert pretranspose_linears(model) == 1
+    assert type(model.layers[0]) is PretransposedLinear
+    assert type(model.layers[1]) is nn.QuantizedLinear
+
+
+def test_the_bundled_target_matches_mlx_lm_at_every_width():
+    path = str(resolve_model("tiny"))
+    ref, _ = load(path)
+    mine, _ = load(path)
+    n = pretranspose_linears(mine)
+    layers = len(ref.model.layers)
+    assert n == 7 * layers  # q, k, v, o, gate, up, down in each layer
+    assert not any(type(m) is nn.Linear for _, m in mine.named_modules())
+    ids = list(range(3, 203))
+    c_ref, c_mine = make_prompt_cache(ref), make_prompt_cache(mine)
+    a = ref(mx.array(ids[:160])[None], cache=c_ref)
+    b = mine(mx.array(ids[:160])[None], cache=c_mine)
+    assert mx.abs(a - b).max().item() < 1e-4  # prefill (measured: identical)
+    at = 160
+    for width in (1, 2, 4, 5):  # decode and verify windows: another OpenBLAS kernel, ~1e-5
+        x = mx.array(ids[at : at + width])[None]
+        a, b = ref(x, cache=c_ref), mine(x, cache=c_mine)
+        assert mx.abs(a - b).max().item() < 1e-3
+        assert (mx.argmax(a, axis=-1) == mx.argmax(b, axis=-1)).all().item()
+        at += width
+    for x, y in zip(c_ref, c_mine):
+        assert mx.abs(x.keys[..., : x.offset, :] - y.keys[..., : y.offset, :]).max().item() < 1e-3
