@@ -52,12 +52,16 @@ class RowSpec:
 
 
 class SpecRounds:
-    def __init__(self, *, context_length: int, gamma_cap: int = 16, costs_kept: int = 64):
+    def __init__(self, *, context_length: int, gamma_cap: int = 16, costs_kept: int = 16):
         self.context_length = context_length
         self.gamma_cap = gamma_cap
         self.rows: dict[int, RowSpec] = {}
         self.owed: dict[int, int] = {}  # rid -> tokens the backend must still trim
-        self.costs: deque[StepCost] = deque(maxlen=costs_kept)  # measured since the last Verify
+        # Measured since the last Verify, the latest ``costs_kept`` per (rows,
+        # drafts): a verify round followed by a long plain hold (no Verify sent)
+        # must still reach the policy, not be pushed out by the plain rounds.
+        self.costs_kept = costs_kept
+        self.costs: dict[tuple[int, int], deque[StepCost]] = {}
         self._open_step: tuple[int, int, int, float, float] | None = None  # costed at the next start
         self._forgotten: list[int] = []
 
@@ -170,7 +174,8 @@ class SpecRounds:
         prev, self._open_step = self._open_step, None
         if prev is not None:
             gamma, rows, drafted, d_s, t = prev
-            self.costs.append(StepCost(gamma=gamma, step_s=started - t, rows=rows, drafted=drafted, draft_s=d_s))
+            cost = StepCost(gamma=gamma, step_s=started - t, rows=rows, drafted=drafted, draft_s=d_s)
+            self.costs.setdefault((rows, drafted), deque(maxlen=self.costs_kept)).append(cost)
         if not ok or not more or plan.prefill or not (plan.decode or plan.verify):
             return
         drafted = sum(len(v.tokens) - 1 for v in plan.verify)
@@ -186,7 +191,8 @@ class SpecRounds:
         ]
         if not windows:
             return None
-        costs, self.costs = list(self.costs), deque(maxlen=self.costs.maxlen)
+        costs = [c for shape in self.costs.values() for c in shape]
+        self.costs = {}
         return Verify(windows=windows, costs=costs, rows=rows)
 
     def apply(self, verified: Verified, rows: dict[int, Any], emit: Callable[[Any, list[int]], None]) -> None:

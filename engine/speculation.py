@@ -31,7 +31,9 @@ plain decode, ``E = 1``.
   deepens one position per round instead of jumping to γ = 6 on one
   accepted probe draft.
 * The cost model is fitted engine-wide (the device is shared) by least
-  squares over the 25th percentile of the rounds seen at each (rows, drafts)
+  squares over the 25th percentile of the latest 32 rounds seen at each
+  (rows, drafts) — per shape, so a rare verify round in a batch is not
+  pushed out by the plain rounds around it
   — not means, because a round slowed by another process on the machine, or
   by a late thread wakeup, must not swing the choice. Before any round with
   drafts was measured, a draft token is priced at ``slope_prior`` of a plain
@@ -106,7 +108,7 @@ class GammaPolicy:
         gamma_max: int = ADAPTIVE_GAMMA_MAX,
         accept_prior: float = 0.5,
         accept_alpha: float = 0.15,
-        cost_window: int = 256,
+        cost_window: int = 32,
         min_samples: int = 4,
         slope_prior: float = 0.1,
         probe_first: int = 4,
@@ -120,7 +122,7 @@ class GammaPolicy:
         self.fixed = fixed
         self.gamma_max = gamma_max
         self.accept_alpha = accept_alpha
-        self.cost_window = cost_window
+        self.cost_window = cost_window  # rounds kept per (rows, drafts) shape
         self.min_samples = min_samples
         self.slope_prior = slope_prior
         self.probe_first = probe_first
@@ -133,7 +135,11 @@ class GammaPolicy:
         # new request starts with it instead of re-learning it (on a drafter the
         # target rejects, 5 probes per 160-token request instead of 2).
         self.probe_seed = probe_first
-        self._samples: deque[tuple[int, int, float]] = deque(maxlen=cost_window)  # (rows, drafts, s)
+        # Per shape, not one window over all rounds: in a batch a verify round is
+        # rare (a probe every ~100 plain rounds), and a shared window of recent
+        # rounds let the plain ones push it out before it could be used, so a
+        # 4-row verify was priced from 1-row rounds for good (docs/bench-adaptive.md).
+        self._samples: dict[tuple[int, int], deque[float]] = {}  # (rows, drafts) -> seconds
         self._draft_s: deque[float] = deque(maxlen=64)  # per drafted token, for the stats
         self._coef: tuple[tuple[float, float], tuple[float, float, float] | None] = ((1.0, 0.0), None)
         self._floor = 1e-9
@@ -168,7 +174,10 @@ class GammaPolicy:
         which drafting took ``draft_s``."""
         self.rows_now = max(1, rows)
         if step_s > 0:
-            self._samples.append((max(1, rows), drafted_tokens, step_s))
+            key = (max(1, rows), drafted_tokens)
+            if key not in self._samples:
+                self._samples[key] = deque(maxlen=self.cost_window)
+            self._samples[key].append(step_s)
             self._fit_due = True
             self._local.clear()
         if drafted_tokens > 0 and draft_s >= 0:
@@ -179,10 +188,7 @@ class GammaPolicy:
         return low_quantile(self._draft_s) if self._draft_s else None
 
     def _points(self) -> dict[tuple[int, int], float]:
-        groups: dict[tuple[int, int], list[float]] = {}
-        for r, d, s in self._samples:
-            groups.setdefault((r, d), []).append(s)
-        return {k: low_quantile(v) for k, v in groups.items()}
+        return {k: low_quantile(v) for k, v in self._samples.items() if v}
 
     @staticmethod
     def _lstsq(rows: np.ndarray, drafts: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
@@ -252,8 +258,7 @@ class GammaPolicy:
         """Enough rounds at this batch size with this many draft tokens in all
         that one unlucky round cannot rule it out for good."""
         b = self.rows_now
-        n = sum(1 for r, d, _ in self._samples if r == b and d == drafts)
-        return n >= self.min_samples
+        return len(self._samples.get((b, drafts), ())) >= self.min_samples
 
     # ---- choice ----------------------------------------------------------
     @staticmethod

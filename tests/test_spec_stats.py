@@ -219,6 +219,43 @@ def test_probes_are_sparser_where_a_verify_round_costs_more():
     assert batch > 3 * alone
 
 
+def test_a_rare_verify_round_is_not_forgotten_behind_many_plain_ones():
+    """In a batch a probe's verify round comes once per ~100 plain rounds. The
+    policy must still price the next one from it, not from 1-row rounds."""
+    p = GammaPolicy()
+    for g in range(3):
+        for _ in range(4):
+            p.observe_cost(g, 0.005 + 0.0003 * g, rows=1, drafted_tokens=g, draft_s=0)
+    p.observe_cost(1, 0.021, rows=4, drafted_tokens=4, draft_s=0)  # one probe of all four rows
+    for _ in range(1000):
+        p.observe_cost(0, 0.008, rows=4, drafted_tokens=0, draft_s=0)
+    p.rows_now = 4
+    assert p.round_cost(1) == pytest.approx(0.021)
+    assert p.round_cost(0) == pytest.approx(0.008)
+
+
+def test_step_costs_of_a_verify_round_survive_a_long_plain_hold():
+    """The Scheduler sends step costs with the next Verify; rows on hold send
+    none for ~100 rounds, and the verify round's cost must still arrive."""
+    from actors.spec_rounds import RowSpec, SpecRounds
+    from engine.ports import DecodeRow, StepPlan, VerifyRow
+
+    spec = SpecRounds(context_length=4096)
+    t = 0.0
+    verify = StepPlan(verify=[VerifyRow(i, [1, 2]) for i in range(4)])
+    plain = StepPlan(decode=[DecodeRow(i, 1) for i in range(4)])
+    for plan, dt in [(verify, 0.02)] + [(plain, 0.008)] * 200:
+        spec.note_step(plan, t, 0.0, ok=True, more=True)
+        t += dt
+    spec.note_step(plain, t, 0.0, ok=True, more=True)
+    spec.rows[0] = RowSpec(fixed=None, targets=[1])
+    costs = spec.take_verify(4).costs
+    shapes = {(c.rows, c.drafted) for c in costs}
+    assert shapes == {(4, 4), (4, 0)}
+    assert [c.step_s for c in costs if c.drafted] == [pytest.approx(0.02)]
+    assert len(costs) == 1 + spec.costs_kept  # plain rounds: the latest few
+
+
 def test_policy_goes_deep_when_everything_is_accepted_and_resumes_after_a_probe():
     p = GammaPolicy(gamma_max=4)
     for g in range(5):
