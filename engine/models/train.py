@@ -939,8 +939,9 @@ def continue_target(args, target_cfg, train_files, heldout_files, t_start, *, ev
                     wall_s_total=round(time.time() - t_start, 1))
     f = out / "tiny" / "training_log.json"
     before = json.loads(f.read_text()) if f.exists() else {}
-    # The first stage's record stays: this model is that run plus this one.
-    stages = before.get("stages") or [{k: v for k, v in before.items() if k != "measurements"}]
+    # Earlier stages' records stay: this model is those runs plus this one.
+    prior = {k: v for k, v in before.items() if k not in ("measurements", "stages")}
+    stages = list(before.get("stages") or []) + ([prior] if prior else [])
     f.write_text(json.dumps(dict(meta, training=trec, stages=stages), indent=1) + "\n")
     update_measurements(out / "tiny-draft" / "training_log.json", res)
     log(f"target continued in {time.time() - t_start:.0f}s; out {out}")
