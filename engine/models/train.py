@@ -23,8 +23,9 @@ with ``--steps-target`` / ``--steps-draft`` to redo exactly the same run.
 The corpus is whatever stdlib the interpreter has, so use the same Python
 version (the shipped models used CPython 3.11) to get the same data.
 
-On Linux run MLX with OpenBLAS preloaded (see above): the reference BLAS is
-about 20x slower for training.
+On Linux ``python -m engine.models.train`` re-executes itself with the system
+OpenBLAS preloaded, as ``ember`` does (``engine.blas``; ``EMBER_NO_OPENBLAS=1``
+opts out): under MLX's reference BLAS a step-2 step took 11 s instead of 2.
 """
 
 from __future__ import annotations
@@ -949,4 +950,8 @@ def continue_target(args, target_cfg, train_files, heldout_files, t_start, *, ev
 
 
 if __name__ == "__main__":
+    from engine.blas import maybe_reexec_with_openblas
+
+    # Like `ember` and the sims: under MLX's reference BLAS a step is ~5x slower.
+    maybe_reexec_with_openblas()
     main()
