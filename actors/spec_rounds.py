@@ -174,8 +174,10 @@ class SpecRounds:
         prev, self._open_step = self._open_step, None
         if prev is not None:
             gamma, rows, drafted, d_s, t = prev
-            cost = StepCost(gamma=gamma, step_s=started - t, rows=rows, drafted=drafted, draft_s=d_s)
-            self.costs.setdefault((rows, drafted), deque(maxlen=self.costs_kept)).append(cost)
+            shape = self.costs.get((rows, drafted))
+            if shape is None:
+                shape = self.costs[(rows, drafted)] = deque(maxlen=self.costs_kept)
+            shape.append(StepCost(gamma=gamma, step_s=started - t, rows=rows, drafted=drafted, draft_s=d_s))
         if not ok or not more or plan.prefill or not (plan.decode or plan.verify):
             return
         drafted = sum(len(v.tokens) - 1 for v in plan.verify)

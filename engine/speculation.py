@@ -32,10 +32,10 @@ plain decode, ``E = 1``.
   accepted probe draft.
 * The cost model is fitted engine-wide (the device is shared) by least
   squares over the 25th percentile of the latest 32 rounds seen at each
-  (rows, drafts) — per shape, so a rare verify round in a batch is not
-  pushed out by the plain rounds around it
-  — not means, because a round slowed by another process on the machine, or
-  by a late thread wakeup, must not swing the choice. Before any round with
+  (rows, drafts) — not means, because a round slowed by another process on
+  the machine, or by a late thread wakeup, must not swing the choice; and
+  per shape, so a rare verify round in a batch is not pushed out by the
+  plain rounds around it. Before any round with
   drafts was measured, a draft token is priced at ``slope_prior`` of a plain
   round; the γ just above the current choice is tried until it has a few
   samples, so the fit sees the γ it is choosing between.
