@@ -122,8 +122,9 @@ def prefill_leg(model: Any, ids: list[int], rounds: int) -> dict[str, float]:
 
 
 def layout_leg(model_name: str, ids: list[int], rounds: int, steps: int = 60) -> dict[str, dict[str, float]]:
-    """Median ms of forwards on mlx-lm's layout vs ``W.T`` (two loads of one
-    checkpoint), alternating model by model within each round."""
+    """Median ms of the width leg's forwards and of a batch-4 decode step on
+    mlx-lm's layout vs ``W.T`` (two loads of one checkpoint), the two
+    alternating within each round."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
@@ -134,28 +135,25 @@ def layout_leg(model_name: str, ids: list[int], rounds: int, steps: int = 60) ->
     path = str(resolve_model(model_name))
     models = {"mlx-lm layout": load(path)[0], "W.T (engine)": load(path)[0]}
     pretranspose_linears(models["W.T (engine)"])
-    shapes = [f"n={n}" for n in range(1, 6)] + ["B=4 decode"]
-    out: dict[str, dict[str, list[float]]] = {k: {s: [] for s in shapes} for k in models}
-    caches = {}
-    for name, m in models.items():
-        one = make_prompt_cache(m)
-        four = make_prompt_cache(m)
-        mx.eval(m(mx.array(ids[:300])[None], cache=one), m(mx.array([ids[i * 300 : i * 300 + 300] for i in range(4)]), cache=four))
-        caches[name] = (one, four)
+    out: dict[str, dict[str, list[float]]] = {k: {} for k in models}
+
+    def batch4(m: Any) -> float:
+        cache = make_prompt_cache(m)
+        mx.eval(m(mx.array([ids[i * 300 : i * 300 + 300] for i in range(4)]), cache=cache))
+        x = mx.array([[ids[1200 + i]] for i in range(4)])
+        ts = []
+        for _ in range(steps):
+            ts.append(_timed(lambda: mx.eval(mx.argmax(m(x, cache=cache)[:, -1], axis=-1))))
+            for c in cache:
+                c.trim(1)
+        return 1000 * statistics.median(ts)
+
     for r in range(rounds):
         for name in list(models)[r % 2 :] + list(models)[: r % 2]:
-            m, (one, four) = models[name], caches[name]
-            for shape in shapes:
-                if shape.startswith("n="):
-                    n, cache, x = int(shape[2:]), one, mx.array(ids[300 : 300 + int(shape[2:])])[None]
-                else:
-                    n, cache, x = 1, four, mx.array([[ids[1200 + i]] for i in range(4)])
-                ts = []
-                for _ in range(steps):
-                    ts.append(_timed(lambda: mx.eval(mx.argmax(m(x, cache=cache)[:, -1], axis=-1))))
-                    for c in cache:
-                        c.trim(n)
-                out[name][shape].append(1000 * statistics.median(ts))
+            m = models[name]
+            for n, ms in width_leg(m, ids, 1, steps).items():
+                out[name].setdefault(f"n={n}", []).append(ms)
+            out[name].setdefault("B=4 decode", []).append(batch4(m))
     return {k: {s: statistics.median(v) for s, v in d.items()} for k, d in out.items()}
 
 

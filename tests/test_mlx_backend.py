@@ -87,8 +87,9 @@ class Rig:
 
     def reference(self, prompt: list[int], n: int, temp: float = 0.0, seed: int = 0) -> list[int]:
         """n tokens from mlx_lm.generate_step on mlx-lm's own load of the
-        checkpoint, on the backend's thread; sampled ones after ``mx.random.seed(seed)``, which is what a
-        request with that seed must reproduce (engine.mlx_sampling)."""
+        checkpoint, on the backend's thread; sampled ones after
+        ``mx.random.seed(seed)``, which is what a request with that seed must
+        reproduce (engine.mlx_sampling)."""
 
         def run():
             mx.random.seed(seed)
