@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+
+class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A grammar the output must match, enforced by masking logits per row.
+
+    ``kind`` says how ``source`` reads: a JSON Schema (``json_schema``), any JSON
+    object (``json_object``, ``source`` empty), a Lark grammar in llguidance's
+    dialect (``lark``), or a regular expression (``regex``)."""
+
+    kind: Literal["json_schema", "json_object", "lark", "regex"]
+    source: str = ""
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    """One sampled token's log-probability and, when asked for, its top rivals."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -16,6 +37,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     seed: int | None = None
     stop: list[str] = []
     ignore_eos: bool = False
+    # Logits processing (OpenAI semantics; 0 / empty = off).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    # None: no logprobs; k >= 0: the sampled token's logprob and its top k rivals.
+    logprobs: int | None = None
+    constraint: Constraint | None = None
     # Speculation overrides (None = the engine default).
     num_draft_tokens: int | None = None
     speculate: bool | None = None
@@ -47,5 +76,7 @@ class Delta(msgspec.Struct, kw_only=True):
     rid: int
     text: str = ""
     token_ids: list[int] = []
+    # One per token in ``token_ids`` when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
