@@ -431,8 +431,11 @@ class Engine:
             async for d in stream:
                 yield d
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt tokens of a chat: the tokenizer's chat template."""
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt tokens of a chat: the tokenizer's chat template (offering
+        ``tools``, in OpenAI's function shape, when given)."""
+        if tools:
+            return self.tokenizer.apply_chat_template(messages, tools=tools)
         return self.tokenizer.apply_chat_template(messages)
 
     async def achat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *, ns: str = "") -> AsyncIterator[Delta]:

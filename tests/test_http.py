@@ -323,7 +323,7 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, None),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools[0]"),
     ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),

@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.eventlog import EventLog
 from engine.ports import LoopClock
+from transport import chat_turn
 from transport.errors import ApiError, error_body, from_engine_error
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
 from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
@@ -209,16 +210,19 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     req = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
     model = host.check_model(req.model)
     if chat:
-        try:
-            prompt = engine.chat_prompt([m.as_template_message() for m in req.messages])
-        except Exception as exc:  # a template raises on what it cannot render (roles, order): the input's fault
-            raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+        tools = req.tool_setup()
+        prompt = chat_turn.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
     else:
         prompt = engine.encode(req.prompt)
     room = engine.info.context_length - len(prompt)
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
+    if chat:
+        params = chat_turn.tool_params(engine, params, tools)
     stream = await engine.asubmit(prompt, params)
-    renderer = ChatRenderer(model, req.include_usage) if chat else CompletionRenderer(model, req.include_usage)
+    if chat:
+        renderer = ChatRenderer(model, req.include_usage, chat_turn.splitter(engine, tools))
+    else:
+        renderer = CompletionRenderer(model, req.include_usage)
     if req.stream:
         return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
     completion = await collect(stream, request.receive, timer)

@@ -22,6 +22,7 @@ embedded API and HTTP agree; the schema checks types and shapes.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ import msgspec
 
 from engine.errors import InvalidRequest
 from engine.types import SamplingParams, Usage
+from transport.tools import ToolChoice, ToolSetup, check_tool
 
 MAX_STOP_STRINGS = 16
 MAX_DRAFT_TOKENS = 64  # a draft window is verified in one forward: beyond this it is only waste
@@ -44,20 +46,62 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     def as_template_message(self) -> dict[str, Any]:
-        """The dict a chat template reads; text parts are concatenated like mlx-lm does."""
+        """The dict a chat template reads; text parts are concatenated like mlx-lm does,
+        and a call's arguments are handed over as an object (templates `tojson` them)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
         msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # always strict here: a forced call's arguments follow the schema
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class StreamOptions(_Strict):
@@ -151,9 +195,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools: ignored
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> "ChatCompletionRequest":
         self._check_common()
@@ -171,11 +215,45 @@ class ChatCompletionRequest(_Common, kw_only=True):
             raise InvalidRequest("top_logprobs is not supported", "top_logprobs")
         if self.response_format is not None and self.response_format.type != "text":
             raise InvalidRequest("only response_format {\"type\": \"text\"} is supported", "response_format")
-        if self.tools:
-            raise InvalidRequest("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequest("tool_choice is not supported", "tool_choice")
+        self._check_messages()
         return self
+
+    def _check_messages(self) -> None:
+        """Roles and tool traffic that a template would render silently wrong."""
+        calls: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise InvalidRequest("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+            for j, c in enumerate(m.tool_calls or []):
+                try:
+                    args = json.loads(c.function.arguments)
+                except json.JSONDecodeError:
+                    args = None
+                if not isinstance(args, dict):
+                    raise InvalidRequest("arguments must be a JSON object", f"messages[{i}].tool_calls[{j}].function.arguments")
+                calls.add(c.id)
+            if m.role == "tool":
+                if m.tool_call_id is None:
+                    raise InvalidRequest("a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
+                if m.tool_call_id not in calls:
+                    raise InvalidRequest(
+                        f"tool_call_id {m.tool_call_id!r} matches no earlier assistant tool call", f"messages[{i}].tool_call_id"
+                    )
+            elif m.tool_call_id is not None:
+                raise InvalidRequest("only tool messages carry tool_call_id", f"messages[{i}].tool_call_id")
+
+    def tool_setup(self) -> ToolSetup:
+        """The checked tools and choice (``tool_choice: none`` offers none)."""
+        tools = [
+            check_tool(t.function.name, t.function.description, t.function.parameters, f"tools[{i}].function")
+            for i, t in enumerate(self.tools or [])
+        ]
+        c = self.tool_choice
+        if isinstance(c, NamedToolChoice):
+            choice = ToolChoice(mode="named", name=c.function.name)
+        else:
+            choice = ToolChoice(mode=c or "auto")
+        return ToolSetup.of(tools, choice, self.parallel_tool_calls, "tool_choice")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -248,9 +326,21 @@ class UsageBody(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
 
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET  # only when the model called
 
 
 class ChatChoice(msgspec.Struct):
@@ -269,9 +359,25 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     object: str = "chat.completion"
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """OpenAI's streamed call: the first piece has id, type and name (and empty
+    arguments), the rest only ``function.arguments`` pieces, all with ``index``."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class ChunkDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -18,11 +18,16 @@ from transport.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ChunkDelta,
+    FunctionCallDelta,
+    FunctionCallOut,
     TextChoice,
     TextCompletion,
+    ToolCallDelta,
+    ToolCallOut,
     UsageBody,
 )
 from transport.sse import event
+from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Text
 
 _encode = msgspec.json.Encoder().encode
 
@@ -41,7 +46,37 @@ class _Base:
 
 
 class ChatRenderer(_Base):
+    """With a ``CallSplitter``, tool calls in the text become ``tool_calls``
+    (streamed as OpenAI does) and a stop after a call finishes as ``tool_calls``."""
+
     prefix = "chatcmpl"
+
+    def __init__(self, model: str, include_usage: bool = False, splitter: CallSplitter | None = None):
+        super().__init__(model, include_usage)
+        self.splitter = splitter
+
+    def _content_chunks(self, text: str, final: bool) -> list[bytes]:
+        if self.splitter is None:
+            return [self._chunk([ChatChunkChoice(index=0, delta=ChunkDelta(content=text))])] if text else []
+        events = self.splitter.feed(text) + (self.splitter.finish() if final else [])
+        out = []
+        for e in events:
+            if isinstance(e, Text):
+                delta = ChunkDelta(content=e.text)
+            elif isinstance(e, CallStart):
+                fn = FunctionCallDelta(name=e.name, arguments="")
+                delta = ChunkDelta(tool_calls=[ToolCallDelta(index=e.index, id=e.id, type="function", function=fn)])
+            elif isinstance(e, CallArgs):
+                delta = ChunkDelta(tool_calls=[ToolCallDelta(index=e.index, function=FunctionCallDelta(arguments=e.text))])
+            else:
+                continue  # CallEnd: the pieces already went out
+            out.append(self._chunk([ChatChunkChoice(index=0, delta=delta)]))
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        if reason == "stop" and self.splitter is not None and self.splitter.made_calls:
+            return "tool_calls"
+        return reason
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageBody | None = None) -> bytes:
         return event(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)))
@@ -51,22 +86,34 @@ class ChatRenderer(_Base):
         return [self._chunk([ChatChunkChoice(index=0, delta=ChunkDelta(role="assistant", content=""))])]
 
     def delta(self, d: Delta) -> list[bytes]:
-        out = []
-        if d.text:
-            out.append(self._chunk([ChatChunkChoice(index=0, delta=ChunkDelta(content=d.text))]))
+        out = self._content_chunks(d.text, d.finish_reason is not None)
         if d.finish_reason is not None:
-            out.append(self._chunk([ChatChunkChoice(index=0, delta=ChunkDelta(), finish_reason=d.finish_reason)]))
+            reason = self.finish_reason(d.finish_reason)
+            out.append(self._chunk([ChatChunkChoice(index=0, delta=ChunkDelta(), finish_reason=reason)]))
             if self.include_usage and d.usage is not None:
                 out.append(self._chunk([], UsageBody.of(d.usage)))
         return out
 
+    def message(self, c: Completion) -> AssistantMessage:
+        if self.splitter is None:
+            return AssistantMessage(content=c.text)
+        events = self.splitter.feed(c.text) + self.splitter.finish()
+        text = "".join(e.text for e in events if isinstance(e, Text))
+        calls = [
+            ToolCallOut(id=e.id, function=FunctionCallOut(name=e.name, arguments=e.arguments))
+            for e in events
+            if isinstance(e, CallEnd)
+        ]
+        return AssistantMessage(content=(text or None) if calls else text, tool_calls=calls or msgspec.UNSET)
+
     def body(self, c: Completion) -> bytes:
+        message = self.message(c)
         return _encode(
             ChatCompletion(
                 id=self.id,
                 created=self.created,
                 model=self.model,
-                choices=[ChatChoice(index=0, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)],
+                choices=[ChatChoice(index=0, message=message, finish_reason=self.finish_reason(c.finish_reason))],
                 usage=UsageBody.of(c.usage) if c.usage is not None else None,
             )
         )
