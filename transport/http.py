@@ -277,6 +277,13 @@ async def metrics(request: Request, host: ServerState) -> Response:
     return Response(host.metrics.render(), media_type=CONTENT_TYPE)
 
 
+def agent_routes() -> list[Route]:
+    """The Anthropic Messages and OpenAI Responses routes, each with its own error shape."""
+    from transport import anthropic_api
+
+    return anthropic_api.routes()
+
+
 # ---------------------------------------------------------------------------
 # The app.
 
@@ -326,6 +333,7 @@ def build_app(
         Route("/metrics", _endpoint("metrics", metrics), methods=["GET"]),
         Route("/admin/cache/flush", _endpoint("cache_flush", cache_flush), methods=["POST"]),
     ]
+    routes += agent_routes()
     app = Starlette(
         routes=routes,
         lifespan=lifespan,

@@ -127,4 +127,5 @@ class EventStream(Response):
             if finished:
                 self.on_end()
                 break
-        await body([DONE])
+        # OpenAI's streams end in [DONE]; a renderer whose API has no such line says `done = b""`.
+        await body([getattr(self.renderer, "done", DONE)])

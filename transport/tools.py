@@ -56,8 +56,9 @@ class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
 
 
-def check_tool(name: Any, description: Any, parameters: Any, param: str) -> Tool:
-    """One tool definition, checked; ``param`` is where it sits in the request."""
+def check_tool(name: Any, description: Any, parameters: Any, param: str, schema_field: str = "parameters") -> Tool:
+    """One tool definition, checked; ``param`` is where it sits in the request,
+    ``schema_field`` what this API calls its schema."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise InvalidRequest(
             "a tool name must be 1-64 letters, digits, '_', '-', '.' or ':'", f"{param}.name"
@@ -66,9 +67,9 @@ def check_tool(name: Any, description: Any, parameters: Any, param: str) -> Tool
         raise InvalidRequest("a tool description must be a string", f"{param}.description")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
-    check_schema(parameters, f"{param}.parameters")
+    check_schema(parameters, f"{param}.{schema_field}")
     if parameters.get("type", "object") != "object":
-        raise InvalidRequest("a tool's parameters must be a JSON schema of type object", f"{param}.parameters")
+        raise InvalidRequest("a tool's parameters must be a JSON schema of type object", f"{param}.{schema_field}")
     return Tool(name=name, description=description, parameters=parameters)
 
 
