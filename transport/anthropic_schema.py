@@ -178,8 +178,8 @@ class MessagesRequest(_Prompt, kw_only=True):
         top_k = d.top_k if self.top_k is None else self.top_k
         return SamplingParams(
             max_tokens=self.max_tokens,
-            # Anthropic's default temperature is 1.0
-            temperature=1.0 if self.temperature is None else self.temperature,
+            # unset: greedy, Ember's default on every route (Anthropic's own is 1.0)
+            temperature=d.temperature if self.temperature is None else self.temperature,
             top_p=d.top_p if self.top_p is None else self.top_p,
             top_k=0 if top_k >= vocab_size else top_k,
             stop=list(self.stop_sequences or []),

@@ -44,7 +44,7 @@ def with_constraint(engine: Any, params: SamplingParams, constraint: Constraint 
     if params.constraint is not None:
         raise InvalidRequest("a forced tool call and a response format cannot both constrain the output", param)
     if not engine_enforces_constraints(engine):
-        raise InvalidRequest("this engine cannot enforce a grammar, which forcing a tool call needs", param)
+        raise InvalidRequest("this engine cannot enforce a grammar (constrained decoding), which this parameter needs", param)
     return msgspec.structs.replace(params, constraint=constraint)
 
 

@@ -279,9 +279,9 @@ async def metrics(request: Request, host: ServerState) -> Response:
 
 def agent_routes() -> list[Route]:
     """The Anthropic Messages and OpenAI Responses routes, each with its own error shape."""
-    from transport import anthropic_api
+    from transport import anthropic_api, responses_api
 
-    return anthropic_api.routes()
+    return anthropic_api.routes() + responses_api.routes(_endpoint)
 
 
 # ---------------------------------------------------------------------------
