@@ -90,7 +90,7 @@ class ResponsesRenderer:
     def _usage(u: Any) -> dict[str, Any]:
         return {
             "input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.total_tokens,
