@@ -118,7 +118,9 @@ def test_chat_with_tools_offers_them_in_the_prompt(oai):
 def test_forced_named_tool_call_parses(oai, grammar):
     needs_grammar(grammar)
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=CHAT_TOOLS, tool_choice=choice, max_tokens=80)
+    r = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=CHAT_TOOLS, tool_choice=choice, parallel_tool_calls=False, max_tokens=80
+    )
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     check_weather_args(json.loads(call.function.arguments))
@@ -214,12 +216,12 @@ def test_anthropic_forced_tool_use(claude, grammar):
     needs_grammar(grammar)
     tools = [{"name": "get_weather", "description": "Weather forecast", "input_schema": WEATHER}]
     msg = claude.messages.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], tools=tools,
-                                 tool_choice={"type": "tool", "name": "get_weather"}, max_tokens=80)
+                                 tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}, max_tokens=80)
     (use,) = [b for b in msg.content if b.type == "tool_use"]
     assert use.name == "get_weather" and msg.stop_reason == "tool_use"
     check_weather_args(use.input)
     with claude.messages.stream(model=MODEL, messages=[{"role": "user", "content": QUESTION}], tools=tools,
-                                tool_choice={"type": "any"}, max_tokens=80) as stream:
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True}, max_tokens=80) as stream:
         final = stream.get_final_message()
     assert [b.input for b in final.content if b.type == "tool_use"] == [use.input]
 
@@ -252,7 +254,7 @@ def test_openai_agents_runs_a_function_tool(server, grammar):
                 tools=[get_weather],
                 model=model,
                 # forced on the first turn; the SDK resets it to auto once a tool ran
-                model_settings=ModelSettings(tool_choice="required", max_tokens=40),
+                model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=60),
             )
             return await Runner.run(agent, QUESTION, max_turns=3)
         finally:

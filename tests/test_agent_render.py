@@ -104,6 +104,9 @@ def test_splitter_single_call_drops_the_rest_and_a_truncated_call_ends():
     events = s.feed(cut) + s.finish()
     (end,) = [e for e in events if isinstance(e, CallEnd)]
     assert end.name == "get_weather" and end.arguments == '{"city": '
+    s = CallSplitter(MARKUP)  # cut before the name: no call, and no markup as text either
+    events = s.feed("ok" + MODEL_TEXT[13:30]) + s.finish()
+    assert events == [Text("ok")] and s.dropped_chars > 0
 
 
 def test_splitter_parses_other_formats_whole_with_the_parser():

@@ -227,7 +227,7 @@ async def messages(request: Request, host: Any) -> Response:
     setup = req.tool_setup()
     prompt = chat_turn.chat_prompt(engine, req.template_messages(), setup)
     params = chat_turn.tool_params(engine, req.sampling_params(engine.info.vocab_size), setup)
-    stream = await engine.asubmit(prompt, params)
+    stream = await chat_turn.submit(engine, prompt, params, "tool_choice")
     renderer = MessagesRenderer(model, len(prompt), chat_turn.splitter(engine, setup, "toolu_"), engine.tokenizer, params.stop)
     if req.stream:
         return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)

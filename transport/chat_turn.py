@@ -21,8 +21,9 @@ from transport.tools import ToolSetup
 
 
 def engine_enforces_constraints(engine: Any) -> bool:
-    """Whether this engine masks logits by ``SamplingParams.constraint``."""
-    return bool(getattr(engine, "supports_constraints", False))
+    """Whether this engine masks logits by ``SamplingParams.constraint`` (the MLX
+    backend with llguidance does; the fake GPU does not)."""
+    return bool(getattr(engine.info, "logits_processing", False))
 
 
 def chat_prompt(engine: Any, messages: list[dict[str, Any]], setup: ToolSetup, param: str = "messages") -> list[int]:
@@ -60,3 +61,14 @@ def splitter(engine: Any, setup: ToolSetup, id_prefix: str = "call_") -> CallSpl
     names = [t.as_template_tool() for t in setup.tools]
     single = not setup.parallel
     return CallSplitter(markup_of(engine.tokenizer), names, single=single, id_prefix=id_prefix)
+
+
+async def submit(engine: Any, prompt: list[int], params: SamplingParams, constraint_param: str | None) -> Any:
+    """``engine.asubmit``; a grammar the engine cannot compile is reported on the
+    request's own parameter (``tool_choice``, ``text.format``), not ``constraint``."""
+    try:
+        return await engine.asubmit(prompt, params)
+    except InvalidRequest as exc:
+        if exc.param == "constraint" and constraint_param is not None:
+            raise InvalidRequest(str(exc), constraint_param) from None
+        raise

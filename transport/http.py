@@ -218,7 +218,9 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
     if chat:
         params = chat_turn.tool_params(engine, params, tools)
-    stream = await engine.asubmit(prompt, params)
+        stream = await chat_turn.submit(engine, prompt, params, tools.param_choice if tools.forced else None)
+    else:
+        stream = await engine.asubmit(prompt, params)
     if chat:
         renderer = ChatRenderer(model, req.include_usage, chat_turn.splitter(engine, tools))
     else:

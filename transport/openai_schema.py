@@ -22,7 +22,6 @@ embedded API and HTTP agree; the schema checks types and shapes.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Literal
 
@@ -30,7 +29,7 @@ import msgspec
 
 from engine.errors import InvalidRequest
 from engine.types import SamplingParams, Usage
-from transport.tools import ToolChoice, ToolSetup, check_tool
+from transport.tools import ToolChoice, ToolSetup, check_tool, template_arguments
 
 MAX_STOP_STRINGS = 16
 MAX_DRAFT_TOKENS = 64  # a draft window is verified in one forward: beyond this it is only waste
@@ -75,7 +74,7 @@ class ChatMessage(_Strict):
             msg["name"] = self.name
         if self.tool_calls:
             msg["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
                 for c in self.tool_calls
             ]
         if self.tool_call_id is not None:
@@ -224,13 +223,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
         for i, m in enumerate(self.messages):
             if m.tool_calls and m.role != "assistant":
                 raise InvalidRequest("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
-            for j, c in enumerate(m.tool_calls or []):
-                try:
-                    args = json.loads(c.function.arguments)
-                except json.JSONDecodeError:
-                    args = None
-                if not isinstance(args, dict):
-                    raise InvalidRequest("arguments must be a JSON object", f"messages[{i}].tool_calls[{j}].function.arguments")
+            for c in m.tool_calls or []:
                 calls.add(c.id)
             if m.role == "tool":
                 if m.tool_call_id is None:

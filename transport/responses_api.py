@@ -205,7 +205,7 @@ async def responses(request: Request, host: Any) -> Response:
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
     params = chat_turn.with_constraint(engine, params, req.constraint(), "text.format")
     params = chat_turn.tool_params(engine, params, setup)
-    stream = await engine.asubmit(prompt, params)
+    stream = await chat_turn.submit(engine, prompt, params, "tool_choice" if setup.forced else "text.format")
     renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup))
     if req.stream:
         return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)

@@ -17,7 +17,7 @@ import msgspec
 
 from engine.errors import InvalidRequest
 from engine.types import Constraint, SamplingParams
-from transport.tools import ToolChoice, ToolSetup, check_schema, check_tool
+from transport.tools import ToolChoice, ToolSetup, check_schema, check_tool, template_arguments
 
 
 class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -175,12 +175,7 @@ class ResponsesRequest(_Strict, kw_only=True, dict=True):
             if isinstance(item, MessageItem):
                 out.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
-                try:
-                    args = json.loads(item.arguments)
-                except json.JSONDecodeError:
-                    args = None
-                if not isinstance(args, dict):
-                    raise InvalidRequest("arguments must be a JSON object", f"input[{i}].arguments")
+                args = template_arguments(item.arguments)
                 call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": args}}
                 calls.add(item.call_id)
                 last = out[-1] if out else None

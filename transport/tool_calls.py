@@ -183,6 +183,10 @@ class CallSplitter:
             if len(args) > self._args_sent:
                 out.append(CallArgs(index=start.index, text=args[self._args_sent :]))
             end = CallEnd(index=start.index, id=start.id, name=start.name, arguments=args)
+        elif not complete:  # cut off (max tokens) before even its name: there is no call to report
+            log.info("[tools] a tool call cut off before its name was dropped chars=%d", len(body))
+            self.dropped_chars += len(body)
+            return
         else:
             end = self._parse_whole(body, out)
             if end is None:

@@ -156,6 +156,17 @@ def forced_call_grammar(tools: list[Tool], choice: ToolChoice, *, parallel: bool
     return Constraint(kind="lark", source="\n".join([first, top, *rules]))
 
 
+def template_arguments(text: str) -> Any:
+    """A call's arguments as a chat template reads them: the object, or — for a
+    call that max_tokens cut short, which agent frameworks send back as they got
+    it — the text as the model wrote it (a template that `tojson`s it quotes it)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
 def new_call_id(prefix: str = "call_") -> str:
     import uuid
 
