@@ -116,6 +116,12 @@ class ByteTokenizer:
         return ByteDetokenizer()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         text = f"<|tools|>{json.dumps(tools)}\n" if tools else ""
         for m in messages:
             text += f"<|{m['role']}|>{m.get('content') or ''}"
@@ -124,7 +130,7 @@ class ByteTokenizer:
                 args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
                 text += f'<tool_call>\n{{"name": "{fn["name"]}", "arguments": {args}}}\n</tool_call>'
             text += "\n"
-        return self.encode(text + "<|assistant|>")
+        return text + "<|assistant|>"
 
 
 # --------------------------------------------------------------------------

@@ -46,6 +46,22 @@ class MLXTokenizer:
         # It already has add_token / finalize / last_segment.
         return self._tok.detokenizer
 
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's text; ``encode_rendered`` of it equals ``apply_chat_template``."""
+        if not self._tok.has_chat_template:
+            raise InvalidRequest("this model has no chat template; send a plain prompt", "messages")
+        if tools and self.tool_markup is None:
+            raise InvalidRequest("this model's chat template does not support tools", "tools")
+        kw = {"tools": tools} if tools else {}
+        try:
+            return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        except Exception as exc:  # jinja errors on malformed messages: the caller's fault
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Tokens of template output: its special tokens are spelled out, none are added."""
+        return list(self._tok.encode(text, add_special_tokens=False))
+
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self._tok.has_chat_template:
             raise InvalidRequest("this model has no chat template; send a plain prompt", "messages")

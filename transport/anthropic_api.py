@@ -43,7 +43,6 @@ from transport.anthropic_schema import (
 from transport.errors import ApiError, from_engine_error
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
-from transport.sse import EventStream
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 
 _encode = msgspec.json.Encoder().encode
@@ -218,7 +217,7 @@ class MessagesRenderer:
 
 
 async def messages(request: Request, host: Any) -> Response:
-    from transport.http import collect, read_body
+    from transport.http import read_body
 
     engine = host.require_engine()
     timer = TokenTimer(host.metrics, engine.clock.now)
@@ -229,12 +228,7 @@ async def messages(request: Request, host: Any) -> Response:
     params = chat_turn.tool_params(engine, req.sampling_params(engine.info.vocab_size), setup)
     stream = await chat_turn.submit(engine, prompt, params, "tool_choice")
     renderer = MessagesRenderer(model, len(prompt), chat_turn.splitter(engine, setup, "toolu_"), engine.tokenizer, params.stop)
-    if req.stream:
-        return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
-    completion = await collect(stream, request.receive, timer)
-    if completion is None:
-        return Response(status_code=400)  # the client left; nothing is sent
-    return Response(renderer.body(completion), media_type="application/json")
+    return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
 
 
 async def count_tokens(request: Request, host: Any) -> Response:

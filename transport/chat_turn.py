@@ -10,12 +10,14 @@ each turn their own request shape into OpenAI-style template messages and a
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import msgspec
 
 from engine.errors import InvalidRequest
 from engine.types import Constraint, SamplingParams
+from transport.output_memory import OutputMemory
 from transport.tool_calls import CallSplitter, markup_of
 from transport.tools import ToolSetup
 
@@ -26,15 +28,70 @@ def engine_enforces_constraints(engine: Any) -> bool:
     return bool(getattr(engine.info, "logits_processing", False))
 
 
-def chat_prompt(engine: Any, messages: list[dict[str, Any]], setup: ToolSetup, param: str = "messages") -> list[int]:
-    """The prompt tokens; a template that cannot render the input is the input's fault (400)."""
-    setup.check_markup(markup_of(engine.tokenizer))
+class Prompt(list):
+    """A chat prompt's token ids, with the text they render (None when the
+    tokenizer cannot say) for ``remember``."""
+
+    text: str | None = None
+
+
+_MEMORIES: "weakref.WeakKeyDictionary[Any, OutputMemory]" = weakref.WeakKeyDictionary()
+
+
+def output_memory(engine: Any) -> OutputMemory:
+    """The engine's memory of generated ids (transport/output_memory.py)."""
+    memory = _MEMORIES.get(engine)
+    if memory is None:
+        memory = _MEMORIES[engine] = OutputMemory()
+    return memory
+
+
+def chat_prompt(engine: Any, messages: list[dict[str, Any]], setup: ToolSetup, param: str = "messages") -> Prompt:
+    """The prompt tokens — earlier answers as the model generated them, where
+    the conversation repeats them; a template that cannot render the input is
+    the input's fault (400)."""
+    tok = engine.tokenizer
+    setup.check_markup(markup_of(tok))
+    tools = setup.template_tools()
     try:
-        return engine.chat_prompt(messages, setup.template_tools())
+        if not hasattr(tok, "render_chat"):
+            return Prompt(engine.chat_prompt(messages, tools))
+        text = tok.render_chat(messages, tools)
     except InvalidRequest:
         raise
     except Exception as exc:  # a template raises on what it cannot render (roles, order)
         raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param) from None
+    ids, _ = output_memory(engine).tokenize(text, tok.encode_rendered)
+    prompt = Prompt(ids)
+    prompt.text = text
+    return prompt
+
+
+def remember(engine: Any, prompt: Prompt, text: str, token_ids: list[int]) -> None:
+    """Keep a finished answer's ids for the next turn, if they spell its text exactly."""
+    if prompt.text is None or not token_ids or engine.tokenizer.decode(token_ids) != text:
+        return
+    output_memory(engine).remember(prompt.text + text, list(prompt) + list(token_ids))
+
+
+class Recording:
+    """A streaming renderer that also hands the whole output to ``on_finish``."""
+
+    def __init__(self, renderer: Any, on_finish: Any):
+        self._renderer = renderer
+        self._on_finish = on_finish
+        self._text: list[str] = []
+        self._ids: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._renderer, name)
+
+    def delta(self, d: Any) -> list[bytes]:
+        self._text.append(d.text)
+        self._ids += d.token_ids
+        if d.finish_reason is not None:
+            self._on_finish("".join(self._text), self._ids)
+        return self._renderer.delta(d)
 
 
 def with_constraint(engine: Any, params: SamplingParams, constraint: Constraint | None, param: str) -> SamplingParams:
@@ -72,3 +129,23 @@ async def submit(engine: Any, prompt: list[int], params: SamplingParams, constra
         if exc.param == "constraint" and constraint_param is not None:
             raise InvalidRequest(str(exc), constraint_param) from None
         raise
+
+
+async def respond(request: Any, host: Any, engine: Any, prompt: Prompt, stream: Any, renderer: Any, streaming: bool, timer: Any) -> Any:
+    """Send the answer — SSE or one body — and remember its ids for the next turn."""
+    from starlette.responses import Response
+
+    from transport.http import collect
+    from transport.sse import EventStream
+
+    def on_finish(text: str, ids: list[int]) -> None:
+        remember(engine, prompt, text, ids)
+
+    if streaming:
+        recording = Recording(renderer, on_finish)
+        return EventStream(stream, recording, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
+    completion = await collect(stream, request.receive, timer)
+    if completion is None:
+        return Response(status_code=400)  # the client left; nothing is sent
+    on_finish(completion.text, completion.token_ids)
+    return Response(renderer.body(completion), media_type="application/json")

@@ -223,8 +223,8 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
         stream = await engine.asubmit(prompt, params)
     if chat:
         renderer = ChatRenderer(model, req.include_usage, chat_turn.splitter(engine, tools))
-    else:
-        renderer = CompletionRenderer(model, req.include_usage)
+        return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
+    renderer = CompletionRenderer(model, req.include_usage)
     if req.stream:
         return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
     completion = await collect(stream, request.receive, timer)

@@ -5,13 +5,14 @@ unsupported field is a 400 naming it, not a silent no-op. Which common OpenAI
 fields are accepted is a deliberate list (docs/http.md):
 
 * accepted and ignored, because they do not change the output: ``user``,
-  ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``;
+  ``metadata``, ``store``, ``service_tier``;
+* chat tools: ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
+  ``tool_calls`` and ``tool`` messages (checked here and in transport/tools.py);
 * accepted only at their neutral value (anything else is a 400 saying it is
   not supported): ``n`` (1), ``logprobs`` (false / null), ``top_logprobs``,
   ``presence_penalty`` / ``frequency_penalty`` (0), ``logit_bias`` (empty),
-  ``response_format`` (``{"type": "text"}``), ``tools`` (empty),
-  ``tool_choice`` ("none"), and for completions ``echo`` (false),
-  ``best_of`` (1), ``suffix`` (empty);
+  ``response_format`` (``{"type": "text"}``), and for completions ``echo``
+  (false), ``best_of`` (1), ``suffix`` (empty);
 * Ember's extensions (vLLM / mlx-lm spell them the same way): ``top_k``,
   ``min_p``, ``ignore_eos``, ``num_draft_tokens``, ``speculate``.
 

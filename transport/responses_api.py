@@ -33,7 +33,6 @@ from transport.errors import from_engine_error
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
 from transport.responses_schema import ResponsesRequest
-from transport.sse import EventStream
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 
 _encode = msgspec.json.Encoder().encode
@@ -193,7 +192,7 @@ def _copy(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 async def responses(request: Request, host: Any) -> Response:
-    from transport.http import collect, read_body
+    from transport.http import read_body
 
     engine = host.require_engine()
     timer = TokenTimer(host.metrics, engine.clock.now)
@@ -207,12 +206,7 @@ async def responses(request: Request, host: Any) -> Response:
     params = chat_turn.tool_params(engine, params, setup)
     stream = await chat_turn.submit(engine, prompt, params, "tool_choice" if setup.forced else "text.format")
     renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup))
-    if req.stream:
-        return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
-    completion = await collect(stream, request.receive, timer)
-    if completion is None:
-        return Response(status_code=400)  # the client left; nothing is sent
-    return Response(renderer.body(completion), media_type="application/json")
+    return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
 
 
 def routes(endpoint: Any) -> list[Route]:
