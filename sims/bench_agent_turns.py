@@ -208,8 +208,8 @@ def session(client: httpx.Client, api: str, stream: bool, turns: int) -> list[di
 # ---------------------------------------------------------------------------
 
 
-def start_server(model: str) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def start_server(model: str, output_memory: bool = True) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "EMBER_OUTPUT_MEMORY": "1" if output_memory else "0"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "transport.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -232,12 +232,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--no-output-memory", action="store_true",
+                    help="re-tokenize earlier answers instead of reusing their sampled ids (transport/output_memory.py)")
+    ap.add_argument("--apis", default=",".join(APIS), help="comma-separated subset of " + ",".join(APIS))
     args = ap.parse_args(argv)
-    proc, url = start_server(args.model)
+    proc, url = start_server(args.model, output_memory=not args.no_output_memory)
     results: dict[str, list[dict[str, Any]]] = {}
     try:
         with httpx.Client(base_url=url, timeout=300) as client:
-            for api in APIS:
+            for api in args.apis.split(","):
                 for stream in (False, True):
                     results[f"{api}/{'stream' if stream else 'plain'}"] = session(client, api, stream, args.turns)
     finally:
