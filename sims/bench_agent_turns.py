@@ -140,7 +140,7 @@ def anthropic_turn(client: httpx.Client, system: str, history: list[tuple], forc
         text = "".join(b["text"] for b in blocks if b["type"] == "text")
         calls = [(b["id"], b["name"], json.dumps(b["input"])) for b in blocks if b["type"] == "tool_use"]
     else:
-        text, calls, u, args = "", [], {}, {}
+        text, calls, u = "", [], {}
         with client.stream("POST", "/v1/messages", json=body | {"stream": True}) as r:
             for e in sse(r):
                 if e["type"] == "message_start":
