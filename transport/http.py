@@ -33,6 +33,7 @@ from engine.eventlog import EventLog
 from engine.ports import LoopClock
 from transport.errors import ApiError, error_body, from_engine_error
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
+from transport.choices import ChoiceStream, submit_choices
 from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.sse import Disconnect, EventStream
@@ -179,8 +180,11 @@ async def read_body(request: Request, cap: int) -> bytes:
     return bytes(body)
 
 
-async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Completion | None:
-    """A non-streaming request's whole output, or None if the client left (then it is aborted)."""
+async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: TokenTimer) -> Any:
+    """A non-streaming request's whole output (a list, one per choice, for a
+    ``ChoiceStream``), or None if the client left (then it is aborted)."""
+    rids = getattr(stream, "rids", None)
+    outs = {rid: Completion() for rid in rids} if rids else None
     out = Completion()
     disconnect = Disconnect(receive)
     failed: EngineError | None = None
@@ -190,7 +194,7 @@ async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Com
             try:
                 async for d in stream:
                     timer.tokens(len(d.token_ids))
-                    out.add(d)
+                    (outs[d.rid] if outs is not None else out).add(d)
             except EngineError as exc:
                 failed = exc
             tg.cancel_scope.cancel()
@@ -199,7 +203,7 @@ async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Com
     if disconnect.happened:
         return None
     timer.done()
-    return out
+    return [outs[rid] for rid in rids] if outs is not None else out
 
 
 async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
@@ -217,8 +221,11 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
         prompt = engine.encode(req.prompt)
     room = engine.info.context_length - len(prompt)
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
-    stream = await engine.asubmit(prompt, params)
-    renderer = ChatRenderer(model, req.include_usage) if chat else CompletionRenderer(model, req.include_usage)
+    rename = {"constraint": "response_format"}
+    stream = await submit_choices(engine, prompt, req.choice_params(params), rename)
+    rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
+    kind = ChatRenderer if chat else CompletionRenderer
+    renderer = kind(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
     if req.stream:
         return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
     completion = await collect(stream, request.receive, timer)
