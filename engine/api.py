@@ -206,6 +206,7 @@ class Engine:
         if self.durability is not None:
             self.actors.append(self.durability)  # it asks the Scheduler and the ColdTier
         self._actor_scope: anyio.CancelScope | None = None
+        self._token_bytes: dict[int, bytes] = {}
 
     def _make_prefix_cache(self) -> Any:
         """The RAM prompt-cache tier (None when disabled)."""
@@ -447,6 +448,18 @@ class Engine:
         async with await self.asubmit(prompt, params, ns=ns) as stream:
             async for d in stream:
                 yield d
+
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's own bytes (a byte-level BPE token may be part of a UTF-8
+        character, which ``decode`` would turn into U+FFFD): for logprobs."""
+        cache = self._token_bytes
+        missing = [i for i in ids if i not in cache]
+        if missing:
+            grammars = getattr(self.backend, "grammars", None)
+            lltok = grammars.tokenizer() if grammars is not None else None
+            for i in missing:
+                cache[i] = lltok.decode_bytes([i]) if lltok is not None else self.tokenizer.decode([i]).encode()
+        return [cache[i] for i in ids]
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt tokens of a chat: the tokenizer's chat template (offering

@@ -121,7 +121,7 @@ def test_splitter_parses_other_formats_whole_with_the_parser():
 
 @pytest.mark.parametrize("step", STEPS)
 def test_chat_stream_reassembled_by_the_openai_sdk(step):
-    r = ChatRenderer("m", include_usage=True, splitter=CallSplitter(MARKUP))
+    r = ChatRenderer("m", include_usage=True, splitter=lambda: CallSplitter(MARKUP))
     chunks = r.start() + [b for d in deltas(MODEL_TEXT, step) for b in r.delta(d)]
     state = ChatCompletionStreamState()
     for payload in sse_payloads(chunks):
@@ -136,11 +136,11 @@ def test_chat_stream_reassembled_by_the_openai_sdk(step):
 
 
 def test_chat_body_validates_and_length_is_not_tool_calls():
-    r = ChatRenderer("m", splitter=CallSplitter(MARKUP))
+    r = ChatRenderer("m", splitter=lambda: CallSplitter(MARKUP))
     body = openai.types.chat.ChatCompletion.model_validate_json(r.body(completion(MODEL_TEXT)))
     assert body.choices[0].finish_reason == "tool_calls"
     assert [json.loads(c.function.arguments) for c in body.choices[0].message.tool_calls] == [json.loads(ARGS_1), {}]
-    r = ChatRenderer("m", splitter=CallSplitter(MARKUP))
+    r = ChatRenderer("m", splitter=lambda: CallSplitter(MARKUP))
     body = openai.types.chat.ChatCompletion.model_validate_json(r.body(completion("just text", "length")))
     assert body.choices[0].message.content == "just text" and body.choices[0].message.tool_calls is None
     assert body.choices[0].finish_reason == "length"

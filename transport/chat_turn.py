@@ -83,17 +83,17 @@ class Recording:
     def __init__(self, renderer: Any, on_finish: Any):
         self._renderer = renderer
         self._on_finish = on_finish
-        self._text: list[str] = []
-        self._ids: list[int] = []
+        self._out: dict[int, tuple[list[str], list[int]]] = {}  # per row (n choices)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._renderer, name)
 
     def delta(self, d: Any) -> list[bytes]:
-        self._text.append(d.text)
-        self._ids += d.token_ids
+        text, ids = self._out.setdefault(d.rid, ([], []))
+        text.append(d.text)
+        ids += d.token_ids
         if d.finish_reason is not None:
-            self._on_finish("".join(self._text), self._ids)
+            self._on_finish("".join(text), ids)
         return self._renderer.delta(d)
 
 
@@ -150,5 +150,6 @@ async def respond(request: Any, host: Any, engine: Any, prompt: Prompt, stream: 
     completion = await collect(stream, request.receive, timer)
     if completion is None:
         return Response(status_code=400)  # the client left; nothing is sent
-    on_finish(completion.text, completion.token_ids)
+    for c in completion if isinstance(completion, list) else [completion]:  # n choices: each may be continued
+        on_finish(c.text, c.token_ids)
     return Response(renderer.body(completion), media_type="application/json")

@@ -34,6 +34,7 @@ from engine.ports import LoopClock
 from transport import chat_turn
 from transport.errors import ApiError, error_body, from_engine_error
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
+from transport.choices import ChoiceStream, submit_choices
 from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.sse import Disconnect, EventStream
@@ -180,8 +181,11 @@ async def read_body(request: Request, cap: int) -> bytes:
     return bytes(body)
 
 
-async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Completion | None:
-    """A non-streaming request's whole output, or None if the client left (then it is aborted)."""
+async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: TokenTimer) -> Any:
+    """A non-streaming request's whole output (a list, one per choice, for a
+    ``ChoiceStream``), or None if the client left (then it is aborted)."""
+    rids = getattr(stream, "rids", None)
+    outs = {rid: Completion() for rid in rids} if rids else None
     out = Completion()
     disconnect = Disconnect(receive)
     failed: EngineError | None = None
@@ -191,7 +195,7 @@ async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Com
             try:
                 async for d in stream:
                     timer.tokens(len(d.token_ids))
-                    out.add(d)
+                    (outs[d.rid] if outs is not None else out).add(d)
             except EngineError as exc:
                 failed = exc
             tg.cancel_scope.cancel()
@@ -200,7 +204,7 @@ async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Com
     if disconnect.happened:
         return None
     timer.done()
-    return out
+    return [outs[rid] for rid in rids] if outs is not None else out
 
 
 async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
@@ -216,15 +220,19 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
         prompt = engine.encode(req.prompt)
     room = engine.info.context_length - len(prompt)
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
+    rename = {"constraint": "response_format"}
     if chat:
         params = chat_turn.tool_params(engine, params, tools)
-        stream = await chat_turn.submit(engine, prompt, params, tools.param_choice if tools.forced else None)
-    else:
-        stream = await engine.asubmit(prompt, params)
+        if tools.forced:
+            rename = {"constraint": tools.param_choice}
+    stream = await submit_choices(engine, prompt, req.choice_params(params), rename)
+    rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
     if chat:
-        renderer = ChatRenderer(model, req.include_usage, chat_turn.splitter(engine, tools))
+        renderer = ChatRenderer(
+            model, req.include_usage, rids=rids, token_bytes=engine.token_bytes, splitter=lambda: chat_turn.splitter(engine, tools)
+        )
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
-    renderer = CompletionRenderer(model, req.include_usage)
+    renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
     if req.stream:
         return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
     completion = await collect(stream, request.receive, timer)

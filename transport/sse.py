@@ -113,7 +113,7 @@ class EventStream(Response):
             while d is not None:
                 self.on_tokens(len(d.token_ids))
                 chunks += self.renderer.delta(d)
-                if d.finish_reason is not None:
+                if d.finish_reason is not None and self.stream.finished:  # every choice's (n > 1)
                     finished = True
                     break
                 try:
