@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from transport.chat_turn import Prompt, remember
 from transport.output_memory import OutputMemory
 
@@ -54,6 +56,7 @@ def test_remember_keeps_only_ids_that_spell_the_text():
     assert m.tokenize("P:cut!", encode)[1] is None
 
 
+@pytest.mark.slow
 def test_tiny_renders_tools_and_its_text_tokenizes_like_the_template():
     from mlx_lm.tokenizer_utils import load
 
