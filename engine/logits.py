@@ -88,28 +88,33 @@ class RowLogits:
             self.consumed = len(self.history)
 
     # ---- one position ----------------------------------------------------------
-    def _mask(self) -> mx.array:
-        """The allowed tokens now, as a bool ``[V]`` array. A dead position (after
-        a forbidden draft) or a matcher in error allows only EOS: nothing sampled
-        there is emitted, and a broken grammar ends the row instead of looping."""
-        words = self._words
+    def mask_words(self, out: np.ndarray) -> None:
+        """Write the allowed tokens now into ``out`` (``[ceil(V/32)]`` int32, bit
+        ``t % 32`` of word ``t // 32``). A dead position (after a forbidden
+        draft) or a matcher in error allows only EOS: nothing sampled there is
+        emitted, and a broken grammar ends the row instead of looping."""
         if self.consumed == len(self.history) and not self.matcher.is_error():
-            self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-            bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self._vocab]
-            if bits.any():
-                return mx.array(bits.astype(np.bool_))
-        bits = np.zeros(self._vocab, np.bool_)
-        bits[self._eos] = True
-        return mx.array(bits)
+            self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+            if out.any():
+                return
+        out[:] = 0
+        bits = out.view(np.uint32)
+        for t in self._eos:
+            bits[t // 32] |= np.uint32(1 << (t % 32))
 
-    def process(self, logits: mx.array) -> mx.array:
-        """``[1, V]`` raw logits at the current position -> the logprobs to sample from."""
+    def apply_processors(self, logits: mx.array) -> mx.array:
         if self.processors:
             tokens = mx.array(self.history, mx.int32)
             for p in self.processors:
                 logits = p(tokens, logits)
+        return logits
+
+    def process(self, logits: mx.array) -> mx.array:
+        """``[1, V]`` raw logits at the current position -> the logprobs to sample from."""
+        logits = self.apply_processors(logits)
         if self.matcher is not None:
-            logits = mx.where(self._mask(), logits, mx.array(-mx.inf, logits.dtype))
+            self.mask_words(self._words[0])
+            logits = apply_words(logits, self._words, self._vocab)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def window(self, inputs: list[int], logits: mx.array) -> mx.array:
@@ -131,6 +136,15 @@ class RowLogits:
             return (picked,)
         top = mx.argpartition(-raw_lp, k - 1, axis=-1)[:, :k]
         return picked, top, mx.take_along_axis(raw_lp, top, axis=-1)
+
+
+def apply_words(logits: mx.array, words: np.ndarray, vocab: int) -> mx.array:
+    """``[B, V]`` logits with the tokens whose bit is clear in ``words``
+    (``[B, ceil(V/32)]`` int32, llguidance's bitmask layout) set to -inf. The
+    bits are unpacked inside the MLX graph: one small op for the whole batch."""
+    w = mx.array(words.view(np.uint32))
+    allowed = ((w[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1).reshape(w.shape[0], -1)[:, :vocab]
+    return mx.where(allowed.astype(mx.bool_), logits, mx.array(-mx.inf, logits.dtype))
 
 
 def to_token_logprobs(tokens: list[int], arrays: tuple[mx.array, ...]) -> list[TokenLogprob]:

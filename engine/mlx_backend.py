@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -67,7 +68,7 @@ from engine.device import ThreadDevice
 from engine.mlx_device import MLXThread
 from engine.mlx_batch import DecodeBatch, merge_caches
 from engine.grammar import Grammars
-from engine.logits import RowLogits, needs_processing, to_token_logprobs
+from engine.logits import RowLogits, apply_words, needs_processing, to_token_logprobs
 from engine.mlx_sampling import RowSampler, row_seed
 from engine.mlx_tokenizer import MLXTokenizer
 from engine.ports import ModelInfo, StepPlan, StepResult
@@ -165,6 +166,8 @@ class _Ahead:
 
     tokens: mx.array  # [B] its sampled tokens, in batch order
     keys: list[tuple[_Row, mx.array]]  # the sampled rows' PRNG keys before it, to undo it
+    fed: list[_Row] = ()  # rows whose RowLogits were fed its inputs (undo: trim 1)
+    logprobs: dict[int, tuple[mx.array, ...]] | None = None  # lazy, by rid
 
 
 @dataclass(frozen=True)
@@ -384,10 +387,9 @@ class MLXBackend:
         outputs: list[tuple[list[int], list[int] | None, Any, dict]] = []  # (rids, widths, tokens, logprobs)
         step_tokens: list[mx.array] = []  # [B] per group, for the next queued step
         if queued:
-            queued.pop(0)  # this step's result
             for rid in batch.rids:
                 self._rows[rid].fed += 1
-            outputs.append((list(batch.rids), None, queued_tokens[0], {}))
+            outputs.append((list(batch.rids), None, queued_tokens[0], queued.pop(0).logprobs or {}))
             step_tokens.append(queued_tokens[0])
             queued_tokens = queued_tokens[1:]
             self.counters["pipelined"] += 1
@@ -418,7 +420,7 @@ class MLXBackend:
 
         all_decoded = not verifying and len(batch) > 0 and len(work) == len(batch)
         ahead = None
-        if self.pipeline and all_decoded and len(step_tokens) == len(outputs) and not self._has_logits():
+        if self.pipeline and all_decoded and len(step_tokens) == len(outputs):
             ahead = mx.concatenate(step_tokens) if len(step_tokens) > 1 else step_tokens[0]
         if ahead is None and queued:
             self._undo(queued)
@@ -429,7 +431,7 @@ class MLXBackend:
         if ahead is not None:
             self._queued = queued
             self._due = queued[-1].tokens if queued else ahead
-            if len(queued) < self.max_ahead:
+            if len(queued) < self.max_ahead and not self._has_logits():
                 # Build the next step's graph now, on this step's still-lazy tokens:
                 # the Python of the build overlaps the last kernels of this step
                 # (MLX's CPU ``async_eval`` returns with a few tasks still running,
@@ -648,8 +650,8 @@ class MLXBackend:
             per_row.append(toks)
         return list(rids), widths, per_row, lps
 
-    @staticmethod
     def _sample_last(
+        self,
         logits: mx.array,
         rows: list[_Row],
         inputs: list[list[int]] | None = None,
@@ -657,24 +659,38 @@ class MLXBackend:
     ) -> mx.array:
         raw = logits[:, -1, :]
         lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-        if all(r.logits is None for r in rows):
+        procs = [i for i, r in enumerate(rows) if r.logits is not None]
+        if not procs:
             if all(r.sampler.greedy for r in rows):
                 return mx.argmax(lp, axis=-1)
             return mx.concatenate([r.sampler(lp[i : i + 1]) for i, r in enumerate(rows)])
-        out = []
-        for i, r in enumerate(rows):
-            if r.logits is None:
-                out.append(r.sampler(lp[i : i + 1]))
-                continue
-            tok = r.sampler(r.logits.window(inputs[i], raw[i : i + 1]))
-            if r.logits.logprobs is not None:
-                lps[r.rid] = r.logits.logprob_arrays(lp[i : i + 1], tok)
-            out.append(tok)
-        return mx.concatenate(out)
+        # Rows with logits processing (engine.logits), batched: processors per
+        # row, then every row's grammar mask in one [B, V] op.
+        for i in procs:
+            rows[i].logits.feed(inputs[i][0])
+        x = raw
+        if any(rows[i].logits.processors for i in procs):
+            x = mx.concatenate([r.logits.apply_processors(x[i : i + 1]) if r.logits else x[i : i + 1] for i, r in enumerate(rows)])
+        masked = [i for i in procs if rows[i].logits.matcher is not None]
+        if masked:
+            words = np.full((len(rows), (self.info.vocab_size + 31) // 32), -1, np.int32)
+            for i in masked:
+                rows[i].logits.mask_words(words[i])
+            x = apply_words(x, words, self.info.vocab_size)
+        plp = x - mx.logsumexp(x, axis=-1, keepdims=True)  # == lp for the rows without processing
+        if all(r.sampler.greedy for r in rows):
+            toks = mx.argmax(plp, axis=-1)
+        else:
+            toks = mx.concatenate([r.sampler(plp[i : i + 1]) for i, r in enumerate(rows)])
+        for i in procs:
+            if rows[i].logits.logprobs is not None:
+                lps[rows[i].rid] = rows[i].logits.logprob_arrays(lp[i : i + 1], toks[i : i + 1])
+        return toks
 
     def _has_logits(self) -> bool:
         """A batch row with processing: its next mask or penalty needs the token
-        just sampled on the host, so no step can run ahead of the Scheduler."""
+        just sampled on the host, so its next step is built only after this
+        one's tokens are read (in ``run_ahead``, not inside ``step``)."""
         return any(self._rows[rid].logits is not None for rid in self._batch.rids)
 
     def _collect(
@@ -741,9 +757,13 @@ class MLXBackend:
             self._due = None  # every row has all its tokens by then
             return
         keys = [(r, r.sampler.key) for r in rows if not r.sampler.greedy]
+        inputs, lps = None, {}
+        fed = [r for r in rows if r.logits is not None]
+        if fed:  # masks and penalties need the inputs on the host
+            inputs = [[t] for t in tokens.tolist()]
         logits = batch.decode(self.model, tokens)
-        nxt = self._sample_last(logits, rows)
-        self._queued.append(_Ahead(nxt, keys))
+        nxt = self._sample_last(logits, rows, inputs, lps)
+        self._queued.append(_Ahead(nxt, keys, fed, lps))
         self._due = self._built = nxt
 
     def _queue_fits(self, plan: StepPlan) -> bool:
@@ -814,6 +834,9 @@ class MLXBackend:
             c.trim(len(queued))
         for row, key in queued[0].keys:
             row.sampler.key = key
+        for q in queued:
+            for row in q.fed:
+                row.logits.trim(1)
         self.counters["undone"] += len(queued)
 
     # ---- introspection (tests, stats) ------------------------------------------

@@ -87,6 +87,7 @@ async def test_constrained_outputs_validate_alone_and_batched(draft):
         alone = [await engine.acomplete(p, sp) for p, sp in reqs[:3]]
         batched = await asyncio.gather(*[engine.acomplete(p, sp) for p, sp in reqs])
         stats = engine.stats()
+        pipelined = engine.backend.stats()["pipelined"]
     for c, (_, sp) in zip(alone + batched, reqs[:3] + reqs):
         assert c.finish_reason == "stop", c.text
         value = json.loads(c.text)
@@ -98,6 +99,8 @@ async def test_constrained_outputs_validate_alone_and_batched(draft):
     assert alone[0].text == batched[0].text
     if draft:
         assert _spec(stats)["spec_decode_num_draft_tokens"] > 0  # the windows really ran
+    else:
+        assert pipelined > 0  # masked steps ran ahead of the Scheduler
 
 
 async def test_greedy_constrained_speculation_equals_plain():
@@ -110,7 +113,11 @@ async def test_greedy_constrained_speculation_equals_plain():
     async with Engine.open(_cfg(draft_model="ngram", num_draft_tokens=4)) as engine:
         spec = await asyncio.gather(*[engine.acomplete(p, sp) for p, sp in reqs])
         stats = _spec(engine.stats())
+        backend = engine.backend.stats()
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    # constrained plain steps ran ahead with their masks, and steps run ahead
+    # were undone (the matcher rolled back) when a row turned to a verify window
+    assert backend["pipelined"] > 0 and backend["undone"] > 0, backend
     # drafts were both accepted and rejected
     assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
 
