@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -155,6 +156,18 @@ def test_forbidden_draft_is_rejected_and_rolled_back():
 
 async def test_bad_constraints_are_refused_naming_the_parameter():
     async with Engine.open(_cfg()) as engine:
+        grammars = engine.backend.grammars
+        compile_, threads = grammars.compile, []
+
+        def watched(c):
+            threads.append(threading.get_ident())
+            return compile_(c)
+
+        grammars.compile = watched
+        ok = await engine.acomplete("x", SamplingParams(max_tokens=4, constraint=Constraint(kind="regex", source="[ab]+")))
+        assert set(ok.text) <= {"a", "b"}
+        # compiled on a worker thread, never on the event loop's
+        assert threads and threading.get_ident() not in threads
         for c in [
             Constraint(kind="json_schema", source='{"type": "foo"}'),
             Constraint(kind="json_schema", source="{not json"),
