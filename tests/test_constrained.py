@@ -21,7 +21,9 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 jsonschema = pytest.importorskip("jsonschema")
-llguidance = pytest.importorskip("llguidance")
+pytest.importorskip("llguidance")
+
+import llguidance  # noqa: E402
 import llguidance.hf  # noqa: E402
 import llguidance.numpy  # noqa: E402
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import anyio
 
-from engine.api import Completion, RequestStream
-from engine.errors import EngineError, InvalidRequest
+from engine.api import RequestStream
+from engine.errors import InvalidRequest
 from engine.types import Delta, SamplingParams, Usage
+from transport.openai_schema import rename_param
 
 
 async def submit_choices(engine: Any, prompt: list[int], params: list[SamplingParams], rename: dict[str, str]) -> Any:
@@ -31,7 +32,7 @@ async def submit_choices(engine: Any, prompt: list[int], params: list[SamplingPa
         for s in streams:
             await s.aclose()
         if exc.param in rename:
-            exc.param = rename[exc.param]
+            rename_param(exc, rename[exc.param], exc.param)
         raise
     except BaseException:
         for s in streams:
@@ -118,18 +119,3 @@ def merge_usage(usages: list[Usage | None]) -> Usage | None:
         speculation=first.speculation,
     )
 
-
-async def collect_all(stream: Any, on_delta: Any) -> list[Completion]:
-    """Every choice's whole output (``on_delta`` sees each delta as it comes)."""
-    rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
-    out = {rid: Completion() for rid in rids}
-    failed: EngineError | None = None
-    try:
-        async for d in stream:
-            on_delta(d)
-            out[d.rid].add(d)
-    except EngineError as exc:
-        failed = exc
-    if failed is not None:
-        raise failed
-    return [out[rid] for rid in rids]

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Callable
 
 import msgspec
-
-from typing import Callable
 
 from engine.api import Completion
 from engine.errors import EngineError
