@@ -260,3 +260,26 @@ async def test_constraint_keeps_the_distribution_over_allowed_tokens():
     # and the unconstrained distribution is clearly different (the test can fail)
     p_obs = counts / n
     assert np.abs(p_obs - p).sum() > 0.2
+
+
+async def test_n_choices_open_and_prefill_together():
+    """``n`` rows of one request are admitted concurrently, so they open in the
+    same step and their prompt goes through one batched prefill forward."""
+    from transport.choices import submit_choices
+
+    async with Engine.open(_cfg()) as engine:
+        prompt = engine.encode("import os\nimport sys\n" * 20)
+        before = engine.backend.counters["prefill_together"]
+        params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s) for s in (1, 2, 3)]
+        stream = await submit_choices(engine, prompt, params, {})
+        texts = {rid: "" for rid in stream.rids}
+        async with stream:
+            async for d in stream:
+                texts[d.rid] += d.text
+        assert engine.backend.counters["prefill_together"] - before == 3
+        assert len(set(texts.values())) > 1  # three seed streams
+        bad = [SamplingParams(constraint=Constraint(kind="regex", source="[a-"))] * 3
+        with pytest.raises(InvalidRequest) as e:
+            await submit_choices(engine, prompt, bad, {"constraint": "response_format"})
+        assert e.value.param == "response_format"
+        assert engine.gateway.stats()["in_flight"] == 0  # nothing left behind
