@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Callable
 
 import msgspec
+
+from typing import Callable
 
 from engine.api import Completion
 from engine.errors import EngineError
