@@ -421,6 +421,10 @@ class Engine:
         check_request(params or SamplingParams(), self.speculation)
         if params is not None and params.constraint is not None:
             await self.compile_constraint(params.constraint)
+        if params is not None and params.logprobs is not None and not self._token_bytes:
+            grammars = getattr(self.backend, "grammars", None)
+            if grammars is not None:  # token_bytes' tokenizer (~1 s for a large vocabulary): built off the loop
+                await anyio.to_thread.run_sync(grammars.tokenizer)
         tokens = self.encode(prompt)
         rid, stream = await self.gateway.ref.ask(Submit(tokens=tokens, params=params or SamplingParams(), ns=ns), nowait=True)
         return RequestStream(self.gateway.ref, rid, stream)
