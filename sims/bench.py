@@ -456,11 +456,16 @@ def report(res: Results, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def chart(ratios: dict[str, float], path: Path) -> None:
-    import matplotlib
+def chart(ratios: dict[str, float], path: Path) -> bool:
+    """Write the ratio chart to ``path``; False (and a line on stderr) without matplotlib."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('[bench] no chart: matplotlib is not installed (pip install -e ".[bench]")', file=sys.stderr)
+        return False
 
     fig, ax = plt.subplots(figsize=(8, 4))
     names = list(ratios)
@@ -472,6 +477,7 @@ def chart(ratios: dict[str, float], path: Path) -> None:
         ax.text(ratios[n], i, f" {ratios[n]:.2f}×", va="center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -490,10 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
-    chart(ratios, png)
-    out.write_text(text + f"\n![ratios]({png.name})\n")
+    charted = chart(ratios, png)
+    out.write_text(text + (f"\n![ratios]({png.name})\n" if charted else ""))
     print(text)
-    print(f"[bench] wrote {out} and {png}", file=sys.stderr)
+    print(f"[bench] wrote {out}" + (f" and {png}" if charted else ""), file=sys.stderr)
     return 0
 
 

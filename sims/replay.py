@@ -13,7 +13,9 @@ without it they are only marked on the plot.
 
 Writes a Markdown report (TTFT p50/p95/p99, inter-token latency, throughput,
 cached-token ratio, errors) and a PNG of TTFT over the run with restarts
-marked, to ``--out`` (default ``replay-out/``), and prints the report.
+marked, to ``--out`` (default ``replay-out/``), and prints the report. The PNG
+needs matplotlib (``pip install -e ".[bench]"``; the test extra has it too);
+without it the report is written without the plot and says so.
 """
 
 from __future__ import annotations
@@ -418,11 +420,16 @@ def report_markdown(url: str, trace: Trace, scale: float, samples: list[Sample],
     return "\n".join(lines) + "\n"
 
 
-def plot(samples: list[Sample], marks: list[Mark], path: str, title: str) -> None:
-    import matplotlib
+def plot(samples: list[Sample], marks: list[Mark], path: str, title: str) -> bool:
+    """Write the TTFT plot to ``path``; False (and a line on stderr) without matplotlib."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('sims.replay: no ttft.png: matplotlib is not installed (pip install -e ".[bench]")', file=sys.stderr)
+        return False
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     hit = [s for s in samples if s.ok and s.ttft_s is not None and (s.cached_tokens or 0) > 0]
@@ -445,6 +452,7 @@ def plot(samples: list[Sample], marks: list[Mark], path: str, title: str) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def _tokenizer(spec: str | None) -> Callable[[str], list[int]] | None:
@@ -492,15 +500,15 @@ def main(argv: list[str] | None = None) -> int:
     anyio.run(replayer.run)
     samples = sorted(replayer.samples.values(), key=lambda s: s.id)
     os.makedirs(args.out, exist_ok=True)
-    plot(samples, replayer.marks, os.path.join(args.out, "ttft.png"), f"TTFT, {trace.header.kind} trace, {url}")
-    text = report_markdown(url, trace, args.time_scale, samples, replayer.marks, "ttft.png")
+    png = "ttft.png" if plot(samples, replayer.marks, os.path.join(args.out, "ttft.png"), f"TTFT, {trace.header.kind} trace, {url}") else None
+    text = report_markdown(url, trace, args.time_scale, samples, replayer.marks, png)
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "samples.ndjson"), "w") as f:
         for s in samples:
             f.write(json.dumps(asdict(s)) + "\n")
     print(text, end="")
-    print(f"(written to {args.out}/report.md, ttft.png, samples.ndjson)")
+    print(f"(written to {args.out}/report.md, {png + ', ' if png else ''}samples.ndjson)")
     return 0 if all(s.ok for s in samples) else 1
 
 

@@ -146,13 +146,22 @@ def collect_corpus(root: Path | None = None, max_files: int | None = None):
     return train, heldout
 
 
+def _transformers():
+    """The ``train`` extra's transformers, or a clear exit without it."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise SystemExit('engine.models.train needs transformers: pip install -e ".[train]"') from exc
+    return transformers
+
+
 def build_tokenizer(texts, vocab_size: int, out_dir: Path):
     """Train a byte-level BPE on ``texts`` and save it HF-style in out_dir.
 
     Returns the ``transformers`` fast tokenizer.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast = _transformers().PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -771,7 +780,7 @@ def main(argv=None):
 
     train_files, heldout_files = collect_corpus(max_files=max_files)
     if args.measure_only:
-        from transformers import AutoTokenizer
+        AutoTokenizer = _transformers().AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(str(out / "tiny"))
         heldout_tokens = encode_files(hf, heldout_files)
@@ -859,7 +868,7 @@ def shipped_tokenizer_data(args, train_files, heldout_files, eval_n: int, heldou
     """The corpus encoded with the tokenizer already in ``--out/tiny`` (a run
     that keeps the shipped tokenizer): ``(eos_id, train_tokens,
     heldout_tokens, eval_windows, heldout_windows)``."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = _transformers().AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(args.out / "tiny"))
     train_tokens = encode_files(hf, train_files)
