@@ -33,8 +33,9 @@ import logging
 import posixpath
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence, assert_never
+from typing import Any, assert_never
 
 import anyio
 import msgspec

@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Any, Awaitable, Callable, Mapping, Protocol, assert_never
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, assert_never
 
 import anyio
 import msgspec

@@ -177,7 +177,7 @@ class DeltaReceiver:
         self._ch.items.clear()
 
 
-def _time_up(fut: "asyncio.Future[None]") -> None:
+def _time_up(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
 

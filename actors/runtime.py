@@ -261,7 +261,7 @@ class InboxReceiver:
                 if s.receiver is fut:
                     s.receiver = None
 
-    def __aiter__(self) -> "InboxReceiver":
+    def __aiter__(self) -> InboxReceiver:
         return self
 
     async def __anext__(self) -> Any:
@@ -322,9 +322,7 @@ class ActorRef(Generic[M]):
         env = Envelope(msg, _Reply(fut))
         send = self._send
         try:
-            if nowait:
-                send.send_nowait(env)
-            elif send.waiting_room():
+            if nowait or send.waiting_room():
                 send.send_nowait(env)
             else:
                 await asyncio.sleep(0)

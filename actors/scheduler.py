@@ -14,16 +14,17 @@ import asyncio
 import enum
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import anyio
 import msgspec
 
-from actors.events import EngineBusy, EngineIdle
-from actors.runtime import Actor, ActorRef, Envelope, Failure
 from actors.drafter import DraftRound
 from actors.drafter import Forget as DrafterForget
+from actors.events import EngineBusy, EngineIdle
+from actors.runtime import Actor, ActorRef, Envelope, Failure
 from actors.spec_rounds import SpecRounds
 from actors.verifier import Forget as VerifierForget
 from engine.errors import EngineDead

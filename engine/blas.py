@@ -13,7 +13,7 @@ import functools
 import os
 import sys
 import sysconfig
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 OPT_OUT = "EMBER_NO_OPENBLAS"
 

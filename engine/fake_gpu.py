@@ -171,7 +171,7 @@ class FakeKVCache:
         per_token = self.keys[..., :1, :].nbytes + self.values[..., :1, :].nbytes
         return per_token * self.offset
 
-    def copy(self) -> "FakeKVCache":
+    def copy(self) -> FakeKVCache:
         c = FakeKVCache()
         if self.keys is not None:
             c.keys = self.keys[..., : self.offset, :].copy()
@@ -681,9 +681,9 @@ class FakeBackend:
             self._rows[o.rid] = _Row(cache, o.sampling, seed)
         for rid, n in plan.trim:
             self.trim_cache(self._rows[rid].cache, n)
-        if self.cfg.oom_step_prob and (plan.prefill or plan.decode or plan.verify):
-            if self._fault_rng.random() < self.cfg.oom_step_prob:
-                raise MemoryError("fake GPU: out of memory")
+        busy = plan.prefill or plan.decode or plan.verify
+        if self.cfg.oom_step_prob and busy and self._fault_rng.random() < self.cfg.oom_step_prob:
+            raise MemoryError("fake GPU: out of memory")
         for c in plan.prefill:
             self._feed(self._rows[c.rid].cache, c.tokens)
         rows, feed = self._rows, self._feed_one

@@ -40,8 +40,9 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import struct
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 import msgspec

@@ -52,8 +52,9 @@ import copy
 import hashlib
 import json
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -61,11 +62,11 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from engine.blas import blas_threads
-from engine.cpu_layout import pretranspose_linears, wants_pretranspose
 from engine.config import EngineConfig
+from engine.cpu_layout import pretranspose_linears, wants_pretranspose
 from engine.device import ThreadDevice
-from engine.mlx_device import MLXThread
 from engine.mlx_batch import DecodeBatch, merge_caches
+from engine.mlx_device import MLXThread
 from engine.mlx_sampling import RowSampler, row_seed
 from engine.mlx_tokenizer import MLXTokenizer
 from engine.ports import ModelInfo, StepPlan, StepResult
@@ -84,7 +85,7 @@ CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
 SINGLE_THREAD_ROWS = 5
 
 
-def load_mlx_backend(config: EngineConfig) -> tuple["MLXBackend", ThreadDevice]:
+def load_mlx_backend(config: EngineConfig) -> tuple[MLXBackend, ThreadDevice]:
     """Resolve ``config.model``, start the MLX thread and load the model on it."""
     from engine.models import resolve_model
 
@@ -197,9 +198,8 @@ def prefix_view(cache: list[Any], n: int) -> list[Any]:
             continue
         c = copy.deepcopy(c)
         size = getattr(c, "offset", None)
-        if isinstance(size, int) and size != n:
-            if size < n or not c.is_trimmable() or c.trim(size - n) != size - n:
-                raise ValueError(f"a {type(c).__name__} holding {size} tokens cannot serve {n}")
+        if isinstance(size, int) and size != n and (size < n or not c.is_trimmable() or c.trim(size - n) != size - n):
+            raise ValueError(f"a {type(c).__name__} holding {size} tokens cannot serve {n}")
         out.append(c)
     return out
 
@@ -258,7 +258,7 @@ class MLXBackend:
         self.counters = {"pipelined": 0, "undone": 0, "ahead_heads_windows": 0, "prefill_together": 0}
 
     @classmethod
-    def load(cls, path: pathlib.Path, config: EngineConfig) -> "MLXBackend":
+    def load(cls, path: pathlib.Path, config: EngineConfig) -> MLXBackend:
         from mlx_lm import load
 
         model, tokenizer, model_config = load(str(path), return_config=True)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from asyncio import _get_running_loop
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -56,7 +57,7 @@ class Tokenizer(Protocol):
 
     def decode(self, tokens: list[int]) -> str: ...
 
-    def detokenizer(self) -> "Detokenizer": ...
+    def detokenizer(self) -> Detokenizer: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
 

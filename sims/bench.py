@@ -74,7 +74,7 @@ class Server:
 
     def start(self, timeout_s: float = 180.0) -> float:
         t0 = time.perf_counter()
-        self.log = open(self.log_path, "ab")
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 -- the server's stdout for its lifetime; stop() closes it
         self.proc = subprocess.Popen(self.argv, env={**server_env(), **self.env}, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -27,7 +27,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -49,7 +50,7 @@ def width_leg(model: Any, ids: list[int], rounds: int, steps: int = 100) -> dict
             x = mx.array(ids[300 : 300 + n])[None]
             ts = []
             for _ in range(steps):
-                ts.append(_timed(lambda: mx.eval(mx.argmax(model(x, cache=cache)[0], axis=-1))))
+                ts.append(_timed(lambda: mx.eval(mx.argmax(model(x, cache=cache)[0], axis=-1))))  # noqa: B023 -- called here
                 for c in cache:
                     c.trim(n)
             out[n].append(1000 * statistics.median(ts))

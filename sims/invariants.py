@@ -43,7 +43,7 @@ class SimView(Protocol):
     """What checkers may look at in the running simulation."""
 
     @property
-    def engine(self) -> "Engine | None": ...
+    def engine(self) -> Engine | None: ...
 
     @property
     def healed_at(self) -> float | None: ...
@@ -331,7 +331,7 @@ class TokensMatchColdPrefill(Checker):
 # 6. The spill queue never holds more than its cap plus one item.
 
 
-def find_spill_queue(engine: "Engine") -> Any:
+def find_spill_queue(engine: Engine) -> Any:
     """The engine's SpillQueue, wherever the durability actor keeps it."""
     from engine.spill_queue import SpillQueue
 

@@ -7,8 +7,8 @@ is eventually answered with exactly the tokens a cold prefill gives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from engine.config import EngineConfig
 from engine.fake_gpu import FakeGPUConfig

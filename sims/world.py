@@ -189,7 +189,7 @@ class Host:
     """Runs the engine; restarts it when the trace says so, when the
     simulator pulls the plug, or when it died on its own (a hung GPU step)."""
 
-    def __init__(self, sim: "Simulation"):
+    def __init__(self, sim: Simulation):
         self.sim = sim
         self.engine: Engine | None = None
         self.gen = 0

@@ -5,7 +5,8 @@ unknown fields and raw garbage, against one long-lived app on the fake GPU."""
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings

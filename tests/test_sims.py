@@ -23,7 +23,7 @@ from sims.run import Simulation, run_scenario
 from sims.scenarios import SCENARIOS, DiskFaults
 
 
-def small(name: str, requests: int = 20, **kw) -> "simrun.Scenario":
+def small(name: str, requests: int = 20, **kw) -> simrun.Scenario:
     base = SCENARIOS[name]
     make = {"agent": gen.agent, "chat": gen.chat}.get(name)
     if name in ("crash",):

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 import msgspec
@@ -184,16 +185,15 @@ async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Com
     out = Completion()
     disconnect = Disconnect(receive)
     failed: EngineError | None = None
-    async with stream:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
-            try:
-                async for d in stream:
-                    timer.tokens(len(d.token_ids))
-                    out.add(d)
-            except EngineError as exc:
-                failed = exc
-            tg.cancel_scope.cancel()
+    async with stream, anyio.create_task_group() as tg:
+        tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
+        try:
+            async for d in stream:
+                timer.tokens(len(d.token_ids))
+                out.add(d)
+        except EngineError as exc:
+            failed = exc
+        tg.cancel_scope.cancel()
     if failed is not None:
         raise failed
     if disconnect.happened:

@@ -155,7 +155,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools: ignored
 
-    def check(self) -> "ChatCompletionRequest":
+    def check(self) -> ChatCompletionRequest:
         self._check_common()
         if not self.messages:
             raise InvalidRequest("messages must not be empty", "messages")
@@ -188,7 +188,7 @@ class CompletionRequest(_Common, kw_only=True):
     best_of: int | None = None
     suffix: str | None = None
 
-    def check(self) -> "CompletionRequest":
+    def check(self) -> CompletionRequest:
         self._check_common()
         if self.logprobs is not None:
             raise InvalidRequest("logprobs are not supported", "logprobs")
@@ -238,7 +238,7 @@ class UsageBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     speculation: dict[str, Any] | None = None  # Ember's extension, only when a drafter ran
 
     @classmethod
-    def of(cls, u: Usage) -> "UsageBody":
+    def of(cls, u: Usage) -> UsageBody:
         return cls(
             prompt_tokens=u.prompt_tokens,
             completion_tokens=u.completion_tokens,
