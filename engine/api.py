@@ -472,7 +472,7 @@ class Engine:
         if (config or EngineConfig()).backend == "mlx" and kw.get("backend") is None:
             # mlx_lm must be first imported on a thread that outlives the process's
             # use of it: imported on the portal's thread, the process aborts at exit.
-            import engine.mlx_backend  # noqa: F401
+            from engine import mlx_backend  # noqa: F401
         portal_cm = start_blocking_portal()
         portal = portal_cm.__enter__()
         try:

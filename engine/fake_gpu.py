@@ -120,8 +120,10 @@ class FakeKVCache:
     step = 256
 
     def __init__(self) -> None:
-        self.keys: np.ndarray | None = None
-        self.values: np.ndarray | None = None
+        # np.ndarray after the first update, None before: typed Any because the
+        # per-token paths index them unguarded once a layer is known to hold rows
+        self.keys: Any = None
+        self.values: Any = None
         self.offset = 0
 
     def update(self, keys: np.ndarray, values: np.ndarray) -> None:
@@ -505,9 +507,9 @@ def sample_token(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generato
     # ``rng.choice(p.size, p=p)`` without its argument checks (a third of a
     # sampled token's cost): the same cumsum, normalization, one ``random()``
     # draw and right-searchsorted, so the same token from the same stream.
-    cdf = p.cumsum()
-    cdf /= cdf[-1]
-    return int(cdf.searchsorted(rng.random(), side="right"))
+    cum = p.cumsum()
+    cum /= cum[-1]
+    return int(cum.searchsorted(rng.random(), side="right"))
 
 
 def expected_tokens(

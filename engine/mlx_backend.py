@@ -54,7 +54,7 @@ import json
 import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -157,6 +157,12 @@ class _Row:
     emitted: int = 0  # decode tokens handed back
 
 
+def _own_cache(row: _Row) -> list[Any]:
+    """The B=1 cache of a row not (yet) in the DecodeBatch."""
+    assert row.cache is not None, "a row outside the DecodeBatch holds its own cache"
+    return row.cache
+
+
 @dataclass(slots=True)
 class _Ahead:
     """A decode step of the whole batch computed ahead (see the module docstring)."""
@@ -228,7 +234,8 @@ class MLXBackend:
         self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
         # rows prefilling together are split back into plain KVCaches
         self.prefill_together = prefill_together and all(type(c) is KVCache for c in probe)
-        floats = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+        params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))  # a list without destination=
+        floats = (v for _, v in params if mx.issubdtype(v.dtype, mx.floating))
         first = next(floats, None)
         kv_scheme = [type(c).__name__ for c in probe] + [str(first.dtype if first is not None else "")]
         if weights_digest:
@@ -402,7 +409,7 @@ class MLXBackend:
         if joiners:
             inputs = [work[rid] for rid in joiners]
             group = DecodeBatch()
-            group.add(joiners, merge_caches([self._rows[rid].cache for rid in joiners]))
+            group.add(joiners, merge_caches([_own_cache(self._rows[rid]) for rid in joiners]))
             logits = group.forward(self.model, inputs)
             outputs.append(self._sample(joiners, inputs, logits, step_tokens))
             batch.add(joiners, group.cache)
@@ -418,8 +425,8 @@ class MLXBackend:
         if ahead is None and queued:
             self._undo(queued)
             queued = []
-        for q, toks in zip(queued, queued_tokens):
-            q.tokens = toks  # without the rows that closed
+        for q, q_tokens in zip(queued, queued_tokens):
+            q.tokens = q_tokens  # without the rows that closed
 
         if ahead is not None:
             self._queued = queued
@@ -559,8 +566,9 @@ class MLXBackend:
         for group in groups.values():
             if len(group) == 1:
                 row, tokens = group[0]
-                self.model(mx.array(tokens)[None], cache=row.cache)
-                mx.eval([c.state for c in row.cache])
+                cache = _own_cache(row)
+                self.model(mx.array(tokens)[None], cache=cache)
+                mx.eval([c.state for c in cache])
                 row.fed += len(tokens)
             else:
                 self._prefill_together(group)
@@ -579,21 +587,22 @@ class MLXBackend:
         for bit as mlx_lm.generate_step."""
         offset = group[0][0].fed
         width = max(len(t) for _, t in group)
-        batch = [KVCache() for _ in group[0][0].cache]
+        caches = [_own_cache(r) for r, _ in group]
+        batch = [KVCache() for _ in caches[0]]
         if offset:
             for layer, c in enumerate(batch):
                 c.state = (
-                    mx.concatenate([r.cache[layer].keys[..., :offset, :] for r, _ in group]),
-                    mx.concatenate([r.cache[layer].values[..., :offset, :] for r, _ in group]),
+                    mx.concatenate([rc[layer].keys[..., :offset, :] for rc in caches]),
+                    mx.concatenate([rc[layer].values[..., :offset, :] for rc in caches]),
                     offset,
                 )
         x = mx.array([t + [t[-1]] * (width - len(t)) for _, t in group])
         self.counters["prefill_together"] += len(group)
         self.model(x, cache=batch)
         mx.eval([c.state for c in batch])
-        for i, (row, tokens) in enumerate(group):
+        for i, ((row, tokens), own) in enumerate(zip(group, caches)):
             end = offset + len(tokens)
-            for layer, c in enumerate(row.cache):
+            for layer, c in enumerate(own):
                 c.state = (batch[layer].keys[i : i + 1, :, :end, :], batch[layer].values[i : i + 1, :, :end, :], end)
             row.fed = end
 
@@ -674,12 +683,13 @@ class MLXBackend:
         ``run_ahead``, or when a step reads it). ``pending``: tokens each row has
         sampled but not yet counted in ``emitted`` (the step being finished)."""
         batch, tokens = self._batch, self._due
+        assert tokens is not None  # called only with a step due
         rows = [self._rows[rid] for rid in batch.rids]
         depth = len(self._queued) + pending
         if all(r.emitted + depth >= r.max_tokens for r in rows):
             self._due = None  # every row has all its tokens by then
             return
-        keys = [(r, r.sampler.key) for r in rows if not r.sampler.greedy]
+        keys = [(r, r.sampler.key) for r in rows if r.sampler.key is not None]  # the sampled (not greedy) rows
         logits = batch.decode(self.model, tokens)
         nxt = self._sample_last(logits, [r.sampler for r in rows])
         self._queued.append(_Ahead(nxt, keys))

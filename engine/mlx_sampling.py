@@ -61,5 +61,6 @@ class RowSampler:
             return mx.argmax(logprobs, axis=-1)
         for f in self._filters:
             logprobs = f(logprobs)
+        assert self.key is not None  # set whenever not greedy
         self.key, sub = mx.random.split(self.key)
         return mx.random.categorical(logprobs * self._inv_temp, key=sub)

@@ -156,7 +156,9 @@ class Backend(Protocol):
     """The GPU/model port. Every method runs on the ``Device``, never on the loop."""
 
     info: ModelInfo
-    tokenizer: Tokenizer
+
+    @property  # read-only, so a backend may hold a more specific tokenizer
+    def tokenizer(self) -> Tokenizer: ...
 
     def step(self, plan: StepPlan) -> StepResult: ...
 
