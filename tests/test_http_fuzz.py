@@ -109,6 +109,7 @@ def client() -> Iterator[TestClient]:
         yield c
 
 
+@pytest.mark.slow  # 150 examples
 @settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(req=requests())
 def test_no_body_gets_a_5xx(client, req):

@@ -112,6 +112,7 @@ SPEC = EngineConfig(
 )
 
 
+@pytest.mark.slow  # 3600 sampled completions
 async def test_sampled_output_distribution_is_the_targets(monkeypatch):
     plain = await sample(BASE, range(N))
     spec = await sample(SPEC, range(N, 2 * N))
