@@ -345,8 +345,8 @@ async def run(args: argparse.Namespace) -> Results:
                     spec_m = next(s for s in extra if s.name == "mlx-lm-spec")
                     for srv, who in ((ember, "ember-plain"), (spec_e, "ember-spec"), (mlxlm, "mlx-lm-plain"), (spec_m, "mlx-lm-spec")):
                         progress(f"round {rnd + 1}: spec {who}")
-                        s = await stream_completion(client, srv.url, prompts.of(200, offset=60000 + rnd), 128)
-                        res.add("spec_decode", who, s.decode_tps)
+                        sample = await stream_completion(client, srv.url, prompts.of(200, offset=60000 + rnd), 128)
+                        res.add("spec_decode", who, sample.decode_tps)
                 if "bare" in legs:
                     progress(f"round {rnd + 1}: bare mlx_lm loop")
                     res.add("bare", "mlx_lm.stream_generate", bare_loop_tps(model_dir, prompts.of(64, offset=5000 + rnd), 128))
@@ -412,8 +412,9 @@ def report(res: Results, args: argparse.Namespace) -> str:
             f"- mlx_lm.server: restart TTFT {fmt(res.med('restart', 'mlx-lm'), ' ms')} = {fmt((res.med('restart_vs_cold', 'mlx-lm') or 0) * 100, '%')} of its cold TTFT; "
             f"cached tokens after restart {fmt(res.med('restart_cached_tokens', 'mlx-lm'))}.",
         ]
-        if res.med("restart", "ember") and res.med("restart", "mlx-lm"):
-            ratios["restart"] = res.med("restart", "ember") / res.med("restart", "mlx-lm")
+        restart_e, restart_m = res.med("restart", "ember"), res.med("restart", "mlx-lm")
+        if restart_e and restart_m:
+            ratios["restart"] = restart_e / restart_m
     if res.rows.get("tier_decode"):
         on, off = res.med("tier_decode", "on"), res.med("tier_decode", "off")
         pairs = [a / b for a, b in zip(res.rows["tier_decode"].get("on", []), res.rows["tier_decode"].get("off", [])) if b]

@@ -114,7 +114,8 @@ def prefill_leg(model: Any, ids: list[int], rounds: int) -> dict[str, float]:
         model(mx.array(rows), cache=c)
         mx.eval([x.state for x in c])
 
-    alone(), together()
+    alone()  # warm-up
+    together()
     a, b = [], []
     for _ in range(rounds):
         a.append(1000 * _timed(alone))
@@ -223,11 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     if "layout" in legs:
         blas_threads().use(1)
         lay = layout_leg(args.model, ids, args.rounds)
-        (na, a), (nb, b) = lay.items()
+        (na, la), (nb, lb) = lay.items()
         print(f"forwards on a warm cache, 1 OpenBLAS thread (median ms): {na} | {nb} | ratio")
-        for shape in a:
-            print(f"  {shape:11s} {a[shape]:6.2f} | {b[shape]:6.2f} | {b[shape] / a[shape]:.2f}x")
-        print(f"  verify window n=4 over n=1: {a['n=4'] / a['n=1']:.2f}x | {b['n=4'] / b['n=1']:.2f}x")
+        for shape in la:
+            print(f"  {shape:11s} {la[shape]:6.2f} | {lb[shape]:6.2f} | {lb[shape] / la[shape]:.2f}x")
+        print(f"  verify window n=4 over n=1: {la['n=4'] / la['n=1']:.2f}x | {lb['n=4'] / lb['n=1']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -93,11 +93,12 @@ class ServerProcess:
         self.starts = 0
 
     async def start(self) -> None:
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 -- closed below
+        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 -- closed below
         try:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            out = log if log is not None else subprocess.DEVNULL
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         finally:
-            if log is not subprocess.DEVNULL:
+            if log is not None:
                 log.close()
         self.starts += 1
         deadline = time.monotonic() + self.start_timeout_s
@@ -433,11 +434,12 @@ def plot(samples: list[Sample], marks: list[Mark], path: str, title: str) -> boo
         return False
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    hit = [s for s in samples if s.ok and s.ttft_s is not None and (s.cached_tokens or 0) > 0]
-    miss = [s for s in samples if s.ok and s.ttft_s is not None and not (s.cached_tokens or 0) > 0]
+    timed = [(s, s.ttft_s) for s in samples if s.ok and s.ttft_s is not None]
+    hit = [(s, ttft) for s, ttft in timed if (s.cached_tokens or 0) > 0]
+    miss = [(s, ttft) for s, ttft in timed if not (s.cached_tokens or 0) > 0]
     failed = [s for s in samples if not s.ok]
-    ax.scatter([s.start for s in miss], [s.ttft_s * 1000 for s in miss], s=10, c="tab:blue", label="no cached prefix")
-    ax.scatter([s.start for s in hit], [s.ttft_s * 1000 for s in hit], s=10, c="tab:green", label="cached prefix")
+    ax.scatter([s.start for s, _ in miss], [t * 1000 for _, t in miss], s=10, c="tab:blue", label="no cached prefix")
+    ax.scatter([s.start for s, _ in hit], [t * 1000 for _, t in hit], s=10, c="tab:green", label="cached prefix")
     if failed:
         ax.scatter([s.start for s in failed], [1.0] * len(failed), s=14, c="black", marker="x", label="failed")
     colors = {"crash": "tab:red", "graceful": "tab:orange", "flush": "tab:purple"}

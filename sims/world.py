@@ -74,7 +74,7 @@ def _fast_select(sel: Any) -> Any:
     general = sel.select
     fds = sel._fd_to_key  # selectors' fd -> key map: registering fills it
     clock = sel.clock
-    max_timeout = asyncio.base_events.MAXIMUM_SELECT_TIMEOUT
+    max_timeout = asyncio.base_events.MAXIMUM_SELECT_TIMEOUT  # type: ignore[attr-defined]  # private, not in typeshed
 
     def select(timeout: float | None = None) -> list[Any]:
         if fds or sel._closed:

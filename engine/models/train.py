@@ -40,6 +40,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -210,10 +211,16 @@ def make_model(config: dict):
     return Model(ModelArgs.from_dict(config))
 
 
+def _value(a: Any) -> Any:
+    """A 0-d mlx array's Python number (mlx's stubs type ``item()`` as int | float | complex)."""
+    return a.item()
+
+
 def count_params(model) -> int:
     from mlx.utils import tree_flatten
 
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
+    params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))  # a list without destination=
+    return sum(v.size for _, v in params)
 
 
 def save_model_dir(model, config: dict, tok_dir: Path, out_dir: Path, eos_id: int):
@@ -265,7 +272,7 @@ def top1_agreement(a, b, windows: np.ndarray, batch: int = 16) -> float:
     for i in range(0, len(windows), batch):
         x = mx.array(windows[i : i + batch, :-1])
         h = (mx.argmax(a(x), axis=-1) == mx.argmax(b(x), axis=-1)).sum()
-        hit += h.item()
+        hit += _value(h)
         n += x.size
     return hit / n
 
@@ -305,7 +312,7 @@ def copy_top1(model, windows: np.ndarray, batch: int = 16) -> float:
         pred = mx.argmax(model(x)[:, half:], axis=-1)
         h = (pred == y[:, half:]).sum()
         mx.eval(h)
-        hit += h.item()
+        hit += _value(h)
         n += pred.size
     return hit / n
 
@@ -350,8 +357,8 @@ def evaluate(model, windows: np.ndarray, batch: int = 16):
         loss = nn.losses.cross_entropy(logits, y, reduction="sum")
         hit = (mx.argmax(logits, axis=-1) == y).sum()
         mx.eval(loss, hit)
-        tot_loss += loss.item()
-        tot_hit += hit.item()
+        tot_loss += _value(loss)
+        tot_hit += _value(hit)
         tot_n += y.size
     return tot_loss / tot_n, tot_hit / tot_n
 
@@ -497,7 +504,7 @@ def train_model(
     budget_s = minutes * 60.0 if minutes is not None else None
     train_time = 0.0  # excludes evaluation
     t_timed, n_timed = 0.0, 0  # step timing after the compile warmup
-    smooth = None
+    smooth: float | None = None
     step = 0
     while step < total:
         optimizer.learning_rate = lr_at(step, total, warmup, lr, 0.1)
@@ -524,13 +531,14 @@ def train_model(
             # schedule (which only starts now) ends at the time budget.
             per_step = t_timed / max(1, n_timed)
             # evaluation costs roughly 3% of the budget
+            assert budget_s is not None  # without steps, the time budget sets them
             remaining = budget_s * 0.97 - train_time
             total = max(warmup + 1, warmup + int(remaining / per_step))
             log(f"[{name}] {per_step * 1000:.0f} ms/step -> total {total} steps")
         if step % 50 == 0 or step == total:
             log(
                 f"[{name}] step {step}/{total} loss {lv:.3f} (ema {smooth:.3f}) "
-                f"gnorm {gnorm.item():.2f} lr {float(optimizer.learning_rate.item()):.2e} "
+                f"gnorm {float(gnorm):.2f} lr {float(optimizer.learning_rate):.2e} "
                 f"{train_time:.0f}s"
             )
         if step % eval_every == 0 or step == total:
@@ -630,7 +638,7 @@ def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray,
     target, tok = load(str(target_dir))
     draft, dtok = load(str(draft_dir))
     assert tok.vocab_size == dtok.vocab_size
-    res = {"demos": []}
+    res: dict[str, Any] = {"demos": []}
 
     tl, ta = evaluate(target, heldout_wins)
     dl, da = evaluate(draft, heldout_wins)
@@ -853,7 +861,7 @@ def run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_token
     return {
         "command": "python -m engine.models.train " + " ".join(sys.argv[1:] if argv is None else argv),
         "python": sys.version.split()[0],
-        "mlx": mx.__version__,
+        "mlx": mx.__version__,  # type: ignore[attr-defined]  # set at runtime, absent from mlx's stubs
         "seed": args.seed,
         "train_files": len(train_files),
         "heldout_files": len(heldout_files),
