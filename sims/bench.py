@@ -272,7 +272,9 @@ async def run(args: argparse.Namespace) -> Results:
     if "bare" in legs:
         # The bare loop behind the thinnest streaming server, measured with the same
         # client: what the HTTP hop and a client on the same cores cost any server.
-        bare_cmd = lambda port: [sys.executable, "-m", "sims.bare_server", "--model", str(model_dir), "--port", str(port)]  # noqa: E731
+        def bare_cmd(port: int) -> list[str]:
+            return [sys.executable, "-m", "sims.bare_server", "--model", str(model_dir), "--port", str(port)]
+
         extra.append(Server("bare-http", bare_cmd(p := free_port()), p, work / "bare-http.log"))
         extra.append(Server("bare-http-1", bare_cmd(p := free_port()), p, work / "bare-http-1.log", env={"OPENBLAS_NUM_THREADS": "1"}))
     servers = [ember, mlxlm, *extra]
