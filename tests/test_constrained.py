@@ -20,7 +20,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 jsonschema = pytest.importorskip("jsonschema")
-llguidance = pytest.importorskip("llguidance")
+pytest.importorskip("llguidance")
 import llguidance.hf  # noqa: E402
 import llguidance.numpy  # noqa: E402
 

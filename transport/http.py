@@ -33,9 +33,9 @@ from engine.errors import EngineError
 from engine.eventlog import EventLog
 from engine.ports import LoopClock
 from transport import chat_turn
+from transport.choices import ChoiceStream, submit_choices
 from transport.errors import ApiError, error_body, from_engine_error
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
-from transport.choices import ChoiceStream, submit_choices
 from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.sse import Disconnect, EventStream
