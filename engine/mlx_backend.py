@@ -52,7 +52,7 @@ import copy
 import hashlib
 import json
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -167,13 +167,19 @@ def _own_cache(row: _Row) -> list[Any]:
     return row.cache
 
 
+def _row_logits(row: _Row) -> RowLogits:
+    """The logits processing of a row known to have it."""
+    assert row.logits is not None, "a row with logits processing"
+    return row.logits
+
+
 @dataclass(slots=True)
 class _Ahead:
     """A decode step of the whole batch computed ahead (see the module docstring)."""
 
     tokens: mx.array  # [B] its sampled tokens, in batch order
     keys: list[tuple[_Row, mx.array]]  # the sampled rows' PRNG keys before it, to undo it
-    fed: list[_Row] = ()  # rows whose RowLogits were fed its inputs (undo: trim 1)
+    fed: Sequence[_Row] = ()  # rows whose RowLogits were fed its inputs (undo: trim 1)
     logprobs: dict[int, tuple[mx.array, ...]] | None = None  # lazy, by rid
 
 
@@ -675,16 +681,17 @@ class MLXBackend:
             return mx.concatenate([r.sampler(lp[i : i + 1]) for i, r in enumerate(rows)])
         # Rows with logits processing (engine.logits), batched: processors per
         # row, then every row's grammar mask in one [B, V] op.
+        assert inputs is not None  # given whenever a row has processing
         for i in procs:
-            rows[i].logits.feed(inputs[i][0])
+            _row_logits(rows[i]).feed(inputs[i][0])
         x = raw
-        if any(rows[i].logits.processors for i in procs):
+        if any(_row_logits(rows[i]).processors for i in procs):
             x = mx.concatenate([r.logits.apply_processors(x[i : i + 1]) if r.logits else x[i : i + 1] for i, r in enumerate(rows)])
-        masked = [i for i in procs if rows[i].logits.matcher is not None]
+        masked = [i for i in procs if _row_logits(rows[i]).matcher is not None]
         if masked:
             words = np.full((len(rows), (self.info.vocab_size + 31) // 32), -1, np.int32)
             for i in masked:
-                rows[i].logits.mask_words(words[i])
+                _row_logits(rows[i]).mask_words(words[i])
             x = apply_words(x, words, self.info.vocab_size)
         plp = x - mx.logsumexp(x, axis=-1, keepdims=True)  # == lp for the rows without processing
         if all(r.sampler.greedy for r in rows):
@@ -692,8 +699,10 @@ class MLXBackend:
         else:
             toks = mx.concatenate([r.sampler(plp[i : i + 1]) for i, r in enumerate(rows)])
         for i in procs:
-            if rows[i].logits.logprobs is not None:
-                lps[rows[i].rid] = rows[i].logits.logprob_arrays(lp[i : i + 1], toks[i : i + 1])
+            row_logits = _row_logits(rows[i])
+            if row_logits.logprobs is not None:
+                assert lps is not None  # given whenever a row wants logprobs
+                lps[rows[i].rid] = row_logits.logprob_arrays(lp[i : i + 1], toks[i : i + 1])
         return toks
 
     def _has_logits(self) -> bool:
@@ -767,10 +776,11 @@ class MLXBackend:
             self._due = None  # every row has all its tokens by then
             return
         keys = [(r, r.sampler.key) for r in rows if r.sampler.key is not None]  # the sampled (not greedy) rows
-        inputs, lps = None, {}
+        inputs: list[list[int]] | None = None
+        lps: dict[int, tuple[mx.array, ...]] = {}
         fed = [r for r in rows if r.logits is not None]
         if fed:  # masks and penalties need the inputs on the host
-            inputs = [[t] for t in tokens.tolist()]
+            inputs = [[t] for t in cast(list[int], tokens.tolist())]
         logits = batch.decode(self.model, tokens)
         nxt = self._sample_last(logits, rows, inputs, lps)
         self._queued.append(_Ahead(nxt, keys, fed, lps))
@@ -846,7 +856,7 @@ class MLXBackend:
             row.sampler.key = key
         for q in queued:
             for row in q.fed:
-                row.logits.trim(1)
+                _row_logits(row).trim(1)
         self.counters["undone"] += len(queued)
 
     # ---- introspection (tests, stats) ------------------------------------------

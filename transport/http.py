@@ -204,7 +204,7 @@ async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: Tok
     if disconnect.happened:
         return None
     timer.done()
-    return [outs[rid] for rid in rids] if outs is not None else out
+    return [outs[rid] for rid in rids] if outs is not None and rids else out
 
 
 async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
@@ -213,6 +213,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     body = await read_body(request, host.max_body_bytes)
     req = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
     model = host.check_model(req.model)
+    prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
         tools = req.tool_setup()
         prompt = chat_turn.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
@@ -232,13 +233,13 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
             model, req.include_usage, rids=rids, token_bytes=engine.token_bytes, splitter=lambda: chat_turn.splitter(engine, tools)
         )
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
-    renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
+    completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
     if req.stream:
-        return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
+        return EventStream(stream, completion_renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
     completion = await collect(stream, request.receive, timer)
     if completion is None:
         return Response(status_code=400)  # the client left; nothing is sent
-    return Response(renderer.body(completion), media_type="application/json")
+    return Response(completion_renderer.body(completion), media_type="application/json")
 
 
 async def chat_completions(request: Request, host: ServerState) -> Response:
