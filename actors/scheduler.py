@@ -14,16 +14,17 @@ import asyncio
 import enum
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol, assert_never
 
 import anyio
 import msgspec
 
-from actors.events import EngineBusy, EngineIdle
-from actors.runtime import Actor, ActorRef, Envelope, Failure
 from actors.drafter import DraftRound
 from actors.drafter import Forget as DrafterForget
+from actors.events import EngineBusy, EngineIdle
+from actors.runtime import Actor, ActorRef, Envelope, Failure
 from actors.spec_rounds import SpecRounds
 from actors.verifier import Forget as VerifierForget
 from engine.errors import EngineDead
@@ -259,6 +260,7 @@ class SchedulerCore:
         row.finish_reason = reason
         tail = ""
         if row.detok is not None and error is None:
+            assert row.stop is not None  # set with detok
             row.detok.finalize()
             tail = row.stop.feed(row.detok.last_segment) + row.stop.flush()
         usage = Usage(prompt_tokens=len(row.prompt), completion_tokens=len(row.generated), cached_tokens=row.cached)
@@ -416,6 +418,7 @@ class SchedulerCore:
     def apply_verified(self, verified: Any) -> None:
         """Emit the Verifier's verdicts; their trims go into the next plan."""
         live = {rid: r for rid, r in self.rows.items() if r.state is RowState.DECODE}
+        assert self.spec is not None  # verdicts come only with speculation
         self.spec.apply(verified, live, self._emit)
         rounds = [(v.rid, v.accepted, len(v.tokens)) for v in verified.verdicts]
         self.events.record("verified", self.clock.now(), n=self.steps, rounds=rounds)
@@ -442,6 +445,7 @@ class SchedulerCore:
         ``logprobs``: one per token, when the request asked for them."""
         eos = self.backend.tokenizer.eos_token_ids
         params, detok, stop, generated = row.params, row.detok, row.stop, row.generated
+        assert stop is not None  # a decoding row has its detokenizer and stop matcher
         reason = None
         text_parts: list[str] = []
         out_ids: list[int] = []
@@ -574,6 +578,8 @@ class Scheduler(Actor[Inbox]):
                 n, due = self.core.demote(msg.idle_s)
                 if self.core.cold is not None:
                     self.core.cold.demoted(n, due)
+            case _:
+                assert_never(msg)
         env.answer(None)
         return True
 
@@ -605,6 +611,7 @@ class Scheduler(Actor[Inbox]):
         """The watchdog timer: the step in flight reached its deadline."""
         self._watch_timer = None
         self._hung = self._step_n
+        assert self._hang_scope is not None  # the timer is set only inside main's scope
         self._hang_scope.cancel()
 
     async def _loop(self) -> None:
@@ -642,11 +649,13 @@ class Scheduler(Actor[Inbox]):
         try:
             if self._watch_loop is not None:  # the watchdog timer (``main``)
                 loop, now = self._watch_loop, core.clock.now()
+                assert self.step_timeout_s is not None  # main() sets _watch_loop only with a timeout
                 deadline = now + self.step_timeout_s
                 # A device whose run takes exactly its cost (the fake GPU's
                 # InlineDevice) finishes a step that ends a clock tick before
                 # the deadline: the timer could never fire, and is not set.
-                if not (self._exact_cost and now + cost + loop._clock_resolution < deadline):
+                # asyncio's private _clock_resolution: the granularity its timers fire at
+                if not (self._exact_cost and now + cost + loop._clock_resolution < deadline):  # type: ignore[attr-defined]
                     self._step_n = core.steps
                     self._watch_timer = loop.call_at(deadline, self._watch)
                 result = await self.device.run(core.backend.step, plan, cost_s=cost)
@@ -690,10 +699,12 @@ class Scheduler(Actor[Inbox]):
         if not drafts or self.drafter is None:
             return 0.0, 0.0
         answer = await self.drafter.ask(DraftRound(drafts=drafts))
+        assert self.core.spec is not None  # set with the drafter
         self.core.spec.set_drafts(answer, drafts)
         return answer.draft_s, answer.catch_up_s
 
     async def _verify(self, rows: int) -> None:
+        assert self.core.spec is not None and self.verifier is not None  # called only with speculation
         msg = self.core.spec.take_verify(rows)
         if msg is None:
             return
@@ -706,6 +717,7 @@ class Scheduler(Actor[Inbox]):
         if not rids:
             return
         for ref, msg in ((self.drafter, DrafterForget(rids=rids)), (self.verifier, VerifierForget(rids=rids))):
+            assert ref is not None  # set with core.spec
             try:
                 ref.tell_nowait(msg)
             except Exception:  # a full inbox only delays freeing a finished row's state

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -27,7 +28,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from actors.durability import DurabilityCoordinator, Flush, FlushReport, build_coordinator, settings_from
 from actors.gateway import Cancel, Drain, Gateway, GatewayConfig, StepOutput, Submit
 from actors.runtime import Actor, Failure
-from actors.scheduler import RowDelta, Scheduler, SchedulerConfig, SchedulerCore, Shutdown
+from actors.scheduler import RowDelta, Scheduler, SchedulerConfig, SchedulerCore
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError, InvalidRequest
 from engine.eventlog import EventLog
@@ -84,7 +85,7 @@ class RequestStream:
         self._recv = recv
         self.finished = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> Delta:
@@ -138,7 +139,7 @@ class RequestStream:
             except EngineError:
                 pass
 
-    async def __aenter__(self) -> "RequestStream":
+    async def __aenter__(self) -> RequestStream:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -276,7 +277,7 @@ class Engine:
         device: Device | None = None,
         clock: Clock | None = None,
         events: EventLog | None = None,
-    ) -> AsyncIterator["Engine"]:
+    ) -> AsyncIterator[Engine]:
         config = (config or EngineConfig()).validate()
         clock = clock or LoopClock()
         if backend is None:
@@ -409,7 +410,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         ns: str = "",
-    ) -> "RequestStream":
+    ) -> RequestStream:
         """Admit a request now and return its stream of deltas.
 
         Admission errors (``InvalidRequest``, ``EngineOverloaded``,
@@ -503,12 +504,12 @@ class Engine:
 
     # ---- sync facade -------------------------------------------------------
     @classmethod
-    def start(cls, config: EngineConfig | None = None, **kw: Any) -> "Engine":
+    def start(cls, config: EngineConfig | None = None, **kw: Any) -> Engine:
         """Start an engine on a background event-loop thread (blocking portal)."""
         if (config or EngineConfig()).backend == "mlx" and kw.get("backend") is None:
             # mlx_lm must be first imported on a thread that outlives the process's
             # use of it: imported on the portal's thread, the process aborts at exit.
-            import engine.mlx_backend  # noqa: F401
+            from engine import mlx_backend  # noqa: F401
         portal_cm = start_blocking_portal()
         portal = portal_cm.__enter__()
         try:

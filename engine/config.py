@@ -48,7 +48,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     seed: int = 0
     model_name: str | None = None  # the name served in /v1/models
 
-    def validate(self) -> "EngineConfig":
+    def validate(self) -> EngineConfig:
         from engine.errors import InvalidRequest
 
         if self.backend not in ("fake", "mlx"):

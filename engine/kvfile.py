@@ -40,8 +40,9 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import struct
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 import msgspec
@@ -211,14 +212,14 @@ def _mx_source(x: Any) -> TensorSource:
 
     def materialize() -> memoryview:
         # view, not astype: the raw bits travel (bf16 has no numpy dtype)
-        return memoryview(np.ascontiguousarray(np.asarray(x.view(carrier)))).cast("B")
+        return np.ascontiguousarray(np.asarray(x.view(carrier))).data.cast("B")
 
     return TensorSource(list(x.shape), _dtype_name(x.dtype), x.size * size, materialize)
 
 
 def _np_source(x: np.ndarray) -> TensorSource:
     return TensorSource(
-        list(x.shape), x.dtype.name, int(x.nbytes), lambda: memoryview(np.ascontiguousarray(x)).cast("B")
+        list(x.shape), x.dtype.name, int(x.nbytes), lambda: np.ascontiguousarray(x).data.cast("B")
     )
 
 
@@ -379,7 +380,7 @@ def decode_layer(header: Layer, bufs: list[Any]) -> Any:
 # Writing.
 
 
-def make_header(meta: KvMeta, tokens: Sequence[int], layers: list[Layer], created_at: float) -> KvHeader:
+def make_header(meta: KvMeta, tokens: Sequence[int] | np.ndarray, layers: list[Layer], created_at: float) -> KvHeader:
     return KvHeader(
         format_version=FORMAT_VERSION,
         created_at=float(created_at),
@@ -442,10 +443,10 @@ class KvWriter:
         if self._fh is None or self._next != len(self.slots):
             raise RuntimeError("commit before every tensor was written")
         if self._hash_at is not None:
-            body = self._body
+            patched = self._body
             for at, slot in zip(self._hash_at, self.slots):
-                body[at : at + len(_PLACEHOLDER)] = slot.hash.encode()
-            body = bytes(body)
+                patched[at : at + len(_PLACEHOLDER)] = slot.hash.encode()
+            body = bytes(patched)
         else:  # the placeholders could not be located: encode the patched header again
             body = _encode_header(self.header)
         if len(body) != self.header_len:

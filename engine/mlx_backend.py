@@ -52,8 +52,9 @@ import copy
 import hashlib
 import json
 import pathlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -62,13 +63,13 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from engine.blas import blas_threads
-from engine.cpu_layout import pretranspose_linears, wants_pretranspose
 from engine.config import EngineConfig
+from engine.cpu_layout import pretranspose_linears, wants_pretranspose
 from engine.device import ThreadDevice
-from engine.mlx_device import MLXThread
-from engine.mlx_batch import DecodeBatch, merge_caches
 from engine.grammar import Grammars
 from engine.logits import RowLogits, apply_words, needs_processing, to_token_logprobs
+from engine.mlx_batch import DecodeBatch, merge_caches
+from engine.mlx_device import MLXThread
 from engine.mlx_sampling import RowSampler, row_seed
 from engine.mlx_tokenizer import MLXTokenizer
 from engine.ports import ModelInfo, StepPlan, StepResult
@@ -87,7 +88,7 @@ CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
 SINGLE_THREAD_ROWS = 5
 
 
-def load_mlx_backend(config: EngineConfig) -> tuple["MLXBackend", ThreadDevice]:
+def load_mlx_backend(config: EngineConfig) -> tuple[MLXBackend, ThreadDevice]:
     """Resolve ``config.model``, start the MLX thread and load the model on it."""
     from engine.models import resolve_model
 
@@ -160,13 +161,25 @@ class _Row:
     logits: RowLogits | None = None  # processors, grammar mask, logprobs (engine.logits)
 
 
+def _own_cache(row: _Row) -> list[Any]:
+    """The B=1 cache of a row not (yet) in the DecodeBatch."""
+    assert row.cache is not None, "a row outside the DecodeBatch holds its own cache"
+    return row.cache
+
+
+def _row_logits(row: _Row) -> RowLogits:
+    """The logits processing of a row known to have it."""
+    assert row.logits is not None, "a row with logits processing"
+    return row.logits
+
+
 @dataclass(slots=True)
 class _Ahead:
     """A decode step of the whole batch computed ahead (see the module docstring)."""
 
     tokens: mx.array  # [B] its sampled tokens, in batch order
     keys: list[tuple[_Row, mx.array]]  # the sampled rows' PRNG keys before it, to undo it
-    fed: list[_Row] = ()  # rows whose RowLogits were fed its inputs (undo: trim 1)
+    fed: Sequence[_Row] = ()  # rows whose RowLogits were fed its inputs (undo: trim 1)
     logprobs: dict[int, tuple[mx.array, ...]] | None = None  # lazy, by rid
 
 
@@ -203,9 +216,8 @@ def prefix_view(cache: list[Any], n: int) -> list[Any]:
             continue
         c = copy.deepcopy(c)
         size = getattr(c, "offset", None)
-        if isinstance(size, int) and size != n:
-            if size < n or not c.is_trimmable() or c.trim(size - n) != size - n:
-                raise ValueError(f"a {type(c).__name__} holding {size} tokens cannot serve {n}")
+        if isinstance(size, int) and size != n and (size < n or not c.is_trimmable() or c.trim(size - n) != size - n):
+            raise ValueError(f"a {type(c).__name__} holding {size} tokens cannot serve {n}")
         out.append(c)
     return out
 
@@ -234,7 +246,8 @@ class MLXBackend:
         self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
         # rows prefilling together are split back into plain KVCaches
         self.prefill_together = prefill_together and all(type(c) is KVCache for c in probe)
-        floats = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+        params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))  # a list without destination=
+        floats = (v for _, v in params if mx.issubdtype(v.dtype, mx.floating))
         first = next(floats, None)
         kv_scheme = [type(c).__name__ for c in probe] + [str(first.dtype if first is not None else "")]
         if weights_digest:
@@ -266,7 +279,7 @@ class MLXBackend:
         self.counters = {"pipelined": 0, "undone": 0, "ahead_heads_windows": 0, "prefill_together": 0}
 
     @classmethod
-    def load(cls, path: pathlib.Path, config: EngineConfig) -> "MLXBackend":
+    def load(cls, path: pathlib.Path, config: EngineConfig) -> MLXBackend:
         from mlx_lm import load
 
         model, tokenizer, model_config = load(str(path), return_config=True)
@@ -409,7 +422,7 @@ class MLXBackend:
         if joiners:
             inputs = [work[rid] for rid in joiners]
             group = DecodeBatch()
-            group.add(joiners, merge_caches([self._rows[rid].cache for rid in joiners]))
+            group.add(joiners, merge_caches([_own_cache(self._rows[rid]) for rid in joiners]))
             logits = group.forward(self.model, inputs)
             outputs.append(self._sample(joiners, inputs, logits, step_tokens))
             batch.add(joiners, group.cache)
@@ -425,8 +438,8 @@ class MLXBackend:
         if ahead is None and queued:
             self._undo(queued)
             queued = []
-        for q, toks in zip(queued, queued_tokens):
-            q.tokens = toks  # without the rows that closed
+        for q, q_tokens in zip(queued, queued_tokens):
+            q.tokens = q_tokens  # without the rows that closed
 
         if ahead is not None:
             self._queued = queued
@@ -582,8 +595,9 @@ class MLXBackend:
         for group in groups.values():
             if len(group) == 1:
                 row, tokens = group[0]
-                self.model(mx.array(tokens)[None], cache=row.cache)
-                mx.eval([c.state for c in row.cache])
+                cache = _own_cache(row)
+                self.model(mx.array(tokens)[None], cache=cache)
+                mx.eval([c.state for c in cache])
                 row.fed += len(tokens)
             else:
                 self._prefill_together(group)
@@ -602,21 +616,22 @@ class MLXBackend:
         for bit as mlx_lm.generate_step."""
         offset = group[0][0].fed
         width = max(len(t) for _, t in group)
-        batch = [KVCache() for _ in group[0][0].cache]
+        caches = [_own_cache(r) for r, _ in group]
+        batch = [KVCache() for _ in caches[0]]
         if offset:
             for layer, c in enumerate(batch):
                 c.state = (
-                    mx.concatenate([r.cache[layer].keys[..., :offset, :] for r, _ in group]),
-                    mx.concatenate([r.cache[layer].values[..., :offset, :] for r, _ in group]),
+                    mx.concatenate([rc[layer].keys[..., :offset, :] for rc in caches]),
+                    mx.concatenate([rc[layer].values[..., :offset, :] for rc in caches]),
                     offset,
                 )
         x = mx.array([t + [t[-1]] * (width - len(t)) for _, t in group])
         self.counters["prefill_together"] += len(group)
         self.model(x, cache=batch)
         mx.eval([c.state for c in batch])
-        for i, (row, tokens) in enumerate(group):
+        for i, ((row, tokens), own) in enumerate(zip(group, caches)):
             end = offset + len(tokens)
-            for layer, c in enumerate(row.cache):
+            for layer, c in enumerate(own):
                 c.state = (batch[layer].keys[i : i + 1, :, :end, :], batch[layer].values[i : i + 1, :, :end, :], end)
             row.fed = end
 
@@ -666,16 +681,17 @@ class MLXBackend:
             return mx.concatenate([r.sampler(lp[i : i + 1]) for i, r in enumerate(rows)])
         # Rows with logits processing (engine.logits), batched: processors per
         # row, then every row's grammar mask in one [B, V] op.
+        assert inputs is not None  # given whenever a row has processing
         for i in procs:
-            rows[i].logits.feed(inputs[i][0])
+            _row_logits(rows[i]).feed(inputs[i][0])
         x = raw
-        if any(rows[i].logits.processors for i in procs):
+        if any(_row_logits(rows[i]).processors for i in procs):
             x = mx.concatenate([r.logits.apply_processors(x[i : i + 1]) if r.logits else x[i : i + 1] for i, r in enumerate(rows)])
-        masked = [i for i in procs if rows[i].logits.matcher is not None]
+        masked = [i for i in procs if _row_logits(rows[i]).matcher is not None]
         if masked:
             words = np.full((len(rows), (self.info.vocab_size + 31) // 32), -1, np.int32)
             for i in masked:
-                rows[i].logits.mask_words(words[i])
+                _row_logits(rows[i]).mask_words(words[i])
             x = apply_words(x, words, self.info.vocab_size)
         plp = x - mx.logsumexp(x, axis=-1, keepdims=True)  # == lp for the rows without processing
         if all(r.sampler.greedy for r in rows):
@@ -683,8 +699,10 @@ class MLXBackend:
         else:
             toks = mx.concatenate([r.sampler(plp[i : i + 1]) for i, r in enumerate(rows)])
         for i in procs:
-            if rows[i].logits.logprobs is not None:
-                lps[rows[i].rid] = rows[i].logits.logprob_arrays(lp[i : i + 1], toks[i : i + 1])
+            row_logits = _row_logits(rows[i])
+            if row_logits.logprobs is not None:
+                assert lps is not None  # given whenever a row wants logprobs
+                lps[rows[i].rid] = row_logits.logprob_arrays(lp[i : i + 1], toks[i : i + 1])
         return toks
 
     def _has_logits(self) -> bool:
@@ -751,16 +769,18 @@ class MLXBackend:
         ``run_ahead``, or when a step reads it). ``pending``: tokens each row has
         sampled but not yet counted in ``emitted`` (the step being finished)."""
         batch, tokens = self._batch, self._due
+        assert tokens is not None  # called only with a step due
         rows = [self._rows[rid] for rid in batch.rids]
         depth = len(self._queued) + pending
         if all(r.emitted + depth >= r.max_tokens for r in rows):
             self._due = None  # every row has all its tokens by then
             return
-        keys = [(r, r.sampler.key) for r in rows if not r.sampler.greedy]
-        inputs, lps = None, {}
+        keys = [(r, r.sampler.key) for r in rows if r.sampler.key is not None]  # the sampled (not greedy) rows
+        inputs: list[list[int]] | None = None
+        lps: dict[int, tuple[mx.array, ...]] = {}
         fed = [r for r in rows if r.logits is not None]
         if fed:  # masks and penalties need the inputs on the host
-            inputs = [[t] for t in tokens.tolist()]
+            inputs = [[t] for t in cast(list[int], tokens.tolist())]
         logits = batch.decode(self.model, tokens)
         nxt = self._sample_last(logits, rows, inputs, lps)
         self._queued.append(_Ahead(nxt, keys, fed, lps))
@@ -836,7 +856,7 @@ class MLXBackend:
             row.sampler.key = key
         for q in queued:
             for row in q.fed:
-                row.logits.trim(1)
+                _row_logits(row).trim(1)
         self.counters["undone"] += len(queued)
 
     # ---- introspection (tests, stats) ------------------------------------------

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from asyncio import _get_running_loop
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -56,9 +57,9 @@ class Tokenizer(Protocol):
 
     def decode(self, tokens: list[int]) -> str: ...
 
-    def detokenizer(self) -> "Detokenizer": ...
+    def detokenizer(self) -> Detokenizer: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]: ...
 
 
 class Detokenizer(Protocol):
@@ -159,7 +160,9 @@ class Backend(Protocol):
     """The GPU/model port. Every method runs on the ``Device``, never on the loop."""
 
     info: ModelInfo
-    tokenizer: Tokenizer
+
+    @property  # read-only, so a backend may hold a more specific tokenizer
+    def tokenizer(self) -> Tokenizer: ...
 
     def step(self, plan: StepPlan) -> StepResult: ...
 

@@ -102,7 +102,7 @@ class ChoiceStream:
                     tg.start_soon(one, s)
         return ready
 
-    def __aiter__(self) -> "ChoiceStream":
+    def __aiter__(self) -> ChoiceStream:
         return self
 
     async def __anext__(self) -> Delta:
@@ -118,7 +118,7 @@ class ChoiceStream:
         for s in self.streams:
             await s.aclose()
 
-    async def __aenter__(self) -> "ChoiceStream":
+    async def __aenter__(self) -> ChoiceStream:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 import msgspec
@@ -32,9 +33,9 @@ from engine.errors import EngineError
 from engine.eventlog import EventLog
 from engine.ports import LoopClock
 from transport import chat_turn
+from transport.choices import ChoiceStream, submit_choices
 from transport.errors import ApiError, error_body, from_engine_error
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
-from transport.choices import ChoiceStream, submit_choices
 from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.sse import Disconnect, EventStream
@@ -189,22 +190,21 @@ async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: Tok
     out = Completion()
     disconnect = Disconnect(receive)
     failed: EngineError | None = None
-    async with stream:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
-            try:
-                async for d in stream:
-                    timer.tokens(len(d.token_ids))
-                    (outs[d.rid] if outs is not None else out).add(d)
-            except EngineError as exc:
-                failed = exc
-            tg.cancel_scope.cancel()
+    async with stream, anyio.create_task_group() as tg:
+        tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
+        try:
+            async for d in stream:
+                timer.tokens(len(d.token_ids))
+                (outs[d.rid] if outs is not None else out).add(d)
+        except EngineError as exc:
+            failed = exc
+        tg.cancel_scope.cancel()
     if failed is not None:
         raise failed
     if disconnect.happened:
         return None
     timer.done()
-    return [outs[rid] for rid in rids] if outs is not None else out
+    return [outs[rid] for rid in rids] if outs is not None and rids else out
 
 
 async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
@@ -213,6 +213,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     body = await read_body(request, host.max_body_bytes)
     req = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
     model = host.check_model(req.model)
+    prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
         tools = req.tool_setup()
         prompt = chat_turn.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
@@ -232,13 +233,13 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
             model, req.include_usage, rids=rids, token_bytes=engine.token_bytes, splitter=lambda: chat_turn.splitter(engine, tools)
         )
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
-    renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
+    completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
     if req.stream:
-        return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
+        return EventStream(stream, completion_renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
     completion = await collect(stream, request.receive, timer)
     if completion is None:
         return Response(status_code=400)  # the client left; nothing is sent
-    return Response(renderer.body(completion), media_type="application/json")
+    return Response(completion_renderer.body(completion), media_type="application/json")
 
 
 async def chat_completions(request: Request, host: ServerState) -> Response:
