@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssd-cache-verify", action="store_true", help="checksum tensors when restoring from SSD")
     s.add_argument("--ssd-demote-idle", type=float, metavar="SECONDS", help="demote RAM entries idle this long to SSD")
     s.add_argument("--min-cached-prefix", type=int, metavar="TOKENS", help="shortest cached prefix worth reusing (default 16)")
+    s.add_argument(
+        "--trust-gateway",
+        action="store_true",
+        help="accept the SGLang Model Gateway's extension fields (no_stop_trim, ...) in requests (docs/distributed.md)",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=serve, parser=s)
 
@@ -130,7 +135,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     _import_mlx_on_main_thread(config)
-    app = build_app(config)
+    app = build_app(config, trust_gateway=args.trust_gateway)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
