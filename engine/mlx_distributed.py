@@ -1,0 +1,341 @@
+"""One model across processes on ``mx.distributed``: an SPMD engine.
+
+    mlx.launch -n 2 --backend ring -- ember serve --model M --distributed tensor
+    mlx.launch -n 2 --backend ring -- ember serve --model M --distributed pipeline
+
+Every rank loads the model with mlx-lm's ``sharded_load`` (``tensor``:
+``model.shard(group)``; ``pipeline``: the model's ``PipelineMixin`` stages).
+Rank 0 runs the whole engine (HTTP, Gateway, Scheduler) on a ``LeaderBackend``;
+every other rank runs ``run_follower``: no HTTP, no Scheduler, only an
+``MLXBackend`` over its shard. Before rank 0 executes a step plan it
+broadcasts the plan's msgpack bytes (``RankLink``: an ``all_sum`` of a header
+and of a byte buffer where only rank 0 contributes, as ``mlx_lm.server`` shares
+its requests); each follower decodes the same ``StepPlan`` and calls the same
+``MLXBackend.step`` with it. The backend is deterministic given its plans
+(row seeds come from the engine seed and the row id), so every rank takes the
+same path through ``step`` and issues the model's collectives (the tensor
+shards' ``all_sum``, the pipeline's send/recv/all_gather) in the same order,
+and every rank's KV caches stay in lock-step.
+
+What is off in this mode, and why:
+
+* running ahead (``MLXBackend.run_ahead``): it computes a step on the MLX
+  thread when the thread is idle, a timing decision each rank would take
+  differently, and a collective issued by one rank alone deadlocks the group;
+* the prompt-cache tiers (RAM and SSD): a hit hands a stored cache to the
+  backend inside the plan, and every rank would need the same entry of its own
+  shard; ``EngineConfig.validate`` refuses ``--prompt-cache``/``--ssd-cache``
+  with ``--distributed`` rather than serving a cache only rank 0 has;
+* speculation (draft models, n-gram): refused like ``mlx_lm.server`` does.
+
+A rank that dies: the ring backend fails every pending collective with
+``RuntimeError("[ring] connection to a peer was lost")`` about a second after
+a peer's socket closes (measured), so the step in flight raises, the Scheduler
+dies and the engine is ``engine_dead`` (``/health`` 503, every open request
+ends with an error). While idle, rank 0 sends a heartbeat every
+``HEARTBEAT_S`` seconds, so a peer lost between requests is noticed within
+``HEARTBEAT_S`` plus that second; a peer that hangs without closing its socket
+is caught by the Scheduler's step watchdog (``step_timeout_s``, 60 s by
+default in this mode). A follower whose leader goes silent for
+``FOLLOWER_SILENCE_S`` exits (status 3).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import msgspec
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.mlx_device import MLXThread, name_os_thread
+from engine.ports import StepPlan
+
+log = logging.getLogger("ember.distributed")
+
+MODES = ("tensor", "pipeline")
+HEARTBEAT_S = 1.0
+FOLLOWER_SILENCE_S = 30.0
+DEFAULT_STEP_TIMEOUT_S = 60.0
+
+_STOP, _PLAN, _BEAT = 0, 1, 2
+
+
+def group() -> Any:
+    import mlx.core as mx
+
+    return mx.distributed.init()
+
+
+def rank() -> int:
+    """This process's rank (0 when not launched by ``mlx.launch``)."""
+    return group().rank()
+
+
+class RankLink:
+    """Rank 0 broadcasts byte messages to every other rank over ``all_sum``.
+
+    A message is a header ``[kind, length]`` then, for a plan, ``length``
+    bytes; the other ranks contribute zeros, so the sum is rank 0's bytes.
+    Every call is a collective: all ranks must make the same calls in the
+    same order (rank 0 ``send``/``beat``/``stop``, the others ``recv``)."""
+
+    def __init__(self, grp: Any):
+        self.group = grp
+        self.sent = 0
+        self.bytes = 0
+
+    def _all_sum(self, x: Any) -> Any:
+        import mlx.core as mx
+
+        out = mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
+        mx.eval(out)
+        return out
+
+    def _header(self, kind: int, length: int) -> None:
+        import mlx.core as mx
+
+        self._all_sum(mx.array([kind, length], dtype=mx.int32))
+
+    def send(self, data: bytes) -> None:
+        import mlx.core as mx
+
+        self._header(_PLAN, len(data))
+        self._all_sum(mx.array(np.frombuffer(data, dtype=np.uint8)))
+        self.sent += 1
+        self.bytes += len(data)
+
+    def beat(self) -> None:
+        self._header(_BEAT, 0)
+
+    def stop(self) -> None:
+        self._header(_STOP, 0)
+
+    def recv(self) -> tuple[int, bytes]:
+        import mlx.core as mx
+
+        kind, length = (int(v) for v in self._all_sum(mx.zeros((2,), dtype=mx.int32)).tolist())
+        if kind != _PLAN:
+            return kind, b""
+        data = self._all_sum(mx.zeros((length,), dtype=mx.uint8))
+        return kind, bytes(np.array(data, copy=False))
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_plan = msgspec.msgpack.Decoder(StepPlan).decode
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    if any(o.cache is not None for o in plan.open):
+        # The tiers are refused in this mode (EngineConfig.validate); a cache
+        # here would be rank 0's shard only.
+        raise RuntimeError("a step plan with a prefix cache cannot be shared across ranks")
+    return _encode(plan)
+
+
+# ---------------------------------------------------------------------------
+# Loading (every rank).
+
+
+def load_sharded(config: EngineConfig) -> Any:
+    """An ``MLXBackend`` over this rank's shard of ``config.model``; call on the
+    thread that will run its steps."""
+    from mlx_lm.utils import sharded_load
+
+    from engine.mlx_backend import MLXBackend, _tokenizer_hash, _weights_digest
+    from engine.models import resolve_model
+
+    path = resolve_model(config.model)
+    grp = group()
+    tensor = grp if config.distributed == "tensor" else None
+    pipeline = grp if config.distributed == "pipeline" else None
+    model, tokenizer, model_config = sharded_load(str(path), pipeline, tensor, return_config=True)
+    # No W.T pre-transposition (engine.cpu_layout): it knows nn.Linear, not
+    # mlx-lm's sharded linears.
+    backend = MLXBackend(
+        model,
+        tokenizer,
+        model_config,
+        model_id=config.model_name or str(config.model),
+        tokenizer_hash=_tokenizer_hash(path),
+        engine_seed=config.seed,
+        pipeline=False,  # no running ahead: see the module docstring
+        weights_digest=_weights_digest(path) + f":{config.distributed}{grp.rank()}/{grp.size()}",
+        prefill_together=config.batch_prefill,
+    )
+    backend.counters["rank"] = grp.rank()
+    backend.counters["ranks"] = grp.size()
+    return backend
+
+
+# ---------------------------------------------------------------------------
+# Rank 0.
+
+
+class LeaderBackend:
+    """``MLXBackend`` on rank 0: each step's plan goes to the followers first."""
+
+    def __init__(self, inner: Any, link: RankLink):
+        self.inner = inner
+        self.link = link
+        self.lost: BaseException | None = None
+        self.on_lost: Callable[[BaseException], None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def step(self, plan: StepPlan) -> Any:
+        if self.lost is not None:
+            raise RuntimeError(f"a rank was lost: {self.lost}")
+        try:
+            self.link.send(encode_plan(plan))
+        except RuntimeError as exc:
+            self._lose(exc)
+            raise
+        return self.inner.step(plan)
+
+    def beat(self) -> None:
+        if self.lost is not None:
+            return
+        try:
+            self.link.beat()
+        except RuntimeError as exc:
+            self._lose(exc)
+
+    def _lose(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = exc
+            log.error("[distributed] lost a rank: %s", exc)
+            if self.on_lost is not None:
+                self.on_lost(exc)
+
+    def attach_engine(self, engine: Any, loop: Any) -> None:
+        """A rank lost while the engine is idle kills the engine like a failed step."""
+
+        def dead(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(_kill_engine, engine, RuntimeError(f"a rank was lost: {exc}"))
+
+        self.on_lost = dead
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.inner.stats(), "plans_sent": self.link.sent, "plan_bytes": self.link.bytes}
+
+
+def _kill_engine(engine: Any, exc: BaseException) -> None:
+    """What ``Engine._supervise`` does when an actor crashes."""
+    if engine.dead is None:
+        engine.dead = exc
+        log.error("[engine] %s", exc)
+    engine.ready = False
+    if engine._actor_scope is not None:
+        engine._actor_scope.cancel()
+
+
+class LeaderThread(MLXThread):
+    """The MLX thread of rank 0: between calls it sends heartbeats, and
+    ``close`` tells the followers to stop without waiting forever on a
+    group that may be gone."""
+
+    backend: LeaderBackend | None = None
+
+    def _serve(self) -> None:
+        name_os_thread(self._thread.name)
+        if self._init is not None:
+            self._init()
+        while True:
+            try:
+                job = self._jobs.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                if self.backend is not None:
+                    self.backend.beat()
+                continue
+            if job is None:
+                return
+            fn, args, done = job
+            try:
+                value, ok = fn(*args), True
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                value, ok = exc, False
+            done(ok, value)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._closed:
+            return
+        backend = self.backend
+        if backend is not None and backend.lost is None:
+            try:
+                self.submit(backend.link.stop).result(timeout=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a stuck or lost group: exit anyway
+                log.warning("[distributed] could not stop the followers: %r", exc)
+        self._closed = True
+        self._jobs.put(None)
+        # A thread blocked in a collective never returns; it is a daemon thread.
+        self._thread.join(timeout=timeout_s)
+
+
+def load_distributed_backend(config: EngineConfig) -> tuple[LeaderBackend, LeaderThread]:
+    device = LeaderThread()
+    try:
+        inner = device.call(load_sharded, config)
+    except BaseException:
+        device.close()
+        raise
+    backend = LeaderBackend(inner, RankLink(group()))
+    device.backend = backend
+    return backend, device
+
+
+# ---------------------------------------------------------------------------
+# Ranks 1..N-1.
+
+
+def run_follower(config: EngineConfig) -> int:
+    """Load this rank's shard and execute rank 0's step plans until it says stop.
+
+    Exit status: 0 on rank 0's stop; 1 when the group fails (a rank was
+    lost); 3 when rank 0 went silent for ``FOLLOWER_SILENCE_S``."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    grp = group()
+    me = grp.rank()
+    backend = load_sharded(config)
+    link = RankLink(grp)
+    log.info("[distributed] rank %d/%d following (%s)", me, grp.size(), config.distributed)
+    last = [time.monotonic()]
+
+    def watchdog() -> None:
+        while True:
+            time.sleep(1.0)
+            if time.monotonic() - last[0] > FOLLOWER_SILENCE_S:
+                log.error("[distributed] rank %d: no word from rank 0 for %.0f s, exiting", me, FOLLOWER_SILENCE_S)
+                os._exit(3)
+
+    threading.Thread(target=watchdog, name="ember-follower-watchdog", daemon=True).start()
+    steps = 0
+    try:
+        while True:
+            kind, data = link.recv()
+            last[0] = time.monotonic()
+            if kind == _STOP:
+                log.info("[distributed] rank %d: stop after %d steps", me, steps)
+                return 0
+            if kind == _BEAT:
+                continue
+            plan = _decode_plan(data)
+            with mx.stream(generation_stream):
+                try:
+                    backend.step(plan)
+                except MemoryError as exc:
+                    # rank 0's Scheduler fails the same step's rows and goes on
+                    log.warning("[distributed] rank %d: step failed: %r", me, exc)
+            steps += 1
+    except RuntimeError as exc:
+        log.error("[distributed] rank %d: the group failed: %s", me, exc)
+        return 1
+
