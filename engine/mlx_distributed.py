@@ -155,6 +155,8 @@ def load_sharded(config: EngineConfig) -> Any:
     tensor = grp if config.distributed == "tensor" else None
     pipeline = grp if config.distributed == "pipeline" else None
     model, tokenizer, model_config = sharded_load(str(path), pipeline, tensor, return_config=True)
+    if pipeline is not None:
+        model = EvalEachForward(model)
     # No W.T pre-transposition (engine.cpu_layout): it knows nn.Linear, not
     # mlx-lm's sharded linears.
     backend = MLXBackend(
@@ -171,6 +173,35 @@ def load_sharded(config: EngineConfig) -> Any:
     backend.counters["rank"] = grp.rank()
     backend.counters["ranks"] = grp.size()
     return backend
+
+
+class EvalEachForward:
+    """A pipeline stage's model whose every forward is evaluated at once.
+
+    A step may build several forwards (the decode batch, rows joining it)
+    and evaluate them together. Tensor-parallel ranks build the same graph,
+    so MLX walks it in the same order everywhere; pipeline stages build
+    different graphs (rank 0 receives and runs the last layers, rank 1 runs
+    the first and sends), and two forwards' send/recv/all_gather evaluated in
+    one ``mx.eval`` paired up across forwards: four concurrent requests on a
+    2-stage qwen2 came out as garbage (tests/test_distributed.py). Evaluating
+    each forward before the next one is built orders them the same on every rank."""
+
+    def __init__(self, model: Any):
+        self.__dict__["_model"] = model
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        import mlx.core as mx
+
+        out = self._model(*args, **kw)
+        mx.eval(out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._model, name, value)
 
 
 # ---------------------------------------------------------------------------
