@@ -338,12 +338,13 @@ def run_follower(config: EngineConfig) -> int:
     backend = load_sharded(config)
     link = RankLink(grp)
     log.info("[distributed] rank %d/%d following (%s)", me, grp.size(), config.distributed)
-    last = [time.monotonic()]
+    waiting_since: list[float | None] = [time.monotonic()]  # None while a step runs (it may be long)
 
     def watchdog() -> None:
         while True:
             time.sleep(1.0)
-            if time.monotonic() - last[0] > FOLLOWER_SILENCE_S:
+            since = waiting_since[0]
+            if since is not None and time.monotonic() - since > FOLLOWER_SILENCE_S:
                 log.error("[distributed] rank %d: no word from rank 0 for %.0f s, exiting", me, FOLLOWER_SILENCE_S)
                 os._exit(3)
 
@@ -351,13 +352,14 @@ def run_follower(config: EngineConfig) -> int:
     steps = 0
     try:
         while True:
+            waiting_since[0] = time.monotonic()
             kind, data = link.recv()
-            last[0] = time.monotonic()
             if kind == _STOP:
                 log.info("[distributed] rank %d: stop after %d steps", me, steps)
                 return 0
             if kind == _BEAT:
                 continue
+            waiting_since[0] = None
             plan = _decode_plan(data)
             with mx.stream(generation_stream):
                 try:
