@@ -45,7 +45,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     draft_model: str | None = None  # path, "tiny-draft" or "ngram"
     num_draft_tokens: int | None = None  # None: adaptive
     # one model across ranks launched by mlx.launch: "tensor" or "pipeline"
-    # (engine.mlx_distributed; no prompt-cache tiers, no speculation)
+    # (engine.mlx_distributed; the RAM tier in lock-step, no SSD tier, no speculation)
     distributed: str | None = None
     # misc
     seed: int = 0
@@ -79,8 +79,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest(f"unknown distributed mode {self.distributed!r} (tensor or pipeline)", "distributed")
         if self.backend != "mlx":
             raise InvalidRequest("distributed serving needs the MLX backend, not the fake GPU", "distributed")
-        # every rank would need the same cache entry of its own shard (engine.mlx_distributed)
-        if self.prompt_cache_gib or self.ssd_cache_dir:
-            raise InvalidRequest("the prompt-cache tiers are off in distributed mode: use --prompt-cache 0 and no --ssd-cache", "prompt_cache_gib")
+        # a restored entry would be rank 0's shard only (engine.mlx_distributed)
+        if self.ssd_cache_dir:
+            raise InvalidRequest("the SSD cache tier is not supported in distributed mode (the RAM tier is)", "ssd_cache_dir")
         if self.draft_model:
             raise InvalidRequest("speculative decoding is not supported in distributed mode (as in mlx_lm.server)", "draft_model")

@@ -22,10 +22,12 @@ What is off in this mode, and why:
 * running ahead (``MLXBackend.run_ahead``): it computes a step on the MLX
   thread when the thread is idle, a timing decision each rank would take
   differently, and a collective issued by one rank alone deadlocks the group;
-* the prompt-cache tiers (RAM and SSD): a hit hands a stored cache to the
-  backend inside the plan, and every rank would need the same entry of its own
-  shard; ``EngineConfig.validate`` refuses ``--prompt-cache``/``--ssd-cache``
-  with ``--distributed`` rather than serving a cache only rank 0 has;
+* the SSD tier: a restore builds a cache from rank 0's file, rank 0's shard
+  only; ``EngineConfig.validate`` refuses ``--ssd-cache`` with ``--distributed``.
+  The RAM tier works in lock-step: rank 0 names every cache it keeps
+  (``TrackedCache``, the row id it closed from), each follower keeps its own
+  shard of the same row's cache under that name, a hit goes on the wire as the
+  name, and the names rank 0 lets go of are sent with the next plan;
 * speculation (draft models, n-gram): refused like ``mlx_lm.server`` does.
 
 A rank that dies: the ring backend fails every pending collective with
@@ -42,8 +44,11 @@ default in this mode). A follower whose leader goes silent for
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import os
+import weakref
 import queue
 import threading
 import time
@@ -54,7 +59,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.mlx_device import MLXThread, name_os_thread
-from engine.ports import StepPlan
+from engine.ports import OpenRow, StepPlan
 
 log = logging.getLogger("ember.distributed")
 
@@ -127,15 +132,37 @@ class RankLink:
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode_plan = msgspec.msgpack.Decoder(StepPlan).decode
+_decode_wire = msgspec.msgpack.Decoder(tuple[StepPlan, list[int]]).decode
 
 
-def encode_plan(plan: StepPlan) -> bytes:
+class TrackedCache(list):
+    """A closed row's cache on rank 0, named by the row it closed from
+    (``origin``). Every follower keeps its own shard of the same cache under
+    that name, so a plan can refer to it by the name; when rank 0 lets go of
+    it (the RAM tier evicted or replaced it) the name is sent to the
+    followers to drop theirs."""
+
+    __slots__ = ("origin", "__weakref__")
+
+
+def encode_wire(plan: StepPlan, drops: list[int]) -> bytes:
+    """The plan with each prefix cache replaced by its name, and the names to drop."""
+    from engine.mlx_backend import CachePrefix
+
     if any(o.cache is not None for o in plan.open):
-        # The tiers are refused in this mode (EngineConfig.validate); a cache
-        # here would be rank 0's shard only.
-        raise RuntimeError("a step plan with a prefix cache cannot be shared across ranks")
-    return _encode(plan)
+        opened = []
+        for o in plan.open:
+            if o.cache is None:
+                opened.append(o)
+                continue
+            src = o.cache.cache if isinstance(o.cache, CachePrefix) else o.cache
+            if not isinstance(src, TrackedCache):
+                # not a cache every rank holds (an SSD restore, say): refuse
+                # rather than let the ranks diverge
+                raise RuntimeError("a step plan with a cache the other ranks do not hold cannot be shared")
+            opened.append(OpenRow(o.rid, o.sampling, src.origin, o.cached))
+        plan = dataclasses.replace(plan, open=opened)
+    return _encode((plan, drops))
 
 
 # ---------------------------------------------------------------------------
@@ -216,6 +243,9 @@ class LeaderBackend:
         self.link = link
         self.lost: BaseException | None = None
         self.on_lost: Callable[[BaseException], None] | None = None
+        # names of closed caches rank 0 no longer holds (appended by finalizers on any thread)
+        self._dropped: collections.deque[int] = collections.deque()
+        self.tracked = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -223,12 +253,22 @@ class LeaderBackend:
     def step(self, plan: StepPlan) -> Any:
         if self.lost is not None:
             raise RuntimeError(f"a rank was lost: {self.lost}")
+        drops = []
+        while self._dropped:
+            drops.append(self._dropped.popleft())
         try:
-            self.link.send(encode_plan(plan))
+            self.link.send(encode_wire(plan, drops))
         except RuntimeError as exc:
             self._lose(exc)
             raise
-        return self.inner.step(plan)
+        res = self.inner.step(plan)
+        for rid, cache in res.closed.items():
+            tracked = TrackedCache(cache)
+            tracked.origin = rid
+            weakref.finalize(tracked, self._dropped.append, rid)
+            res.closed[rid] = tracked
+            self.tracked += 1
+        return res
 
     def beat(self) -> None:
         if self.lost is not None:
@@ -254,7 +294,13 @@ class LeaderBackend:
         self.on_lost = dead
 
     def stats(self) -> dict[str, Any]:
-        return {**self.inner.stats(), "plans_sent": self.link.sent, "plan_bytes": self.link.bytes}
+        return {
+            **self.inner.stats(),
+            "plans_sent": self.link.sent,
+            "plan_bytes": self.link.bytes,
+            "caches_shared": self.tracked,
+            "caches_dropped_pending": len(self._dropped),
+        }
 
 
 def _kill_engine(engine: Any, exc: BaseException) -> None:
@@ -349,24 +395,34 @@ def run_follower(config: EngineConfig) -> int:
                 os._exit(3)
 
     threading.Thread(target=watchdog, name="ember-follower-watchdog", daemon=True).start()
+    from engine.mlx_backend import CachePrefix
+
     steps = 0
+    stored: dict[int, list[Any]] = {}  # this rank's shard of every closed cache rank 0 holds, by name
     try:
         while True:
             waiting_since[0] = time.monotonic()
             kind, data = link.recv()
             if kind == _STOP:
-                log.info("[distributed] rank %d: stop after %d steps", me, steps)
+                log.info("[distributed] rank %d: stop after %d steps (%d caches held)", me, steps, len(stored))
                 return 0
             if kind == _BEAT:
                 continue
             waiting_since[0] = None
-            plan = _decode_plan(data)
+            plan, drops = _decode_wire(data)
+            for name in drops:
+                stored.pop(name, None)
+            for o in plan.open:
+                if o.cache is not None:  # a KeyError ends this rank: never a step on the wrong cache
+                    o.cache = CachePrefix(stored[o.cache], o.cached)
             with mx.stream(generation_stream):
                 try:
-                    backend.step(plan)
+                    res = backend.step(plan)
                 except MemoryError as exc:
                     # rank 0's Scheduler fails the same step's rows and goes on
                     log.warning("[distributed] rank %d: step failed: %r", me, exc)
+                else:
+                    stored.update(res.closed)
             steps += 1
     except RuntimeError as exc:
         log.error("[distributed] rank %d: the group failed: %s", me, exc)

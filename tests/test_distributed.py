@@ -4,7 +4,8 @@ localhost (``ember serve --distributed tensor|pipeline``), started as
 but by the test, so that killing one rank does not take the other down with it
 (mlx.launch stops every rank when one exits).
 
-Oracles: mlx-lm's own ``stream_generate`` on a single process (greedy). The
+Oracles: mlx-lm's own ``stream_generate`` on a single process (greedy),
+never-cached, also for a second turn the ranks serve from their RAM tiers. The
 tensor-parallel engine runs the bundled llama (``model.shard``); the pipeline
 engine a tiny random-weight qwen2, whose mlx-lm model mixes in PipelineMixin.
 """
@@ -124,13 +125,26 @@ def reference(path: str, prompts: list[str], n: int = N) -> list[str]:
     return ["".join(r.text for r in stream_generate(model, tok, p, max_tokens=n)) for p in prompts]
 
 
-def check_both(ranks: Ranks, want: list[str]) -> None:
-    assert complete(ranks.url, PROMPTS[0]) == want[0]  # alone
+# a session's first turn, long enough (37 tokens) for the RAM tier to reuse (min_cached_prefix 16)
+SESSION = 'class Point:\n    """A point in the plane, with its two coordinates."""\n\n    def __init__(self, x, y):\n'
+
+
+def check_both(ranks: Ranks, path: str) -> None:
+    want = reference(path, PROMPTS)
+    [first] = reference(path, [SESSION])
+    turn2 = SESSION + first + "\n    def norm(self):\n        return"
+    [want2] = reference(path, [turn2])
+    assert complete(ranks.url, SESSION) == first  # alone
     with ThreadPoolExecutor(4) as pool:  # four at once: one batch on every rank
         got = list(pool.map(lambda p: complete(ranks.url, p), PROMPTS))
     assert got == want
+    # a second turn starts from the RAM tier's cache on every rank (in lock-step)
+    r = httpx.post(ranks.url + "/v1/completions", json={"prompt": turn2, "max_tokens": N, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, r.json()["usage"]
+    assert r.json()["choices"][0]["text"] == want2
     stats = httpx.get(ranks.url + "/stats", timeout=5).json()
-    assert stats["scheduler"]["finished"] == 1 + len(PROMPTS)
+    assert stats["scheduler"]["finished"] == 2 + len(PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +185,8 @@ def qwen2_dir(tmp_path_factory, tiny) -> str:
 
 
 def test_tensor_parallel_equals_one_process(tmp_path, tiny):
-    want = reference(tiny, PROMPTS)
     with Ranks(tmp_path, tiny, "tensor") as ranks:
-        check_both(ranks, want)
+        check_both(ranks, tiny)
         # a graceful stop of rank 0 stops the followers (told, not lost)
         ranks.procs[0].send_signal(signal.SIGTERM)
         assert ranks.procs[0].wait(timeout=60) == 0
@@ -185,7 +198,7 @@ def test_pipeline_equals_one_process(tmp_path, qwen2_dir):
     want = reference(qwen2_dir, PROMPTS)
     assert len(set(want)) == len(want)  # the random model does not say the same thing to every prompt
     with Ranks(tmp_path, qwen2_dir, "pipeline") as ranks:
-        check_both(ranks, want)
+        check_both(ranks, qwen2_dir)
 
 
 def test_a_rank_that_dies_ends_open_requests_and_health(tmp_path, tiny):

@@ -100,7 +100,6 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         from engine.mlx_distributed import DEFAULT_STEP_TIMEOUT_S
 
         fields["distributed"] = args.distributed
-        fields.setdefault("prompt_cache_gib", 0.0)  # the tiers are off in this mode
         fields["step_timeout_s"] = DEFAULT_STEP_TIMEOUT_S  # a hung rank ends as engine_dead, not a hang
     try:
         config = EngineConfig(**fields).validate()
