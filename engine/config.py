@@ -45,7 +45,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     draft_model: str | None = None  # path, "tiny-draft" or "ngram"
     num_draft_tokens: int | None = None  # None: adaptive
     # one model across ranks launched by mlx.launch: "tensor" or "pipeline"
-    # (engine.mlx_distributed; the RAM tier in lock-step, no SSD tier, no speculation)
+    # (engine.mlx_distributed; the RAM tier in lock-step, no SSD tier)
     distributed: str | None = None
     # misc
     seed: int = 0
@@ -82,5 +82,3 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         # a restored entry would be rank 0's shard only (engine.mlx_distributed)
         if self.ssd_cache_dir:
             raise InvalidRequest("the SSD cache tier is not supported in distributed mode (the RAM tier is)", "ssd_cache_dir")
-        if self.draft_model:
-            raise InvalidRequest("speculative decoding is not supported in distributed mode (as in mlx_lm.server)", "draft_model")

@@ -28,7 +28,12 @@ What is off in this mode, and why:
   (``TrackedCache``, the row id it closed from), each follower keeps its own
   shard of the same row's cache under that name, a hit goes on the wire as the
   name, and the names rank 0 lets go of are sent with the next plan;
-* speculation (draft models, n-gram): refused like ``mlx_lm.server`` does.
+
+Speculation works, unlike ``mlx_lm.server`` (which refuses draft models when
+distributed): the drafter (a draft model, whole and unsharded, or n-gram
+lookup) runs on rank 0 alone and makes no collective call; its windows reach
+the target as ``VerifyRow``s inside the broadcast plans, and the trims after
+a verdict too, so every rank verifies and rolls back the same tokens.
 
 A rank that dies: the ring backend fails every pending collective with
 ``RuntimeError("[ring] connection to a peer was lost")`` about a second after

@@ -209,6 +209,20 @@ def test_pipeline_equals_one_process(tmp_path, qwen2_dir):
         assert h.json()["status"] == "dead"
 
 
+def test_speculation_over_tensor_ranks(tmp_path, tiny):
+    """The draft model runs on rank 0 alone (whole, unsharded); its windows are
+    verified by the sharded target inside the broadcast plans."""
+    want = reference(tiny, PROMPTS)
+    with Ranks(tmp_path, tiny, "tensor", extra=["--draft-model", "tiny-draft"]) as ranks:
+        body = {"prompt": PROMPTS[0], "max_tokens": N, "ignore_eos": True}
+        r = httpx.post(ranks.url + "/v1/completions", json=body, timeout=120).json()
+        assert r["choices"][0]["text"] == want[0]
+        assert r["usage"]["speculation"]["drafted"] > 0, r["usage"]  # it did speculate
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: complete(ranks.url, p), PROMPTS))
+        assert got == want
+
+
 def test_a_rank_that_dies_ends_open_requests_and_health(tmp_path, tiny):
     with Ranks(tmp_path, tiny, "tensor") as ranks:
         body = {"prompt": PROMPTS[1], "max_tokens": 4000, "ignore_eos": True, "stream": True}

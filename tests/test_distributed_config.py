@@ -25,7 +25,6 @@ def test_the_flag_keeps_the_ram_tier_and_arms_the_step_watchdog():
     "flags, says",
     [
         (["--ssd-cache", "/tmp/x"], "SSD cache tier is not supported in distributed mode"),
-        (["--draft-model", "ngram"], "speculative decoding is not supported in distributed mode"),
         (["--fake-gpu"], "needs the MLX backend"),
     ],
 )
