@@ -27,7 +27,7 @@ What is off in this mode, and why:
   The RAM tier works in lock-step: rank 0 names every cache it keeps
   (``TrackedCache``, the row id it closed from), each follower keeps its own
   shard of the same row's cache under that name, a hit goes on the wire as the
-  name, and the names rank 0 lets go of are sent with the next plan;
+  name, and the names rank 0 lets go of are sent with the next plan.
 
 Speculation works, unlike ``mlx_lm.server`` (which refuses draft models when
 distributed): the drafter (a draft model, whole and unsharded, or n-gram
@@ -53,6 +53,7 @@ import collections
 import dataclasses
 import logging
 import os
+import signal
 import weakref
 import queue
 import threading
@@ -384,6 +385,9 @@ def run_follower(config: EngineConfig) -> int:
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
+    # Ctrl-C reaches every rank of the launch; rank 0 drains and then stops
+    # the followers, so a follower waits for that instead of dying mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     grp = group()
     me = grp.rank()
     backend = load_sharded(config)
