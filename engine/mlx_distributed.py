@@ -53,11 +53,11 @@ import collections
 import dataclasses
 import logging
 import os
-import signal
-import weakref
 import queue
+import signal
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import msgspec

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     replica_args = args.replica_args or ["--fake-gpu"]
     setups = {
-        "one": (f"1 replica", 1, "round_robin"),
+        "one": ("1 replica", 1, "round_robin"),
         "round_robin": (f"{args.replicas} replicas, round_robin", args.replicas, "round_robin"),
         "cache_aware": (f"{args.replicas} replicas, cache_aware", args.replicas, "cache_aware"),
     }
