@@ -184,9 +184,46 @@ def qwen2_dir(tmp_path_factory, tiny) -> str:
     return str(out)
 
 
+CONSTRAINED = {
+    "messages": [{"role": "user", "content": "Give a point."}],
+    "max_tokens": 40,
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": "p", "schema": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+    },
+}
+
+
+def one_process_chat(tmp: Path, model: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The same request to a plain single-process ``ember serve``."""
+    port = free_port()
+    with open(tmp / "single.log", "wb") as log:
+        p = subprocess.Popen([sys.executable, "-m", "transport.cli", "serve", "--model", model, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and p.poll() is None, (tmp / "single.log").read_text()
+            time.sleep(0.2)
+        return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120).json()
+    finally:
+        p.terminate()
+        p.wait(timeout=60)
+
+
 def test_tensor_parallel_equals_one_process(tmp_path, tiny):
+    # a grammar-constrained request: the constraint rides in the plan's
+    # SamplingParams and every rank builds its own matcher
+    want_constrained = one_process_chat(tmp_path, tiny, CONSTRAINED)["choices"][0]["message"]["content"]
     with Ranks(tmp_path, tiny, "tensor") as ranks:
         check_both(ranks, tiny)
+        r = httpx.post(ranks.url + "/v1/chat/completions", json=CONSTRAINED, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want_constrained
         # a graceful stop of rank 0 stops the followers (told, not lost)
         ranks.procs[0].send_signal(signal.SIGTERM)
         assert ranks.procs[0].wait(timeout=60) == 0
