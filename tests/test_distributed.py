@@ -145,6 +145,10 @@ def check_both(ranks: Ranks, path: str) -> None:
     assert r.json()["choices"][0]["text"] == want2
     stats = httpx.get(ranks.url + "/stats", timeout=5).json()
     assert stats["scheduler"]["finished"] == 2 + len(PROMPTS)
+    dist = stats["distributed"]
+    assert (dist["rank"], dist["ranks"]) == (0, 2)
+    assert dist["plans_sent"] == stats["scheduler"]["steps"]  # every step went to the followers first
+    assert dist["caches_shared"] >= 1 + len(PROMPTS)
 
 
 @pytest.fixture(scope="module")
