@@ -16,6 +16,7 @@ nesting order. An actor that crashes takes the engine down: every waiter gets
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 from collections.abc import AsyncIterator, Iterator
@@ -45,6 +46,10 @@ def build_backend(config: EngineConfig, clock: Clock) -> tuple[Backend, Device]:
         from engine.fake_gpu import FakeBackend
 
         return FakeBackend(config.fake), InlineDevice(clock)
+    if config.distributed:
+        from engine.mlx_distributed import load_distributed_backend
+
+        return load_distributed_backend(config)
     from engine.mlx_backend import load_mlx_backend
 
     return load_mlx_backend(config)
@@ -287,6 +292,8 @@ class Engine:
         events = events if events is not None else EventLog(keep=config.backend == "fake")
         events.start(clock.now())
         engine = cls(config, backend, device or InlineDevice(clock), clock, events)
+        if hasattr(backend, "attach_engine"):  # rank 0 of a distributed engine (engine.mlx_distributed)
+            backend.attach_engine(engine, asyncio.get_running_loop())
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(engine._run_actors)
@@ -493,6 +500,7 @@ class Engine:
             **({"prompt_cache": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
             **({"ssd_cache": self._ssd_stats()} if self.cold_tier is not None else {}),
             **({"speculation": self.speculation.stats()} if self.speculation is not None else {}),
+            **({"distributed": self.backend.stats()} if self.config.distributed else {}),
         }
 
 

@@ -44,6 +44,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # speculative decoding
     draft_model: str | None = None  # path, "tiny-draft" or "ngram"
     num_draft_tokens: int | None = None  # None: adaptive
+    # one model across ranks launched by mlx.launch: "tensor" or "pipeline"
+    # (engine.mlx_distributed; the RAM tier in lock-step, no SSD tier)
+    distributed: str | None = None
     # misc
     seed: int = 0
     model_name: str | None = None  # the name served in /v1/models
@@ -65,4 +68,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest("prompt_cache_gib must be >= 0", "prompt_cache_gib")
         if self.ssd_cache_dir and self.prompt_cache_gib == 0:
             raise InvalidRequest("the SSD cache needs the RAM tier: --prompt-cache 0 with --ssd-cache", "prompt_cache_gib")
+        if self.distributed is not None:
+            self._check_distributed()
         return self
+
+    def _check_distributed(self) -> None:
+        from engine.errors import InvalidRequest
+
+        if self.distributed not in ("tensor", "pipeline"):
+            raise InvalidRequest(f"unknown distributed mode {self.distributed!r} (tensor or pipeline)", "distributed")
+        if self.backend != "mlx":
+            raise InvalidRequest("distributed serving needs the MLX backend, not the fake GPU", "distributed")
+        # a restored entry would be rank 0's shard only (engine.mlx_distributed)
+        if self.ssd_cache_dir:
+            raise InvalidRequest("the SSD cache tier is not supported in distributed mode (the RAM tier is)", "ssd_cache_dir")

@@ -49,7 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssd-cache-max", type=float, metavar="GIB", help="byte cap of the SSD tier")
     s.add_argument("--ssd-cache-verify", action="store_true", help="checksum tensors when restoring from SSD")
     s.add_argument("--ssd-demote-idle", type=float, metavar="SECONDS", help="demote RAM entries idle this long to SSD")
+    s.add_argument(
+        "--distributed",
+        choices=["tensor", "pipeline"],
+        help="one model across the ranks of `mlx.launch -n N -- ember serve ...`: rank 0 serves HTTP (docs/distributed.md)",
+    )
     s.add_argument("--min-cached-prefix", type=int, metavar="TOKENS", help="shortest cached prefix worth reusing (default 16)")
+    s.add_argument(
+        "--trust-gateway",
+        action="store_true",
+        help="accept the SGLang Model Gateway's extension fields (no_stop_trim, ...) in requests (docs/distributed.md)",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=serve, parser=s)
 
@@ -86,6 +96,11 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             fields[field] = value
     if getattr(args, "ssd_cache_verify", False):
         fields["ssd_cache_verify"] = True
+    if getattr(args, "distributed", None):
+        from engine.mlx_distributed import DEFAULT_STEP_TIMEOUT_S
+
+        fields["distributed"] = args.distributed
+        fields["step_timeout_s"] = DEFAULT_STEP_TIMEOUT_S  # a hung rank ends as engine_dead, not a hang
     try:
         config = EngineConfig(**fields).validate()
     except InvalidRequest as exc:
@@ -124,13 +139,19 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from transport.http import build_app
 
     config = engine_config(args, parser)
+    if config.distributed:
+        from engine.mlx_distributed import rank, run_follower
+
+        if rank() != 0:  # the other ranks execute rank 0's step plans; no HTTP
+            logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+            return run_follower(config)
     try:
         sock = _bind(args.host, args.port)
     except OSError as exc:
         parser.error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     _import_mlx_on_main_thread(config)
-    app = build_app(config)
+    app = build_app(config, trust_gateway=args.trust_gateway)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

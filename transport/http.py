@@ -35,8 +35,10 @@ from engine.ports import LoopClock
 from transport import chat_turn
 from transport.choices import ChoiceStream, submit_choices
 from transport.errors import ApiError, error_body, from_engine_error
+from transport.gateway_compat import ExtensionCounter, request_type
+from transport.gateway_compat import routes as gateway_routes
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
-from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
+from transport.openai_schema import ModelCard, ModelList, decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.sse import Disconnect, EventStream
 
@@ -57,8 +59,11 @@ class ServerState:
         keepalive_s: float,
         default_max_tokens: int,
         max_body_bytes: int,
+        trust_gateway: bool = False,
     ):
         self.config = config
+        self.trust_gateway = trust_gateway  # accept the SGLang gateway's extension fields (transport/gateway_compat.py)
+        self.extensions = ExtensionCounter()
         self.engine_kw = engine_kw
         self.keepalive_s = keepalive_s
         self.default_max_tokens = default_max_tokens
@@ -68,6 +73,7 @@ class ServerState:
         self.error: BaseException | None = None
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.metrics.registry.register(self.extensions)
         self.settled: anyio.Event | None = None  # set once ready or failed (made on the serving loop)
         self._stop: anyio.Event | None = None
 
@@ -211,7 +217,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     engine = host.require_engine()
     timer = TokenTimer(host.metrics, engine.clock.now)
     body = await read_body(request, host.max_body_bytes)
-    req = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
+    req = host.extensions.check(decode_request(body, request_type(chat, host.trust_gateway)))
     model = host.check_model(req.model)
     prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
@@ -317,12 +323,18 @@ def build_app(
     keepalive_s: float = 5.0,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     max_body_bytes: int = MAX_BODY_BYTES,
+    trust_gateway: bool = False,
     **engine_kw: Any,
 ) -> Starlette:
     """The app serving one engine; ``engine_kw`` goes to ``Engine.open`` (backend, clock, events…)."""
     config = config.validate()  # a bad combination fails here, before anything listens
     host = ServerState(
-        config, engine_kw, keepalive_s=keepalive_s, default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes
+        config,
+        engine_kw,
+        keepalive_s=keepalive_s,
+        default_max_tokens=default_max_tokens,
+        max_body_bytes=max_body_bytes,
+        trust_gateway=trust_gateway,
     )
 
     @asynccontextmanager
@@ -343,6 +355,7 @@ def build_app(
         Route("/stats", _endpoint("stats", stats), methods=["GET"]),
         Route("/metrics", _endpoint("metrics", metrics), methods=["GET"]),
         Route("/admin/cache/flush", _endpoint("cache_flush", cache_flush), methods=["POST"]),
+        *gateway_routes(),  # what the SGLang Model Gateway probes
     ]
     routes += agent_routes()
     app = Starlette(
