@@ -58,7 +58,8 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import numpy as np

@@ -80,7 +80,7 @@ class Cluster:
         self.url = ""
 
     # ---- lifecycle ---------------------------------------------------------
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         try:
             for i in range(self.n):
                 port = free_port()
@@ -156,7 +156,7 @@ class Cluster:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start()
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

@@ -66,9 +66,8 @@ class Ranks:
         self.procs: list[subprocess.Popen[bytes]] = []
         for r in range(n):
             env = {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), "PYTHONUNBUFFERED": "1"}
-            log = open(tmp / f"rank{r}.log", "wb")
-            self.procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-            log.close()
+            with open(tmp / f"rank{r}.log", "wb") as log:
+                self.procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
 
     def logs(self) -> str:
         return "\n".join(f"--- rank {r}\n" + (self.tmp / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(len(self.procs)))
@@ -99,7 +98,7 @@ class Ranks:
                 out.append(p.wait())
         return out
 
-    def __enter__(self) -> "Ranks":
+    def __enter__(self) -> Ranks:
         try:
             self.wait_ready()
         except BaseException:

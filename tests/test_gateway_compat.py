@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from test_http import CHAT, FAKE, assert_error, chat_prompt, expected_text, serving
+from tests.test_http import CHAT, FAKE, assert_error, chat_prompt, expected_text, serving
 
 pytestmark = pytest.mark.anyio
 

@@ -37,7 +37,8 @@ through the gateway.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -133,7 +134,7 @@ def request_type(chat: bool, trust_gateway: bool) -> type:
 # The probes.
 
 
-def _host(request: Request) -> "ServerState":
+def _host(request: Request) -> ServerState:
     return request.app.state.ember
 
 
@@ -160,7 +161,7 @@ async def server_info(request: Request) -> Response:
     return JSONResponse(body)
 
 
-def _model_path(host: "ServerState") -> dict[str, str]:
+def _model_path(host: ServerState) -> dict[str, str]:
     """``model_path`` only as a local directory: the gateway loads a tokenizer
     from it, and takes anything else for a Hugging Face id to download (seen
     with the fake GPU's name). Without it the gateway skips the tokenizer,
@@ -187,7 +188,7 @@ async def model_info(request: Request) -> Response:
     )
 
 
-def load(host: "ServerState") -> dict[str, int]:
+def load(host: ServerState) -> dict[str, int]:
     """SGLang's per-DP-rank load entry: requests running and waiting, and the
     tokens held by the running batch (what ``power_of_two`` compares)."""
     engine = host.engine
