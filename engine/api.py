@@ -500,7 +500,7 @@ class Engine:
             **({"prompt_cache": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
             **({"ssd_cache": self._ssd_stats()} if self.cold_tier is not None else {}),
             **({"speculation": self.speculation.stats()} if self.speculation is not None else {}),
-            **({"distributed": self.backend.stats()} if self.config.distributed else {}),
+            **({"distributed": self.backend.stats()} if self.config.distributed else {}),  # type: ignore[attr-defined]  # the distributed backend wraps MLXBackend and adds stats()
         }
 
 

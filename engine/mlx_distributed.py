@@ -150,6 +150,7 @@ class TrackedCache(list):
     followers to drop theirs."""
 
     __slots__ = ("origin", "__weakref__")
+    origin: int
 
 
 def encode_wire(plan: StepPlan, drops: list[int]) -> bytes:

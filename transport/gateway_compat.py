@@ -111,8 +111,8 @@ class ExtensionCounter(Collector):
     def check(self, req: Any) -> Any:
         if isinstance(req, _GATEWAY_TYPES):
             check_extensions(req, self.seen)
-            if req.model == GATEWAY_NO_MODEL:
-                req.model = None
+            if req.model == GATEWAY_NO_MODEL:  # type: ignore[attr-defined]  # both gateway types carry model
+                req.model = None  # type: ignore[attr-defined]
         return req
 
     def collect(self) -> Iterator[Metric]:
