@@ -462,9 +462,10 @@ class MLXBackend:
         gone = set(leaving)
         stay = [i for i, rid in enumerate(self._batch.rids) if rid not in gone]
         kept = self._batch.remove(leaving, plan.keep_cache)
-        for cache in kept.values():
-            for c in cache:
-                c.trim(len(queued))  # tokens fed by steps run ahead were never confirmed
+        if queued:  # only all-KVCache batches run ahead; SSM state has no trim
+            for cache in kept.values():
+                for c in cache:
+                    c.trim(len(queued))  # tokens fed by steps run ahead were never confirmed
         res.closed.update(kept)
         index = mx.array(stay) if stay else None
         return [t[index] if index is not None else t[:0] for t in tokens]
@@ -764,7 +765,9 @@ class MLXBackend:
         i = self._batch.index(rid)
         cache = [c.extract(i) for c in self._batch.cache]
         for c in cache:
-            c.trim(c.offset - row.fed)  # steps run ahead are not the row's yet
+            extra = getattr(c, "offset", row.fed) - row.fed
+            if extra:
+                c.trim(extra)  # steps run ahead are not the row's yet
         return cache
 
     def stats(self) -> dict[str, Any]:
