@@ -455,6 +455,8 @@ class Engine:
             **({"prompt_cache": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
             **({"ssd_cache": self._ssd_stats()} if self.cold_tier is not None else {}),
             **({"speculation": self.speculation.stats()} if self.speculation is not None else {}),
+            # paths a cache kind ruled out, and how often (engine.mlx_backend)
+            **({"fallbacks": dict(fb)} if (fb := getattr(self.backend, "fallbacks", None)) is not None else {}),
         }
 
 

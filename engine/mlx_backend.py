@@ -228,6 +228,7 @@ class MLXBackend:
         self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
         # rows prefilling together are split back into plain KVCaches
         self.prefill_together = prefill_together and all(type(c) is KVCache for c in probe)
+        self._prefill_kind_off = prefill_together and not self.prefill_together
         floats = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
         first = next(floats, None)
         kv_scheme = [type(c).__name__ for c in probe] + [str(first.dtype if first is not None else "")]
@@ -256,6 +257,13 @@ class MLXBackend:
         self._ahead_error: Exception | None = None
         self.steps = 0
         self.counters = {"pipelined": 0, "undone": 0, "ahead_heads_windows": 0, "prefill_together": 0}
+        # Paths a cache kind ruled out, each time it did (/stats "fallbacks"):
+        # spec_untrimmable: a verify window cut to a plain decode (the cache cannot roll back);
+        # run_ahead_off: decode steps not run ahead (only all-KVCache batches can undo one);
+        # prefill_alone: prefill chunks that could have shared a forward but not this kind;
+        # keep_cache_failed: a finished row's cache could not be kept (a miss later, not an error).
+        self.fallbacks = {"spec_untrimmable": 0, "run_ahead_off": 0, "prefill_alone": 0, "keep_cache_failed": 0}
+        self._run_ahead_kind_off = pipeline and not self.pipeline
 
     @classmethod
     def load(cls, path: pathlib.Path, config: EngineConfig) -> "MLXBackend":
@@ -366,7 +374,11 @@ class MLXBackend:
                 res.errors[v.rid] = "a row can decode or verify once per step, with a non-empty window"
                 work.pop(v.rid, None)
                 continue
-            work[v.rid] = list(v.tokens) if self._window_fits(v.rid, len(v.tokens)) else v.tokens[:1]
+            if self._window_fits(v.rid, len(v.tokens)):
+                work[v.rid] = list(v.tokens)
+            else:
+                work[v.rid] = v.tokens[:1]
+                self.fallbacks["spec_untrimmable"] += 1
         verify_rids = {v.rid for v in plan.verify}
         for rid in list(work):
             if rid not in self._rows:
@@ -413,6 +425,8 @@ class MLXBackend:
 
         all_decoded = not verifying and len(batch) > 0 and len(work) == len(batch)
         ahead = None
+        if all_decoded and self._run_ahead_kind_off:
+            self.fallbacks["run_ahead_off"] += 1
         if self.pipeline and all_decoded and len(step_tokens) == len(outputs):
             ahead = mx.concatenate(step_tokens) if len(step_tokens) > 1 else step_tokens[0]
         if ahead is None and queued:
@@ -557,6 +571,11 @@ class MLXBackend:
         for row, tokens in ready:
             key = row.fed if self.prefill_together else -1 - row.rid
             groups.setdefault(key, []).append((row, tokens))
+        if not self.prefill_together and self._prefill_kind_off:
+            shared = {}
+            for row, _ in ready:
+                shared[row.fed] = shared.get(row.fed, 0) + 1
+            self.fallbacks["prefill_alone"] += sum(n for n in shared.values() if n > 1)
         for group in groups.values():
             if len(group) == 1:
                 row, tokens = group[0]
@@ -771,4 +790,7 @@ class MLXBackend:
         return cache
 
     def stats(self) -> dict[str, Any]:
-        return {"rows": len(self._rows), "batch": len(self._batch), "pipeline": self.pipeline, **self.counters}
+        return {
+            "rows": len(self._rows), "batch": len(self._batch), "pipeline": self.pipeline, **self.counters,
+            "fallbacks": dict(self.fallbacks),
+        }

@@ -97,3 +97,57 @@ async def test_parity_alone_and_batched(models, arch):
         assert [c.token_ids for c in batched] == want
         assert engine.stats()["dead"] is None
         assert engine.stats()["prompt_cache"]["puts"] >= 1
+
+
+
+SPEC_CASES = [(a, {}) for a in ARCHS] + [("gemma3_text", {"sliding_window": 128})]
+
+
+def _case_id(x):
+    return x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items())
+
+
+async def _speculate(models, path, arch, kw, draft: str) -> dict:
+    cfg = _cfg(path, draft_model=draft, num_draft_tokens=3, prompt_cache_gib=0)
+    async with Engine.open(cfg) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        want = [models.reference(path, p, 24) for p in prompts]
+        sp = SamplingParams(max_tokens=24, ignore_eos=True)
+        alone = await engine.acomplete(prompts[0], sp)
+        assert alone.token_ids == want[0]
+        batched = await asyncio.gather(*[engine.acomplete(p, sp) for p in prompts])
+        assert [c.token_ids for c in batched] == want
+        stats = engine.stats()
+        assert stats["dead"] is None
+        stats["drafted"] = sum(c.usage.speculation.drafted for c in [alone, *batched] if c.usage.speculation)
+        return stats
+
+
+@pytest.mark.parametrize("arch,kw", SPEC_CASES, ids=_case_id)
+async def test_ngram_speculation_alone_and_batched(models, arch, kw):
+    """n-gram speculation gives mlx-lm's greedy tokens, one row and three at
+    once; where the cache cannot roll a window back, the row decodes plainly
+    and /stats counts it. (Random weights seldom repeat themselves, so the
+    n-gram drafter proposes little here; the draft-model test below drafts
+    every round.)"""
+    path = models.path(arch, **kw)
+    stats = await _speculate(models, path, arch, kw, "ngram:1:4")
+    if ARCHS[arch] != "kv" and not kw:
+        assert stats["drafted"] == 0, stats  # every proposal fell back to a plain decode
+
+
+@pytest.mark.parametrize("arch,kw", SPEC_CASES, ids=_case_id)
+async def test_draft_model_speculation_alone_and_batched(models, arch, kw):
+    """A draft model (another random model: nearly every draft is rejected, so
+    every round verifies a window and rolls it back per row) gives mlx-lm's
+    greedy tokens, batched too. A sliding window the prompts do not fill
+    speculates like plain KV (``BatchRotatingKVCache.prepare`` needs the
+    rows' lengths for right padding: without them it raised and killed the
+    engine); kinds that cannot roll back fall back, counted."""
+    path = models.path(arch, **kw)
+    draft = models.path("llama", seed=1)
+    stats = await _speculate(models, path, arch, kw, str(draft))
+    if ARCHS[arch] == "kv" or kw:
+        assert stats["drafted"] > 0, stats
+    else:
+        assert stats["drafted"] == 0 and stats["fallbacks"]["spec_untrimmable"] > 0, stats
