@@ -58,7 +58,14 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 from engine.blas import blas_threads
 from engine.cpu_layout import pretranspose_linears, wants_pretranspose
@@ -204,6 +211,38 @@ def prefix_view(cache: list[Any], n: int) -> list[Any]:
     return out
 
 
+def _layer_nbytes(c: Any) -> int:
+    """Bytes of one layer's tokens in use. A rotating window holds at most its
+    buffer, however many tokens went through it (its ``offset``): counting
+    ``offset`` tokens overcounted sliding-window layers (1.46x on the tiny
+    gemma3, ~5x for a real one at 32k tokens)."""
+    if type(c) is CacheList:
+        return sum(_layer_nbytes(sub) for sub in c.caches)
+    keys, offset = getattr(c, "keys", None), getattr(c, "offset", None)
+    if isinstance(keys, mx.array) and isinstance(offset, int) and keys.shape[2]:
+        values = c.values
+        held = min(offset, keys.shape[2])
+        return (keys.nbytes // keys.shape[2] + values.nbytes // values.shape[2]) * held
+    return c.nbytes
+
+
+def snapshot_cache(cache: list[Any]) -> list[Any]:
+    """A private copy of a row's cache as it stands, for a checkpoint entry:
+    plain KV layers as lazy slices of the tokens in use (nothing copied: the
+    row's next write makes its own buffer, see ``prefix_view``), every other
+    kind (rotating windows, SSM state, lists) a deep copy, which is bounded
+    by the window or the state size, not by the prompt."""
+    out: list[Any] = []
+    for c in cache:
+        if type(c) is KVCache and c.keys is not None:
+            view = KVCache()
+            view.keys, view.values, view.offset = c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset
+            out.append(view)
+        else:
+            out.append(copy.deepcopy(c))
+    return out
+
+
 class MLXBackend:
     """Implements ``engine.ports.Backend``; every call runs on the MLX thread."""
 
@@ -229,6 +268,10 @@ class MLXBackend:
         # rows prefilling together are split back into plain KVCaches
         self.prefill_together = prefill_together and all(type(c) is KVCache for c in probe)
         self._prefill_kind_off = prefill_together and not self.prefill_together
+        # caches that may become impossible to trim back to a prompt's end (SSM
+        # state, a rotating window once it wraps, lists of those): the Scheduler
+        # asks for checkpoints of them (StepPlan.checkpoint)
+        self.needs_checkpoints = not all(type(c) in (KVCache, QuantizedKVCache) for c in probe)
         floats = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
         first = next(floats, None)
         kv_scheme = [type(c).__name__ for c in probe] + [str(first.dtype if first is not None else "")]
@@ -292,15 +335,7 @@ class MLXBackend:
 
     def cache_nbytes(self, cache: list[Any]) -> int:
         """Bytes of the tokens in use; mlx-lm's ``nbytes`` counts the 256-step capacity."""
-        total = 0
-        for c in cache:
-            keys, offset = getattr(c, "keys", None), getattr(c, "offset", None)
-            if isinstance(keys, mx.array) and isinstance(offset, int) and keys.shape[2]:
-                values = c.values
-                total += (keys.nbytes // keys.shape[2] + values.nbytes // values.shape[2]) * offset
-            else:
-                total += c.nbytes
-        return total
+        return sum(_layer_nbytes(c) for c in cache)
 
     def prefix_view(self, cache: list[Any], n: int) -> CachePrefix:
         """Called on the event loop: checks the length, defers the slicing to ``_open``."""
@@ -365,6 +400,10 @@ class MLXBackend:
         self._open(plan, res)
         self._trim(plan, res)
         self._prefill(plan, res)
+        for rid in plan.checkpoint:
+            row = self._rows.get(rid)
+            if row is not None and row.cache is not None and rid not in res.errors:
+                res.checkpoints[rid] = snapshot_cache(row.cache)
 
         work: dict[int, list[int]] = {}
         for d in plan.decode:
@@ -447,7 +486,8 @@ class MLXBackend:
                 self._build_ahead(pending=1)
         # Caches handed out are evaluated, so the prompt-cache tiers may copy them
         # from another thread (an unevaluated array is bound to this thread's stream).
-        mx.eval([toks for _, _, toks in outputs], [c.state for cache in res.closed.values() for c in cache])
+        kept = [*res.closed.values(), *res.checkpoints.values()]
+        mx.eval([toks for _, _, toks in outputs], [c.state for cache in kept for c in cache])
         for rids, widths, toks in outputs:
             self._collect(rids, widths, toks, verify_rids, res)
         if heads:
@@ -475,7 +515,11 @@ class MLXBackend:
             return tokens
         gone = set(leaving)
         stay = [i for i, rid in enumerate(self._batch.rids) if rid not in gone]
-        kept = self._batch.remove(leaving, plan.keep_cache)
+        try:
+            kept = self._batch.remove(leaving, plan.keep_cache)
+        except Exception:  # noqa: BLE001 - a cache kind that cannot be extracted: a later miss, not an error
+            self.fallbacks["keep_cache_failed"] += len(gone & plan.keep_cache)
+            kept = self._batch.remove(leaving, set())
         if queued:  # only all-KVCache batches run ahead; SSM state has no trim
             for cache in kept.values():
                 for c in cache:

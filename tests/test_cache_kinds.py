@@ -151,3 +151,27 @@ async def test_draft_model_speculation_alone_and_batched(models, arch, kw):
         assert stats["drafted"] > 0, stats
     else:
         assert stats["drafted"] == 0 and stats["fallbacks"]["spec_untrimmable"] > 0, stats
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+async def test_same_prompt_again_and_the_next_turn_hit(models, arch):
+    """The same prompt twice, and a prompt that extends it, are served from
+    the prompt cache for every kind: caches that cannot be trimmed (a wrapped
+    window, SSM state) through the checkpoint taken at the prompt's end.
+    Output stays mlx-lm's."""
+    path = models.path(arch)
+    async with Engine.open(_cfg(path)) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        first = await engine.acomplete(prompts[1], SP)
+        again = await engine.acomplete(prompts[1], SP)
+        want = models.reference(path, prompts[1], SP.max_tokens)
+        assert first.token_ids == again.token_ids == want
+        assert first.usage.cached_tokens == 0
+        assert again.usage.cached_tokens == len(prompts[1]) - 1, engine.stats()
+        turn = prompts[1] + first.token_ids + engine.encode("import re\n")
+        nxt = await engine.acomplete(turn, SP)
+        assert nxt.token_ids == models.reference(path, turn, SP.max_tokens)
+        # the finished row's own entry (prompt + reply) is a prefix of the next turn
+        assert nxt.usage.cached_tokens == len(prompts[1]) + len(first.token_ids) - 1, engine.stats()
+        if ARCHS[arch] != "kv":
+            assert engine.stats()["scheduler"]["checkpoints"] >= 1
