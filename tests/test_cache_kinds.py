@@ -175,3 +175,54 @@ async def test_same_prompt_again_and_the_next_turn_hit(models, arch):
         assert nxt.usage.cached_tokens == len(prompts[1]) + len(first.token_ids) - 1, engine.stats()
         if ARCHS[arch] != "kv":
             assert engine.stats()["scheduler"]["checkpoints"] >= 1
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+async def test_ssd_flush_restart_restores(models, arch, tmp_path):
+    """Flush to the SSD tier, restart, and the prompt comes back from disk
+    (every kind round-trips the KV file, CacheList included; kinds that
+    cannot be trimmed through their prompt-end checkpoint) with mlx-lm's
+    output."""
+    path = models.path(arch)
+    cfg = _cfg(path, ssd_cache_dir=str(tmp_path / "ssd"))
+    async with Engine.open(cfg) as engine:
+        prompt = engine.encode(PROMPTS[0])
+        cold = await engine.acomplete(prompt, SP)
+        report = await engine.aflush()
+        assert report.durable, report
+    async with Engine.open(cfg) as engine:
+        warm = await engine.acomplete(prompt, SP)
+        assert warm.token_ids == cold.token_ids == models.reference(path, prompt, SP.max_tokens)
+        assert warm.usage.cached_tokens == len(prompt) - 1, engine.stats()
+        assert engine.stats()["ssd_cache"]["restores"] >= 1
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "llama-kv4"])
+def test_every_kind_round_trips_the_kv_file(models, arch, tmp_path):
+    """A cache of every kind mlx-lm makes (KVCache, RotatingKVCache wrapped,
+    ArraysCache, CacheList, QuantizedKVCache) written to a KV file and read
+    back continues exactly like the cache it was written from."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine import kvfile
+    from engine.disk import RealDisk
+
+    # quantized KV needs a head_dim of at least one group (32)
+    path = models.path("llama", head_dim=32) if arch.endswith("kv4") else models.path(arch)
+    model, tokenizer = load(str(path))
+    tokens = tokenizer.encode(PROMPTS[0])
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=cache)
+    if arch.endswith("kv4"):
+        cache = [c.to_quantized(group_size=32, bits=4) for c in cache]
+    mx.eval([c.state for c in cache])
+    meta = kvfile.KvMeta(model_id="m", config_fingerprint="fp", tokenizer_hash="tok")
+    kvfile.save(RealDisk(), str(tmp_path / "e.kv"), meta, tokens, cache)
+    _, back = kvfile.load(RealDisk(), str(tmp_path / "e.kv"), verify=True)
+    assert [type(c) for c in back] == [type(c) for c in cache]
+    x = mx.array([[tokens[-1]]])
+    for _ in range(3):
+        a, b = model(x, cache=cache), model(x, cache=back)
+        assert mx.array_equal(a, b).item()
+        x = mx.argmax(a[:, -1:, :], axis=-1)
