@@ -266,7 +266,11 @@ class MLXBackend:
         probe = make_prompt_cache(model)
         self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
         # rows prefilling together are split back into plain KVCaches
-        self.prefill_together = prefill_together and all(type(c) is KVCache for c in probe)
+        # Rows prefilling together: plain KV caches through slices (``_prefill_together``),
+        # other kinds through mlx-lm's batch caches (``_prefill_merged``) when every
+        # layer has one (a QuantizedKVCache has none: those rows prefill alone, counted).
+        self._plain_kv = all(type(c) is KVCache for c in probe)
+        self.prefill_together = prefill_together and (self._plain_kv or all(hasattr(c, "merge") for c in probe))
         self._prefill_kind_off = prefill_together and not self.prefill_together
         # caches that may become impossible to trim back to a prompt's end (SSM
         # state, a rotating window once it wraps, lists of those): the Scheduler
@@ -626,8 +630,33 @@ class MLXBackend:
                 self.model(mx.array(tokens)[None], cache=row.cache)
                 mx.eval([c.state for c in row.cache])
                 row.fed += len(tokens)
-            else:
+            elif self._plain_kv:
                 self._prefill_together(group)
+            else:
+                self._prefill_merged(group)
+
+    def _prefill_merged(self, group: list[tuple[_Row, list[int]]]) -> None:
+        """``_prefill_together`` for caches that are not all plain KV (rotating
+        windows, SSM state, lists of them), through mlx-lm's batch caches as
+        its ``BatchGenerator`` prefills: merge the rows' caches, right-pad the
+        shorter chunks (``prepare(lengths=)`` keeps padding out of windows and
+        recurrent state), ``finalize``, and ``extract`` each row's cache back."""
+        lengths = [len(t) for _, t in group]
+        width = max(lengths)
+        pad = [width - n for n in lengths]
+        cache = merge_caches([row.cache for row, _ in group])
+        if any(pad):
+            for c in cache:
+                c.prepare(right_padding=pad, lengths=lengths)
+        x = mx.array([t + [t[-1]] * (width - len(t)) for _, t in group])
+        self.counters["prefill_together"] += len(group)
+        self.model(x, cache=cache)
+        for c in cache:
+            c.finalize()
+        mx.eval([c.state for c in cache])
+        for i, (row, tokens) in enumerate(group):
+            row.cache = [c.extract(i) for c in cache]
+            row.fed += len(tokens)
 
     def _prefill_together(self, group: list[tuple[_Row, list[int]]]) -> None:
         """One ``(B, L)`` forward for B rows at the same cache offset, shorter

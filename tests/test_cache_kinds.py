@@ -97,6 +97,8 @@ async def test_parity_alone_and_batched(models, arch):
         assert [c.token_ids for c in batched] == want
         assert engine.stats()["dead"] is None
         assert engine.stats()["prompt_cache"]["puts"] >= 1
+        # the three prompts prefilled in shared forwards, whatever the cache kind
+        assert engine.backend.counters["prefill_together"] >= 2, engine.backend.stats()
 
 
 
