@@ -62,6 +62,7 @@ from mlx_lm.models.cache import (
     CacheList,
     KVCache,
     QuantizedKVCache,
+    RotatingKVCache,
     can_trim_prompt_cache,
     make_prompt_cache,
     trim_prompt_cache,
@@ -219,6 +220,8 @@ def _layer_nbytes(c: Any) -> int:
     if type(c) is CacheList:
         return sum(_layer_nbytes(sub) for sub in c.caches)
     keys, offset = getattr(c, "keys", None), getattr(c, "offset", None)
+    if type(c) is QuantizedKVCache and keys is not None:
+        return sum(x.nbytes // x.shape[2] for x in (*keys, *c.values)) * offset
     if isinstance(keys, mx.array) and isinstance(offset, int) and keys.shape[2]:
         values = c.values
         held = min(offset, keys.shape[2])
@@ -258,18 +261,24 @@ class MLXBackend:
         pipeline: bool = True,
         weights_digest: str = "",
         prefill_together: bool = True,
+        max_kv_size: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         self.model = model
         self.tokenizer = MLXTokenizer(tokenizer)
         self.blas = blas_threads()
         self.engine_seed = engine_seed
-        probe = make_prompt_cache(model)
+        self.max_kv_size = max_kv_size
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        probe = self.make_cache()
         self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
         # rows prefilling together are split back into plain KVCaches
         # Rows prefilling together: plain KV caches through slices (``_prefill_together``),
         # other kinds through mlx-lm's batch caches (``_prefill_merged``) when every
         # layer has one (a QuantizedKVCache has none: those rows prefill alone, counted).
-        self._plain_kv = all(type(c) is KVCache for c in probe)
+        self._plain_kv = all(type(c) is KVCache for c in probe) and not kv_bits
         self.prefill_together = prefill_together and (self._plain_kv or all(hasattr(c, "merge") for c in probe))
         self._prefill_kind_off = prefill_together and not self.prefill_together
         # caches that may become impossible to trim back to a prompt's end (SSM
@@ -281,6 +290,10 @@ class MLXBackend:
         kv_scheme = [type(c).__name__ for c in probe] + [str(first.dtype if first is not None else "")]
         if weights_digest:
             kv_scheme.append(f"weights:{weights_digest}")
+        if max_kv_size:
+            kv_scheme.append(f"max_kv_size:{max_kv_size}")
+        if kv_bits:
+            kv_scheme.append(f"kv_bits:{kv_bits}:{kv_group_size}")
         text_cfg = config.get("text_config") or {}
         vocab = config.get("vocab_size") or text_cfg.get("vocab_size") or len(self.tokenizer)
         self.info = ModelInfo(
@@ -329,13 +342,36 @@ class MLXBackend:
             engine_seed=config.seed,
             weights_digest=_weights_digest(path),
             prefill_together=config.batch_prefill,
+            max_kv_size=config.max_kv_size,
+            kv_bits=config.kv_bits,
+            kv_group_size=config.kv_group_size,
         )
         backend.counters["pretransposed_linears"] = pretransposed
         return backend
 
     # ---- caches --------------------------------------------------------------
     def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model)
+        """A fresh cache for one row: mlx-lm's (the model's own ``make_cache``, or
+        plain KV), with every plain KV layer a sliding window of ``max_kv_size``
+        tokens when that is set. That is mlx-lm's ``--max-kv-size`` with two
+        differences: no ``keep`` (mlx-lm's batch rotating cache has no attention
+        sinks, and a row must compute the same batched or alone), and it also
+        applies to models that make their own cache (mlx-lm 0.32 ignores it for
+        those, llama included)."""
+        cache = make_prompt_cache(self.model)
+        if self.max_kv_size:
+            cache = [RotatingKVCache(max_size=self.max_kv_size, keep=0) if type(c) is KVCache else c for c in cache]
+        return cache
+
+    def _quantize(self, cache: list[Any]) -> None:
+        """``--kv-bits``: plain KV layers become ``QuantizedKVCache`` once they hold
+        tokens, as ``mlx_lm.generate_step`` does after each forward with
+        ``quantized_kv_start=0`` (the first chunk attends to itself unquantized)."""
+        if not self.kv_bits:
+            return
+        for i, c in enumerate(cache):
+            if type(c) is KVCache and c.keys is not None:
+                cache[i] = c.to_quantized(group_size=self.kv_group_size, bits=self.kv_bits)
 
     def cache_nbytes(self, cache: list[Any]) -> int:
         """Bytes of the tokens in use; mlx-lm's ``nbytes`` counts the 256-step capacity."""
@@ -457,6 +493,8 @@ class MLXBackend:
         if joiners:
             inputs = [work[rid] for rid in joiners]
             group = DecodeBatch()
+            for rid in joiners:
+                self._quantize(self._rows[rid].cache)  # a row with nothing to prefill
             group.add(joiners, merge_caches([self._rows[rid].cache for rid in joiners]))
             logits = group.forward(self.model, inputs)
             outputs.append(self._sample(joiners, inputs, logits, step_tokens))
@@ -628,6 +666,7 @@ class MLXBackend:
             if len(group) == 1:
                 row, tokens = group[0]
                 self.model(mx.array(tokens)[None], cache=row.cache)
+                self._quantize(row.cache)
                 mx.eval([c.state for c in row.cache])
                 row.fed += len(tokens)
             elif self._plain_kv:
@@ -656,6 +695,7 @@ class MLXBackend:
         mx.eval([c.state for c in cache])
         for i, (row, tokens) in enumerate(group):
             row.cache = [c.extract(i) for c in cache]
+            self._quantize(row.cache)
             row.fed += len(tokens)
 
     def _prefill_together(self, group: list[tuple[_Row, list[int]]]) -> None:

@@ -18,13 +18,18 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, CacheList
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, CacheList, QuantizedKVCache
+
+from engine.quantized_batch import BatchQuantizedKVCache
 
 
 def merge_caches(caches: list[list[Any]]) -> list[Any]:
     """Per-row layer caches → one batch cache per layer (each class's own ``merge``)."""
     out = []
     for layer in zip(*caches):
+        if type(layer[0]) is QuantizedKVCache:  # mlx-lm has no batch cache for it
+            out.append(BatchQuantizedKVCache.merge(list(layer)))
+            continue
         if not hasattr(layer[0], "merge"):
             raise TypeError(f"{type(layer[0]).__name__} cannot be batched (no merge)")
         out.append(layer[0].merge(list(layer)))
@@ -157,6 +162,9 @@ def _roll_layer(c: Any, pad: list[int]) -> None:
         # its ``finalize`` rolls each row by ``offset - _lengths``; only reached
         # while the ring has not wrapped (speculation's guard), as for a plain cache
         c._lengths = c.offset - mx.array(pad)
+        c.finalize()
+    elif type(c) is BatchQuantizedKVCache:
+        c.prepare(right_padding=pad)
         c.finalize()
     elif type(c) is CacheList:
         for sub in c.caches:

@@ -228,3 +228,56 @@ def test_every_kind_round_trips_the_kv_file(models, arch, tmp_path):
         a, b = model(x, cache=cache), model(x, cache=back)
         assert mx.array_equal(a, b).item()
         x = mx.argmax(a[:, -1:, :], axis=-1)
+
+
+def _reference_with(path, tokens: list[int], n: int, **kw) -> list[int]:
+    """mlx-lm's greedy tokens with its own KV options (kv_bits, or a prompt cache)."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _ = load(str(path))
+    if "max_kv_size" in kw:
+        from mlx_lm.models.cache import RotatingKVCache
+
+        size = kw.pop("max_kv_size")
+        kw["prompt_cache"] = [RotatingKVCache(max_size=size, keep=0) for _ in model.layers]
+    return [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=n, **kw)]
+
+
+KV_OPTIONS = {
+    "kv_bits4": ({"kv_bits": 4, "kv_group_size": 32}, {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 0}),
+    "max_kv_size32": ({"max_kv_size": 32}, {"max_kv_size": 32}),
+}
+
+
+@pytest.mark.parametrize("option", list(KV_OPTIONS))
+async def test_kv_options_through_every_path(models, option, tmp_path):
+    """``kv_bits`` (quantized KV) and ``max_kv_size`` (a sliding window) as
+    mlx-lm has them, with batching, speculation and both tiers: mlx-lm's
+    greedy tokens (with the same option) alone, batched, speculating
+    batched, from the RAM tier and after an SSD restart."""
+    ours, theirs = KV_OPTIONS[option]
+    path = models.path("llama", head_dim=32)  # quantized KV groups need head_dim >= 32
+    draft = models.path("llama", seed=1)
+    cfg = _cfg(path, ssd_cache_dir=str(tmp_path / "ssd"), **ours)
+    async with Engine.open(cfg) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        want = [_reference_with(path, p, SP.max_tokens, **theirs) for p in prompts]
+        assert (await engine.acomplete(prompts[0], SP)).token_ids == want[0]
+        batched = await asyncio.gather(*[engine.acomplete(p, SP) for p in prompts])
+        assert [c.token_ids for c in batched] == want
+        again = await engine.acomplete(prompts[1], SP)
+        assert again.token_ids == want[1] and again.usage.cached_tokens == len(prompts[1]) - 1
+        assert (await engine.aflush()).durable
+        assert engine.backend.counters["prefill_together"] >= 2
+    async with Engine.open(cfg) as engine:
+        warm = await engine.acomplete(prompts[2], SP)
+        assert warm.token_ids == want[2] and warm.usage.cached_tokens == len(prompts[2]) - 1
+    async with Engine.open(_cfg(path, draft_model=str(draft), num_draft_tokens=3, prompt_cache_gib=0, **ours)) as engine:
+        spec = await asyncio.gather(*[engine.acomplete(p, SP) for p in prompts])
+        assert [c.token_ids for c in spec] == want
+        drafted = sum(c.usage.speculation.drafted for c in spec)
+        if option.startswith("kv_bits"):
+            assert drafted > 0  # quantized KV trims like plain KV
+        else:
+            assert drafted > 0 or engine.stats()["fallbacks"]["spec_untrimmable"] > 0
