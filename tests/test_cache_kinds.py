@@ -281,3 +281,18 @@ async def test_kv_options_through_every_path(models, option, tmp_path):
             assert drafted > 0  # quantized KV trims like plain KV
         else:
             assert drafted > 0 or engine.stats()["fallbacks"]["spec_untrimmable"] > 0
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+async def test_four_bit_weights(models, arch):
+    """The 4-bit quantized variant (mlx-lm's ``quantize_model``, as the
+    mlx-community checkpoints are made): mlx-lm's greedy tokens alone and
+    batched, and the same prompt again served from the prompt cache."""
+    path = models.path(arch, bits=4)
+    async with Engine.open(_cfg(path)) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        want = [models.reference(path, p, SP.max_tokens) for p in prompts]
+        batched = await asyncio.gather(*[engine.acomplete(p, SP) for p in prompts])
+        assert [c.token_ids for c in batched] == want
+        again = await engine.acomplete(prompts[0], SP)
+        assert again.token_ids == want[0] and again.usage.cached_tokens == len(prompts[0]) - 1
