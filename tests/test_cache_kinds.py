@@ -296,3 +296,29 @@ async def test_four_bit_weights(models, arch):
         assert [c.token_ids for c in batched] == want
         again = await engine.acomplete(prompts[0], SP)
         assert again.token_ids == want[0] and again.usage.cached_tokens == len(prompts[0]) - 1
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+async def test_abort_mid_decode_keeps_the_engine_serving(models, arch):
+    """A caller that goes away mid-decode, next to a row that goes on: the
+    row leaves the batch (its cache kept, whatever its kind), the other keeps
+    mlx-lm's tokens, and the engine serves the next request."""
+    path = models.path(arch)
+    async with Engine.open(_cfg(path)) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        long = SamplingParams(max_tokens=40, ignore_eos=True)
+
+        async def leave_early() -> None:
+            async with await engine.asubmit(prompts[0], long) as stream:
+                n = 0
+                async for d in stream:
+                    n += len(d.token_ids)
+                    if n >= 4:
+                        break
+
+        _, other = await asyncio.gather(leave_early(), engine.acomplete(prompts[1], SP))
+        assert other.token_ids == models.reference(path, prompts[1], SP.max_tokens)
+        after = await engine.acomplete(prompts[2], SP)
+        assert after.token_ids == models.reference(path, prompts[2], SP.max_tokens)
+        assert engine.stats()["dead"] is None
+        assert engine.stats()["scheduler"]["aborted"] == 1
