@@ -270,6 +270,10 @@ async def test_kv_options_through_every_path(models, option, tmp_path):
         assert again.token_ids == want[1] and again.usage.cached_tokens == len(prompts[1]) - 1
         assert (await engine.aflush()).durable
         assert engine.backend.counters["prefill_together"] >= 2
+        if option.startswith("kv_bits"):
+            assert engine.backend.counters["pipelined"] > 0  # decode steps ran ahead on quantized KV
+        else:
+            assert engine.stats()["fallbacks"]["run_ahead_off"] > 0  # a window cannot undo a step run ahead
     async with Engine.open(cfg) as engine:
         warm = await engine.acomplete(prompts[2], SP)
         assert warm.token_ids == want[2] and warm.usage.cached_tokens == len(prompts[2]) - 1
@@ -322,3 +326,15 @@ async def test_abort_mid_decode_keeps_the_engine_serving(models, arch):
         assert after.token_ids == models.reference(path, prompts[2], SP.max_tokens)
         assert engine.stats()["dead"] is None
         assert engine.stats()["scheduler"]["aborted"] == 1
+
+
+def test_the_docs_list_every_architecture():
+    """docs/compat-matrix.md is this file as a table: every architecture and
+    KV option tested here has its row."""
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "compat-matrix.md").read_text()
+    rows = [line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| ") and "---" not in line]
+    for arch in ARCHS:
+        assert any(r.replace(",", " ").split(" ")[0] == arch for r in rows), arch
+    for option in KV_OPTIONS:
+        flag = "--" + option.rstrip("0123456789").replace("_", "-")
+        assert any(flag in r for r in rows), option
