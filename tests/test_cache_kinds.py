@@ -359,3 +359,23 @@ def test_ram_tier_counts_the_bytes_a_cache_holds(models, arch):
         model(mx.array([[t + 5]]), cache=cache)
     mx.eval([c.state for c in cache])
     assert MLXBackend.cache_nbytes(None, cache) == kvfile.cache_bytes(cache)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "gemma3_text"])
+async def test_earlier_checkpoints_are_bounded_and_the_longest_prefix_wins(models, arch):
+    """Besides the prompt's end, checkpoints at up to ``max_checkpoints``
+    earlier chunk ends ``checkpoint_interval`` apart; a prompt that shares
+    only the head of a stored one is served from the longest checkpoint
+    inside the shared part, with mlx-lm's tokens."""
+    import msgspec
+
+    path = models.path(arch)
+    async with Engine.open(_cfg(path, prefill_chunk=8, min_cached_prefix=4)) as engine:
+        engine.core.cfg = msgspec.structs.replace(engine.core.cfg, checkpoint_interval=16, max_checkpoints=2)
+        prompt = engine.encode(PROMPTS[0])  # 52 tokens: chunk ends 8, 16, 24, ..., 51
+        await engine.acomplete(prompt, SP)
+        assert engine.stats()["scheduler"]["checkpoints"] == 3  # at 16, 32 and the prompt's end (51)
+        other = prompt[:40] + engine.encode("while True:\n    pass\n")
+        got = await engine.acomplete(other, SP)
+        assert got.usage.cached_tokens == 32
+        assert got.token_ids == models.reference(path, other, SP.max_tokens)
