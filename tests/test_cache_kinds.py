@@ -379,3 +379,23 @@ async def test_earlier_checkpoints_are_bounded_and_the_longest_prefix_wins(model
         got = await engine.acomplete(other, SP)
         assert got.usage.cached_tokens == 32
         assert got.token_ids == models.reference(path, other, SP.max_tokens)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+async def test_fan_out_from_a_shared_prefix_prefills_together(models, arch):
+    """Three prompts that extend one cached prompt open from it at the same
+    offset and prefill their tails in one shared forward (mlx-lm's batch
+    caches merged from non-empty row caches: windows, SSM state, lists),
+    each with mlx-lm's tokens."""
+    path = models.path(arch)
+    async with Engine.open(_cfg(path, min_cached_prefix=4)) as engine:
+        head = engine.encode(PROMPTS[0])
+        await engine.acomplete(head, SP)
+        before = engine.backend.counters["prefill_together"]
+        tails = [engine.encode(t) for t in ("x = 1\ny = 2\n", "def f():\n    return 0\n", "# done\n")]
+        prompts = [head + t for t in tails]
+        got = await asyncio.gather(*[engine.acomplete(p, SP) for p in prompts])
+        cached = {c.usage.cached_tokens for c in got}
+        assert len(cached) == 1 and cached.pop() >= len(head) - 1  # plain KV trims the reply's entry: one more
+        assert [c.token_ids for c in got] == [models.reference(path, p, SP.max_tokens) for p in prompts]
+        assert engine.backend.counters["prefill_together"] - before >= 2
