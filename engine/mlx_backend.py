@@ -274,10 +274,9 @@ class MLXBackend:
         self.kv_group_size = kv_group_size
         probe = self.make_cache()
         self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
-        # rows prefilling together are split back into plain KVCaches
         # Rows prefilling together: plain KV caches through slices (``_prefill_together``),
-        # other kinds through mlx-lm's batch caches (``_prefill_merged``) when every
-        # layer has one (a QuantizedKVCache has none: those rows prefill alone, counted).
+        # other kinds through batch caches (``_prefill_merged``) when every layer has
+        # one (a ChunkedKVCache has none: those rows prefill alone, counted).
         self._plain_kv = all(type(c) is KVCache for c in probe) and not kv_bits
         self.prefill_together = prefill_together and (self._plain_kv or all(hasattr(c, "merge") for c in probe))
         self._prefill_kind_off = prefill_together and not self.prefill_together
