@@ -59,6 +59,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import (
+    BatchRotatingKVCache,
     CacheList,
     KVCache,
     QuantizedKVCache,
@@ -273,7 +274,9 @@ class MLXBackend:
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         probe = self.make_cache()
-        self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
+        # Running ahead needs a batch that can give a step back (``_undo``): plain or
+        # quantized KV always, a sliding window while it has not wrapped (``_ahead_fits``)
+        self.pipeline = pipeline and all(type(c) in (KVCache, RotatingKVCache) for c in probe)
         # Rows prefilling together: plain KV caches through slices (``_prefill_together``),
         # other kinds through batch caches (``_prefill_merged``) when every layer has
         # one (a ChunkedKVCache has none: those rows prefill alone, counted).
@@ -505,9 +508,10 @@ class MLXBackend:
 
         all_decoded = not verifying and len(batch) > 0 and len(work) == len(batch)
         ahead = None
-        if all_decoded and self._run_ahead_kind_off:
+        fits = all_decoded and self.pipeline and self._ahead_fits()
+        if all_decoded and (self._run_ahead_kind_off or (self.pipeline and not fits)):
             self.fallbacks["run_ahead_off"] += 1
-        if self.pipeline and all_decoded and len(step_tokens) == len(outputs):
+        if fits and len(step_tokens) == len(outputs):
             ahead = mx.concatenate(step_tokens) if len(step_tokens) > 1 else step_tokens[0]
         if ahead is None and queued:
             self._undo(queued)
@@ -808,6 +812,9 @@ class MLXBackend:
         batch, tokens = self._batch, self._due
         rows = [self._rows[rid] for rid in batch.rids]
         depth = len(self._queued) + pending
+        if not self._ahead_fits():
+            self._due = None  # a window that would wrap could not give the step back
+            return
         if all(r.emitted + depth >= r.max_tokens for r in rows):
             self._due = None  # every row has all its tokens by then
             return
@@ -816,6 +823,15 @@ class MLXBackend:
         nxt = self._sample_last(logits, [r.sampler for r in rows])
         self._queued.append(_Ahead(nxt, keys))
         self._due = self._built = nxt
+
+    def _ahead_fits(self) -> bool:
+        """Can the batch take one more decode step and give it back (``trim``)?
+        A sliding window can while its ring has not wrapped: up to then mlx-lm's
+        ``BatchRotatingKVCache`` is laid out, and trims, like a plain one."""
+        for c in self._batch.cache:
+            if type(c) is BatchRotatingKVCache and (c.rotated or c._idx >= c.max_size):
+                return False
+        return True
 
     def _queue_fits(self, plan: StepPlan) -> bool:
         """Does the plan decode exactly the batch's rows with the tokens the

@@ -399,3 +399,24 @@ async def test_fan_out_from_a_shared_prefix_prefills_together(models, arch):
         assert len(cached) == 1 and cached.pop() >= len(head) - 1  # plain KV trims the reply's entry: one more
         assert [c.token_ids for c in got] == [models.reference(path, p, SP.max_tokens) for p in prompts]
         assert engine.backend.counters["prefill_together"] - before >= 2
+
+
+
+@pytest.mark.parametrize("window", [24, 64, 128])
+async def test_run_ahead_on_a_sliding_window_until_it_wraps(models, window):
+    """Decode steps run ahead of the Scheduler on a sliding-window model while
+    its ring has not wrapped (it can give a step back like plain KV); once it
+    would wrap they stop, counted, and the tokens stay mlx-lm's."""
+    path = models.path("gemma3_text", sliding_window=window)
+    async with Engine.open(_cfg(path, prompt_cache_gib=0)) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        sp = SamplingParams(max_tokens=40, ignore_eos=True)
+        got = await asyncio.gather(*[engine.acomplete(p, sp) for p in prompts])
+        assert [c.token_ids for c in got] == [models.reference(path, p, 40) for p in prompts]
+        counters, fallbacks = engine.backend.counters, engine.stats()["fallbacks"]
+        if window == 128:  # prompts + 40 tokens stay inside the window
+            assert counters["pipelined"] > 0 and fallbacks["run_ahead_off"] == 0
+        elif window == 64:  # wraps while decoding: ran ahead, then stopped
+            assert counters["pipelined"] > 0 and fallbacks["run_ahead_off"] > 0
+        else:  # wrapped from the start
+            assert fallbacks["run_ahead_off"] > 0
