@@ -35,7 +35,14 @@ Design:
   a different token, a row left out) the steps run ahead are undone:
   ``trim`` of the batch cache and the rows' PRNG keys put back. Rows that
   close just drop the tokens fed ahead (``extract`` then ``trim``). Only for
-  models whose caches are all plain ``KVCache`` (trimmable).
+  caches that can give a step back: plain or quantized KV, and sliding
+  windows until their ring wraps (``_ahead_fits``); not SSM state.
+* Cache kinds (docs/compat-matrix.md): rotating windows, SSM state and
+  ``CacheList`` prefill together through mlx-lm's batch caches
+  (``_prefill_merged``), quantized KV through ``engine.quantized_batch``;
+  a path a kind rules out is taken the plain way and counted in
+  ``fallbacks`` (/stats); rows of caches that may not trim back to their
+  prompt hand the Scheduler checkpoints (``StepPlan.checkpoint``).
 * Verify (``VerifyRow``): the window goes through the same batched forward;
   rows with shorter windows (decode rows: 1 token) are right-padded and the
   padding is rolled away, and every position's token is returned. Trims after
