@@ -420,3 +420,24 @@ async def test_run_ahead_on_a_sliding_window_until_it_wraps(models, window):
             assert counters["pipelined"] > 0 and fallbacks["run_ahead_off"] > 0
         else:  # wrapped from the start
             assert fallbacks["run_ahead_off"] > 0
+
+
+async def test_kv_bits_on_a_sliding_window_model(models):
+    """``kv_bits`` on gemma3: the global layers' KV is quantized, the windows
+    stay as they are (mlx-lm cannot quantize a rotating cache: it raises), so
+    there is no mlx-lm run to compare with; the oracle is the engine itself
+    one row at a time, which batched rows and the repeat (from its
+    checkpoint) must match token for token."""
+    path = models.path("gemma3_text", head_dim=32, query_pre_attn_scalar=32)
+    cfg = _cfg(path, kv_bits=4, kv_group_size=32)
+    lone = EngineConfig(model=str(path), max_batch=1, prompt_cache_gib=0, kv_bits=4, kv_group_size=32)
+    async with Engine.open(lone) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        alone = [(await engine.acomplete(p, SP)).token_ids for p in prompts]
+    async with Engine.open(cfg) as engine:
+        batched = await asyncio.gather(*[engine.acomplete(p, SP) for p in prompts])
+        assert [c.token_ids for c in batched] == alone
+        again = await engine.acomplete(prompts[0], SP)
+        assert again.token_ids == alone[0] and again.usage.cached_tokens == len(prompts[0]) - 1
+        kinds = {type(c).__name__ for c in engine.prefix_cache.snapshot(prompts[0][:-1], "")}
+        assert kinds == {"RotatingKVCache", "QuantizedKVCache"}
