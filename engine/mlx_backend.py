@@ -211,6 +211,9 @@ def prefix_view(cache: list[Any], n: int) -> list[Any]:
                 view.keys, view.values, view.offset = c.keys[..., :n, :], c.values[..., :n, :], n
             out.append(view)
             continue
+        if type(c) is QuantizedKVCache:  # --kv-bits: the same lazy slices, of each quantized triple
+            out.append(_quantized_view(c, n))
+            continue
         c = copy.deepcopy(c)
         size = getattr(c, "offset", None)
         if isinstance(size, int) and size != n:
@@ -218,6 +221,17 @@ def prefix_view(cache: list[Any], n: int) -> list[Any]:
                 raise ValueError(f"a {type(c).__name__} holding {size} tokens cannot serve {n}")
         out.append(c)
     return out
+
+
+def _quantized_view(c: QuantizedKVCache, n: int) -> QuantizedKVCache:
+    view = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
+    if c.keys is not None and n > 0:
+        if n > c.offset:
+            raise ValueError(f"the cache holds {c.offset} tokens, not {n}")
+        view.keys = tuple(x[..., :n, :] for x in c.keys)
+        view.values = tuple(x[..., :n, :] for x in c.values)
+        view.offset = n
+    return view
 
 
 def _layer_nbytes(c: Any) -> int:
@@ -249,6 +263,8 @@ def snapshot_cache(cache: list[Any]) -> list[Any]:
             view = KVCache()
             view.keys, view.values, view.offset = c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset
             out.append(view)
+        elif type(c) is QuantizedKVCache:
+            out.append(_quantized_view(c, c.offset))
         else:
             out.append(copy.deepcopy(c))
     return out

@@ -266,8 +266,9 @@ async def test_kv_options_through_every_path(models, option, tmp_path):
         assert (await engine.acomplete(prompts[0], SP)).token_ids == want[0]
         batched = await asyncio.gather(*[engine.acomplete(p, SP) for p in prompts])
         assert [c.token_ids for c in batched] == want
-        again = await engine.acomplete(prompts[1], SP)
-        assert again.token_ids == want[1] and again.usage.cached_tokens == len(prompts[1]) - 1
+        for _ in range(2):  # the second repeat reads the entry the first one's view wrote past
+            again = await engine.acomplete(prompts[1], SP)
+            assert again.token_ids == want[1] and again.usage.cached_tokens == len(prompts[1]) - 1
         assert (await engine.aflush()).durable
         assert engine.backend.counters["prefill_together"] >= 2
         if option.startswith("kv_bits"):
