@@ -16,7 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_causal_mask, dynamic_roll
+from mlx_lm.models.cache import (
+    QuantizedKVCache,
+    _BaseCache,
+    create_causal_mask,
+    dynamic_roll,
+)
 
 Triple = tuple[mx.array, mx.array, mx.array]
 
@@ -125,7 +130,7 @@ class BatchQuantizedKVCache(_BaseCache):
             self._idx -= shift
             self.left_padding -= shift
 
-    def extend(self, other: "BatchQuantizedKVCache") -> None:
+    def extend(self, other: BatchQuantizedKVCache) -> None:
         if self.keys is None and other.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -133,11 +138,11 @@ class BatchQuantizedKVCache(_BaseCache):
         idx = max(self._idx, other._idx)
         ref = self if self.keys is not None else other
 
-        def padded(c: "BatchQuantizedKVCache") -> tuple[Triple, Triple, mx.array, mx.array]:
+        def padded(c: BatchQuantizedKVCache) -> tuple[Triple, Triple, mx.array, mx.array]:
             left = idx - c._idx
             if c.keys is None:
                 b = c.offset.shape[0]
-                empty = lambda t: _map(lambda x: mx.zeros((b, x.shape[1], 0, x.shape[3]), x.dtype), t)  # noqa: E731
+                empty = lambda t: _map(lambda x: mx.zeros((b, x.shape[1], 0, x.shape[3]), x.dtype), t)
                 k, v = empty(ref.keys), empty(ref.values)
             else:
                 k = _map(lambda x: x[..., : c._idx, :], c.keys)
@@ -163,7 +168,7 @@ class BatchQuantizedKVCache(_BaseCache):
         return cache
 
     @classmethod
-    def merge(cls, caches: list[QuantizedKVCache]) -> "BatchQuantizedKVCache":
+    def merge(cls, caches: list[QuantizedKVCache]) -> BatchQuantizedKVCache:
         first = caches[0]
         lengths = [c.offset if c.keys is not None else 0 for c in caches]
         longest = max(lengths)

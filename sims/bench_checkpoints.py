@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         for arch, on, leg, cached, ms, ratio in rows:
             print(f"| {arch} | {on} | {leg} | {cached} | {ms:.1f} | {ratio:.3f} |")
     else:
-        for r in rows:
-            print("%-12s checkpoints=%-3s %-15s cached=%-5d ttft=%8.1f ms  x%.3f of cold" % r)
+        for arch, on, leg, cached, ms, ratio in rows:
+            print(f"{arch:<12} checkpoints={on:<3} {leg:<15} cached={cached:<5} ttft={ms:8.1f} ms  x{ratio:.3f} of cold")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from sims.tiny_archs import build  # noqa: E402
+from engine import Engine, EngineConfig, SamplingParams
+from sims.tiny_archs import build
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -50,7 +50,7 @@ def anyio_backend():
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory) -> "_Models":
+def models(tmp_path_factory) -> _Models:
     return _Models(tmp_path_factory.mktemp("archs"))
 
 
