@@ -347,7 +347,10 @@ class MLXBackend:
         # run_ahead_off: decode steps not run ahead (only all-KVCache batches can undo one);
         # prefill_alone: prefill chunks that could have shared a forward but not this kind;
         # keep_cache_failed: a finished row's cache could not be kept (a miss later, not an error).
-        self.fallbacks = {"spec_untrimmable": 0, "run_ahead_off": 0, "prefill_alone": 0, "keep_cache_failed": 0}
+        # checkpoint_failed: a checkpoint could not be copied (a later miss, not an error).
+        self.fallbacks = {
+            "spec_untrimmable": 0, "run_ahead_off": 0, "prefill_alone": 0, "keep_cache_failed": 0, "checkpoint_failed": 0,
+        }
         self._run_ahead_kind_off = pipeline and not self.pipeline
 
     @classmethod
@@ -468,7 +471,12 @@ class MLXBackend:
         for rid in plan.checkpoint:
             row = self._rows.get(rid)
             if row is not None and row.cache is not None and rid not in res.errors:
-                res.checkpoints[rid] = snapshot_cache(row.cache)
+                try:
+                    res.checkpoints[rid] = snapshot_cache(row.cache)
+                except Exception as exc:  # noqa: BLE001 - no checkpoint is a later miss, never a failed row
+                    if isinstance(exc, MemoryError) or _is_oom(exc):
+                        raise
+                    self.fallbacks["checkpoint_failed"] += 1
 
         work: dict[int, list[int]] = {}
         for d in plan.decode:
@@ -515,12 +523,24 @@ class MLXBackend:
         if heads:  # before joiners enter the batch
             rest = self._verify_rest(work, verify_rids)
             self.counters["ahead_heads_windows"] += 1
+        merged = None
+        if joiners:
+            for rid in joiners:
+                self._quantize(self._rows[rid].cache)  # a row with nothing to prefill
+            try:
+                merged = merge_caches([self._rows[rid].cache for rid in joiners])
+            except Exception as exc:  # noqa: BLE001 - a kind that cannot be batched fails its rows, not the engine
+                if isinstance(exc, MemoryError) or _is_oom(exc):
+                    raise
+                for rid in joiners:
+                    res.errors[rid] = f"this model's cache cannot join the decode batch: {exc}"
+                    self._rows.pop(rid, None)
+                    work.pop(rid, None)
+                joiners = []
         if joiners:
             inputs = [work[rid] for rid in joiners]
             group = DecodeBatch()
-            for rid in joiners:
-                self._quantize(self._rows[rid].cache)  # a row with nothing to prefill
-            group.add(joiners, merge_caches([self._rows[rid].cache for rid in joiners]))
+            group.add(joiners, merged)
             logits = group.forward(self.model, inputs)
             outputs.append(self._sample(joiners, inputs, logits, step_tokens))
             batch.add(joiners, group.cache)
@@ -698,7 +718,17 @@ class MLXBackend:
             elif self._plain_kv:
                 self._prefill_together(group)
             else:
-                self._prefill_merged(group)
+                try:
+                    self._prefill_merged(group)
+                except Exception as exc:  # noqa: BLE001 - a kind whose batch cache fails: prefill alone
+                    if isinstance(exc, MemoryError) or _is_oom(exc):
+                        raise
+                    self.fallbacks["prefill_alone"] += len(group)
+                    for row, tokens in group:  # untouched: the merged copy was never handed back
+                        self.model(mx.array(tokens)[None], cache=row.cache)
+                        self._quantize(row.cache)
+                        mx.eval([c.state for c in row.cache])
+                        row.fed += len(tokens)
 
     def _prefill_merged(self, group: list[tuple[_Row, list[int]]]) -> None:
         """``_prefill_together`` for caches that are not all plain KV (rotating
@@ -719,8 +749,9 @@ class MLXBackend:
         for c in cache:
             c.finalize()
         mx.eval([c.state for c in cache])
-        for i, (row, tokens) in enumerate(group):
-            row.cache = [c.extract(i) for c in cache]
+        rows = [[c.extract(i) for c in cache] for i in range(len(group))]  # all, before any row changes
+        for (row, tokens), own in zip(group, rows):
+            row.cache = own
             self._quantize(row.cache)
             row.fed += len(tokens)
 

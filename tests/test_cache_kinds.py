@@ -442,3 +442,35 @@ async def test_kv_bits_on_a_sliding_window_model(models):
         assert again.token_ids == alone[0] and again.usage.cached_tokens == len(prompts[0]) - 1
         kinds = {type(c).__name__ for c in engine.prefix_cache.snapshot(prompts[0][:-1], "")}
         assert kinds == {"RotatingKVCache", "QuantizedKVCache"}
+
+
+async def test_a_failing_batch_cache_or_checkpoint_is_a_counted_fallback(models, monkeypatch):
+    """A cache kind whose batch cache or copy fails mid-path (simulated:
+    ``ArraysCache.merge`` and the checkpoint copy raise) never reaches the
+    engine: the shared prefill falls back to one row at a time and the
+    checkpoint is skipped, both counted in /stats; with no batch cache at all
+    the rows cannot decode and end with an error; the engine stays up and
+    serves the next request with mlx-lm's tokens."""
+    import engine.mlx_backend as backend_mod
+    from mlx_lm.models.cache import ArraysCache
+
+    path = models.path("lfm2")
+
+    def broken(*a, **kw):
+        raise RuntimeError("simulated: this kind cannot be batched")
+
+    async with Engine.open(_cfg(path)) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        want = [models.reference(path, p, SP.max_tokens) for p in prompts]
+        monkeypatch.setattr(ArraysCache, "merge", classmethod(lambda cls, caches: broken()))
+        monkeypatch.setattr(backend_mod, "snapshot_cache", broken)
+        # prefill fallback: the three prompts open together (merge raises), prefill alone
+        got = await asyncio.gather(*[engine.acomplete(p, SP) for p in prompts], return_exceptions=True)
+        stats = engine.stats()
+        assert stats["fallbacks"]["prefill_alone"] >= 2 and stats["fallbacks"]["checkpoint_failed"] >= 1
+        assert stats["dead"] is None
+        # the decode batch needs merge too: those rows fail with an error, the engine lives on
+        assert all(isinstance(g, Exception) or g.finish_reason == "error" for g in got), got
+        monkeypatch.undo()
+        after = await engine.acomplete(prompts[1], SP)
+        assert after.token_ids == want[1]
