@@ -31,8 +31,10 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.eventlog import EventLog
 from engine.ports import LoopClock
+from transport import chat_turn
 from transport.errors import ApiError, error_body, from_engine_error
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
+from transport.choices import ChoiceStream, submit_choices
 from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.sse import Disconnect, EventStream
@@ -179,8 +181,11 @@ async def read_body(request: Request, cap: int) -> bytes:
     return bytes(body)
 
 
-async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Completion | None:
-    """A non-streaming request's whole output, or None if the client left (then it is aborted)."""
+async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: TokenTimer) -> Any:
+    """A non-streaming request's whole output (a list, one per choice, for a
+    ``ChoiceStream``), or None if the client left (then it is aborted)."""
+    rids = getattr(stream, "rids", None)
+    outs = {rid: Completion() for rid in rids} if rids else None
     out = Completion()
     disconnect = Disconnect(receive)
     failed: EngineError | None = None
@@ -190,7 +195,7 @@ async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Com
             try:
                 async for d in stream:
                     timer.tokens(len(d.token_ids))
-                    out.add(d)
+                    (outs[d.rid] if outs is not None else out).add(d)
             except EngineError as exc:
                 failed = exc
             tg.cancel_scope.cancel()
@@ -199,7 +204,7 @@ async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Com
     if disconnect.happened:
         return None
     timer.done()
-    return out
+    return [outs[rid] for rid in rids] if outs is not None else out
 
 
 async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
@@ -209,16 +214,25 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     req = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
     model = host.check_model(req.model)
     if chat:
-        try:
-            prompt = engine.chat_prompt([m.as_template_message() for m in req.messages])
-        except Exception as exc:  # a template raises on what it cannot render (roles, order): the input's fault
-            raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+        tools = req.tool_setup()
+        prompt = chat_turn.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
     else:
         prompt = engine.encode(req.prompt)
     room = engine.info.context_length - len(prompt)
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
-    stream = await engine.asubmit(prompt, params)
-    renderer = ChatRenderer(model, req.include_usage) if chat else CompletionRenderer(model, req.include_usage)
+    rename = {"constraint": "response_format"}
+    if chat:
+        params = chat_turn.tool_params(engine, params, tools)
+        if tools.forced:
+            rename = {"constraint": tools.param_choice}
+    stream = await submit_choices(engine, prompt, req.choice_params(params), rename)
+    rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
+    if chat:
+        renderer = ChatRenderer(
+            model, req.include_usage, rids=rids, token_bytes=engine.token_bytes, splitter=lambda: chat_turn.splitter(engine, tools)
+        )
+        return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
+    renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
     if req.stream:
         return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
     completion = await collect(stream, request.receive, timer)
@@ -273,6 +287,13 @@ async def metrics(request: Request, host: ServerState) -> Response:
     return Response(host.metrics.render(), media_type=CONTENT_TYPE)
 
 
+def agent_routes() -> list[Route]:
+    """The Anthropic Messages and OpenAI Responses routes, each with its own error shape."""
+    from transport import anthropic_api, responses_api
+
+    return anthropic_api.routes() + responses_api.routes(_endpoint)
+
+
 # ---------------------------------------------------------------------------
 # The app.
 
@@ -322,6 +343,7 @@ def build_app(
         Route("/metrics", _endpoint("metrics", metrics), methods=["GET"]),
         Route("/admin/cache/flush", _endpoint("cache_flush", cache_flush), methods=["POST"]),
     ]
+    routes += agent_routes()
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
