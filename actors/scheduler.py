@@ -179,6 +179,8 @@ class Row:
     finish_reason: str | None = None
     opened: bool = False
     prepared: tuple[Any, int] | None = None  # (cache, cached) chosen while RESTORING
+    checkpointed: int = 0  # earlier-position checkpoints taken (the prompt's end not counted)
+    last_checkpoint: int = 0  # the position of the latest one (or the cached prefix)
 
     def move(self, to: RowState) -> None:
         if to not in ROW_TRANSITIONS[self.state]:
@@ -197,6 +199,15 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: int = 8
     prefill_chunk: int = 512
     min_cached_prefix: int = 1  # shorter cached prefixes (RAM or SSD) are not reused
+    # Checkpoints, for caches that cannot be trimmed back to a prefix later (SSM
+    # state, a wrapped sliding window; the backend says ``needs_checkpoints``):
+    # a copy of the row's cache at the end of its prompt, so the same prompt
+    # again and the conversation's next turn hit, plus up to
+    # ``max_checkpoints`` earlier ones at prefill-chunk ends at least
+    # ``checkpoint_interval`` tokens apart (a long shared head: system prompt,
+    # tools, a document). Each is an ordinary prompt-cache entry (RAM, SSD).
+    checkpoint_interval: int = 1024
+    max_checkpoints: int = 2
 
 
 class SchedulerCore:
@@ -228,6 +239,10 @@ class SchedulerCore:
         self.outbox: list[RowDelta] = []
         self.steps = 0
         self.counters = {"admitted": 0, "finished": 0, "aborted": 0, "failed": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self.checkpointing = prefix_cache is not None and bool(getattr(backend, "needs_checkpoints", False))
+        self._checkpoint_at: dict[int, int] = {}  # rid -> position, for the step planned last
+        if self.checkpointing:
+            self.counters["checkpoints"] = 0
 
     # ---- messages ----------------------------------------------------------
     def admit(self, msg: Admit) -> None:
@@ -291,7 +306,7 @@ class SchedulerCore:
             cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
             if self._wait_for_cold(row, cache, cached):
                 return
-        row.cached = row.in_cache = cached
+        row.cached = row.in_cache = row.last_checkpoint = cached
         self.counters["cached_tokens"] += cached
         row.detok = self.backend.tokenizer.detokenizer()
         row.next_input = row.prompt[-1]
@@ -353,6 +368,7 @@ class SchedulerCore:
         while self.queue and len(self.active) < self.cfg.max_batch:
             self._open(self.rows[self.queue.popleft()], plan)
         budget = self.cfg.prefill_chunk
+        self._checkpoint_at = {}
         for rid in self.active:
             row = self.rows[rid]
             if row.state is not RowState.PREFILL or budget <= 0:
@@ -361,6 +377,8 @@ class SchedulerCore:
             plan.prefill.append(PrefillChunk(rid, row.prompt[row.in_cache : row.in_cache + n]))
             row.in_cache += n
             budget -= n
+            if self.checkpointing:
+                self._plan_checkpoint(row, plan)
             if row.in_cache == row.prefill_total:
                 row.move(RowState.DECODE)  # its last prompt token decodes in this same step
         for rid in self.active:
@@ -384,8 +402,27 @@ class SchedulerCore:
         )
         return plan
 
+    def _plan_checkpoint(self, row: Row, plan: StepPlan) -> None:
+        """Ask for a copy of the row's cache after this chunk: always at the
+        prompt's end, and at a bounded number of earlier chunk ends."""
+        at = row.in_cache
+        if at < row.prefill_total:
+            cfg = self.cfg
+            if row.checkpointed >= cfg.max_checkpoints or at - row.last_checkpoint < cfg.checkpoint_interval:
+                return
+            row.checkpointed += 1
+        row.last_checkpoint = at
+        plan.checkpoint.add(row.rid)
+        self._checkpoint_at[row.rid] = at
+
     # ---- applying ----------------------------------------------------------
     def apply(self, plan: StepPlan, result: StepResult) -> None:
+        for rid, cache in result.checkpoints.items():
+            at = self._checkpoint_at.pop(rid, None)
+            row = self.rows.get(rid)
+            if at is not None and row is not None and self.prefix_cache is not None:
+                self.prefix_cache.put(row.prompt[:at], row.ns, cache)
+                self.counters["checkpoints"] += 1
         for rid, cache in result.closed.items():
             row = self.rows.pop(rid, None)
             if row is not None and self.prefix_cache is not None:

@@ -501,6 +501,8 @@ class Engine:
             **({"ssd_cache": self._ssd_stats()} if self.cold_tier is not None else {}),
             **({"speculation": self.speculation.stats()} if self.speculation is not None else {}),
             **({"distributed": self.backend.stats()} if self.config.distributed else {}),  # type: ignore[attr-defined]  # the distributed backend wraps MLXBackend and adds stats()
+            # paths a cache kind ruled out, and how often (engine.mlx_backend)
+            **({"fallbacks": dict(fb)} if (fb := getattr(self.backend, "fallbacks", None)) is not None else {}),
         }
 
 

@@ -24,6 +24,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # few-row GEMM (decode, verify windows) is faster on that layout
     # (engine.cpu_layout); logits ~1e-5 from mlx-lm's layout. No effect on GPUs.
     cpu_pretranspose: bool = True
+    # KV cache options as mlx-lm has them (docs/compat-matrix.md): a sliding
+    # window of this many tokens for models without their own cache layout
+    # (mlx-lm's --max-kv-size, without attention sinks), and KV quantized to
+    # this many bits (mlx-lm's --kv-bits, group size --kv-group-size), both
+    # with batching, speculation and the prompt-cache tiers
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
     step_timeout_s: float | None = None
     # tiered prompt cache
     prompt_cache_gib: float = 2.0  # RAM tier cap; 0 disables
@@ -64,6 +72,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest("prefill_chunk must be >= 1", "prefill_chunk")
         if self.min_cached_prefix < 1:
             raise InvalidRequest("min_cached_prefix must be >= 1", "min_cached_prefix")
+        if self.max_kv_size is not None and self.max_kv_size < 1:
+            raise InvalidRequest("max_kv_size must be >= 1", "max_kv_size")
+        if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
+            raise InvalidRequest("kv_bits must be one of 2, 3, 4, 5, 6, 8", "kv_bits")
+        if self.kv_group_size not in (32, 64, 128):
+            raise InvalidRequest("kv_group_size must be 32, 64 or 128", "kv_group_size")
         if self.prompt_cache_gib < 0:
             raise InvalidRequest("prompt_cache_gib must be >= 0", "prompt_cache_gib")
         if self.ssd_cache_dir and self.prompt_cache_gib == 0:

@@ -134,6 +134,10 @@ class StepPlan:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[DecodeRow] = field(default_factory=list)
     verify: list[VerifyRow] = field(default_factory=list)
+    # rows whose cache, as it stands after this step's prefill (before any
+    # decode), comes back in ``StepResult.checkpoints``: a prefix entry for
+    # caches that cannot be trimmed back to it later (SSM state, a wrapped window)
+    checkpoint: set[int] = field(default_factory=set)
 
     def is_empty(self) -> bool:
         return not (self.close or self.open or self.trim or self.prefill or self.decode or self.verify)
@@ -154,6 +158,7 @@ class StepResult:
     closed: dict[int, Any] = field(default_factory=dict)  # rid -> cache (when kept)
     errors: dict[int, str] = field(default_factory=dict)  # rid -> per-row failure
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # rid -> its token's, when asked for
+    checkpoints: dict[int, Any] = field(default_factory=dict)  # rid -> a private copy of its cache (plan.checkpoint)
 
 
 class Backend(Protocol):

@@ -31,6 +31,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="speculative decoding drafter: a model directory, tiny-draft, or ngram")
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
     p.add_argument("--fake-gpu", action="store_true", help="serve the deterministic fake GPU instead of a model")
+    p.add_argument("--max-kv-size", type=int, metavar="TOKENS", help="plain KV layers keep a sliding window of this many tokens")
+    p.add_argument("--kv-bits", type=int, help="quantize the KV cache to this many bits (as mlx-lm's --kv-bits)")
+    p.add_argument("--kv-group-size", type=int, help="group size of the KV quantization (default 64)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +91,9 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "draft_model": "draft_model",
         "num_draft_tokens": "num_draft_tokens",
         "served_model_name": "model_name",
+        "max_kv_size": "max_kv_size",
+        "kv_bits": "kv_bits",
+        "kv_group_size": "kv_group_size",
     }
     fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": args.model}
     for flag, field in mapping.items():
