@@ -2,6 +2,7 @@
 
     ember serve [--model PATH|tiny] [--port 8000] [--fake-gpu] ...   OpenAI-compatible server
     ember generate --prompt TEXT [--max-tokens N] ...                stream one completion to stdout
+    ember convert FILE.gguf OUTDIR [--dtype float32|...]             a GGUF file → an mlx-lm model directory
 
 Bad flags, an invalid combination, or a model that does not load exit with
 status 2 and one line saying why. ``serve`` prints its URL once the model is
@@ -60,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)
     g.set_defaults(run=generate, parser=g)
+
+    c = sub.add_parser("convert", help="convert a GGUF file into an mlx-lm model directory")
+    c.add_argument("gguf", help="a .gguf file (llama or gemma3 architecture)")
+    c.add_argument("outdir", help="the directory to write (config.json, model.safetensors, tokenizer)")
+    c.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "quantized"], default="auto",
+                   help="weights: auto = this device's fastest (docs/gguf.md); quantized keeps Q4_0/Q4_1/Q8_0")
+    c.set_defaults(run=convert, parser=c)
     return parser
 
 
@@ -97,7 +105,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             resolve_model(config.model)
             if config.draft_model and config.draft_model != "ngram":
                 resolve_model(config.draft_model)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, ValueError) as exc:  # ValueError: a GGUF that cannot convert
             parser.error(str(exc))
     return config
 
@@ -244,6 +252,27 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     finally:
         engine.stop()
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# convert
+
+
+def convert(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import pathlib
+
+    from engine.gguf_convert import GGUFError, convert as convert_gguf, default_dtype
+
+    src = pathlib.Path(args.gguf).expanduser()
+    if not src.is_file():
+        parser.error(f"{src} is not a file")
+    dtype = default_dtype() if args.dtype == "auto" else args.dtype
+    try:
+        out = convert_gguf(src, args.outdir, dtype=dtype)
+    except GGUFError as exc:
+        parser.error(str(exc))
+    print(f"ember: wrote {out} ({dtype}); serve it with: ember serve --model {out}", flush=True)
     return 0
 
 
