@@ -24,7 +24,8 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.errors import InvalidRequest  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.anyio]
+# Gemma on a shared 2-core machine: minutes per test when other jobs run
+pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.anyio, pytest.mark.timeout(1200)]
 
 PARAGRAPH = (
     "The city of Paris is the capital and largest city of France. It is located on the river Seine, "
