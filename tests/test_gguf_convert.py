@@ -230,3 +230,27 @@ def test_gemma3_names_and_config():
     assert mlx_name("blk.2.ffn_norm.weight", "gemma3") == "model.layers.2.pre_feedforward_layernorm.weight"
     assert mlx_name("blk.2.ffn_norm.weight", "llama") == "model.layers.2.post_attention_layernorm.weight"
     assert mlx_name("blk.2.post_ffw_norm.weight", "gemma3") == "model.layers.2.post_feedforward_layernorm.weight"
+
+
+def test_ember_convert_subcommand_writes_a_loadable_directory(tmp_path, capsys):
+    from transport.cli import build_parser
+
+    write_llama_gguf(tmp_path / "m.gguf")
+    args = build_parser().parse_args(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--dtype", "float32"])
+    assert args.run(args, args.parser) == 0
+    assert "ember serve --model" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["ember_gguf"]["dtype"] == "float32"
+    bad = build_parser().parse_args(["convert", str(tmp_path / "missing.gguf"), str(tmp_path / "o2")])
+    with pytest.raises(SystemExit) as e:
+        bad.run(bad, bad.parser)
+    assert e.value.code == 2 and "is not a file" in capsys.readouterr().err
+
+
+def test_a_gguf_path_as_model_resolves_to_its_cached_conversion(tmp_path, monkeypatch):
+    from engine.models import resolve_model
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    write_llama_gguf(tmp_path / "m.gguf")
+    path = resolve_model(str(tmp_path / "m.gguf"))
+    assert path.parent == tmp_path / "cache" / "gguf" and (path / "tokenizer.json").is_file()
+    assert resolve_model(str(tmp_path / "m.gguf")) == path
