@@ -173,20 +173,26 @@ def test_gemma3_perplexity_bound(gemma3):
 
 
 async def test_gemma3_tiered_cache_across_a_restart(gemma3, tmp_path):
-    """A prompt longer than the 512-token sliding window goes through the SSD
-    tier: after a restart the same request is answered identically, with the
-    prefix restored from disk (cached_tokens), not prefilled again."""
+    """A conversation longer than the 512-token sliding window goes through the
+    SSD tier: after a restart its next turn (the first turn's prompt and answer
+    plus more text) restores the stored prefix from disk (cached_tokens) and
+    answers what mlx-lm answers on the whole prompt, never persisted.
+
+    The continuation, not the same prompt again: a sliding-window cache past its
+    window cannot be trimmed back (mlx-lm's RotatingKVCache), so an exact repeat
+    is a miss on this path (measured: cached_tokens 0, output still identical)."""
     sentence = "The history of the city is long and full of events that changed the region. "
-    prompt_text = sentence * 50  # ~800 tokens, past the window of the sliding layers
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     cfg = config(gemma3, ssd_cache_dir=str(tmp_path / "ssd"))
     async with Engine.open(cfg) as engine:
-        prompt = engine.tokenizer.encode(prompt_text)
+        prompt = engine.tokenizer.encode(sentence * 50)  # ~800 tokens
         assert len(prompt) > 600
         first = await engine.acomplete(prompt, params)
+        more = engine.tokenizer.encode(" Later, the city grew.")[1:]  # no second <bos>
         await engine.aflush()
+    turn2 = prompt + first.token_ids + more
     async with Engine.open(cfg) as engine:
-        again = await engine.acomplete(prompt, params)
+        again = await engine.acomplete(turn2, params)
         stats = engine.stats()
-    assert again.token_ids == first.token_ids == mlx_greedy(gemma3, prompt, 12)
-    assert again.usage is not None and again.usage.cached_tokens >= len(prompt) // 2, stats
+    assert again.token_ids == mlx_greedy(gemma3, turn2, 12)
+    assert again.usage is not None and again.usage.cached_tokens >= len(prompt), stats
