@@ -47,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-cache", type=float, metavar="GIB", help="RAM prompt-cache cap (0 disables)")
     s.add_argument("--ssd-cache", metavar="DIR", help="directory of the SSD prompt-cache tier")
     s.add_argument("--ssd-cache-max", type=float, metavar="GIB", help="byte cap of the SSD tier")
-    s.add_argument("--ssd-cache-verify", action="store_true", help="checksum tensors when restoring from SSD")
+    s.add_argument(
+        "--ssd-cache-verify", action=argparse.BooleanOptionalAction, default=None,
+        help="checksum every tensor restored from SSD (default: on; --no-ssd-cache-verify skips it)",
+    )
     s.add_argument("--ssd-demote-idle", type=float, metavar="SECONDS", help="demote RAM entries idle this long to SSD")
     s.add_argument("--min-cached-prefix", type=int, metavar="TOKENS", help="shortest cached prefix worth reusing (default 16)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -84,8 +87,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         value = getattr(args, flag, None)
         if value is not None:
             fields[field] = value
-    if getattr(args, "ssd_cache_verify", False):
-        fields["ssd_cache_verify"] = True
+    if getattr(args, "ssd_cache_verify", None) is not None:
+        fields["ssd_cache_verify"] = args.ssd_cache_verify
     try:
         config = EngineConfig(**fields).validate()
     except InvalidRequest as exc:
