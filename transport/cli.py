@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--ssd-demote-idle", type=float, metavar="SECONDS", help="demote RAM entries idle this long to SSD")
     s.add_argument("--min-cached-prefix", type=int, metavar="TOKENS", help="shortest cached prefix worth reusing (default 16)")
+    s.add_argument(
+        "--api-key", default=os.environ.get("EMBER_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $EMBER_API_KEY)",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=serve, parser=s)
 
@@ -133,7 +138,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     _import_mlx_on_main_thread(config)
-    app = build_app(config)
+    from transport.security import is_loopback
+
+    app = build_app(config, api_key=args.api_key, loopback_only=is_loopback(args.host))
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -22,6 +22,7 @@ import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -35,6 +36,7 @@ from transport.errors import ApiError, error_body, from_engine_error
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
 from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
 from transport.render import ChatRenderer, CompletionRenderer
+from transport.security import SecurityMiddleware
 from transport.sse import Disconnect, EventStream
 
 log = logging.getLogger("ember.http")
@@ -295,9 +297,15 @@ def build_app(
     keepalive_s: float = 5.0,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+    loopback_only: bool = False,
     **engine_kw: Any,
 ) -> Starlette:
-    """The app serving one engine; ``engine_kw`` goes to ``Engine.open`` (backend, clock, events…)."""
+    """The app serving one engine; ``engine_kw`` goes to ``Engine.open`` (backend, clock, events…).
+
+    ``api_key`` and ``loopback_only`` (the CLI sets it when bound to a
+    loopback address) configure ``transport.security``, which guards every
+    route, including ones added later."""
     config = config.validate()  # a bad combination fails here, before anything listens
     host = ServerState(
         config, engine_kw, keepalive_s=keepalive_s, default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes
@@ -324,6 +332,7 @@ def build_app(
     ]
     app = Starlette(
         routes=routes,
+        middleware=[Middleware(SecurityMiddleware, api_key=api_key, loopback_only=loopback_only)],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
