@@ -43,6 +43,12 @@ log = logging.getLogger("ember.http")
 
 DEFAULT_MAX_TOKENS = 512  # when a request sets none (mlx_lm.server's default), clamped to the context left
 MAX_BODY_BYTES = 8 << 20
+# A prompt longer than ``context_length × PROMPT_BYTES_PER_TOKEN`` UTF-8 bytes
+# cannot fit the context: no tokenizer in use averages anywhere near 64 bytes
+# a token (English text is ~4), so it is a 400 before any tokenizing. What
+# passes is tokenized and templated off the event loop (``ServerState.off_loop``).
+PROMPT_BYTES_PER_TOKEN = 64
+TOKENIZE_THREADS = 2  # hostile long prompts queue here, not on the event loop or on every CPU
 
 
 class ServerState:
@@ -69,6 +75,7 @@ class ServerState:
         self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
         self.settled: anyio.Event | None = None  # set once ready or failed (made on the serving loop)
         self._stop: anyio.Event | None = None
+        self._tokenize_limiter: anyio.CapacityLimiter | None = None
 
     # ---- lifecycle -------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -109,6 +116,35 @@ class ServerState:
             self._stop.set()
 
     # ---- what routes need ------------------------------------------------
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run CPU work a request brings (tokenizing, chat templates) on a
+        worker thread, so /health and other streams keep their latency; inline
+        when the engine runs in virtual time (its device is inline: no threads)."""
+        from engine.ports import InlineDevice
+
+        if self.engine is None or isinstance(getattr(self.engine, "device", None), InlineDevice):
+            return fn(*args)
+        if self._tokenize_limiter is None:
+            self._tokenize_limiter = anyio.CapacityLimiter(TOKENIZE_THREADS)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._tokenize_limiter)
+
+    def check_prompt_bytes(self, texts: list[str], param: str) -> None:
+        """The byte bound, checked before tokenizing (see PROMPT_BYTES_PER_TOKEN)."""
+        engine = self.engine
+        assert engine is not None
+        cap = engine.info.context_length * PROMPT_BYTES_PER_TOKEN
+        n = 0
+        for t in texts:
+            n += len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass"))
+            if n > cap:
+                raise ApiError(
+                    400,
+                    f"the prompt is longer than the context can hold: over {cap} bytes of text "
+                    f"({engine.info.context_length} tokens × {PROMPT_BYTES_PER_TOKEN} bytes, a bound no tokenizer reaches)",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+
     def health(self) -> tuple[str, int]:
         if self.phase == "ready" and self.engine is not None:
             status = self.engine.status
@@ -211,12 +247,18 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     req = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
     model = host.check_model(req.model)
     if chat:
+        messages = [m.as_template_message() for m in req.messages]
+        host.check_prompt_bytes([v for m in messages for v in m.values() if isinstance(v, str)], "messages")
         try:
-            prompt = engine.chat_prompt([m.as_template_message() for m in req.messages])
+            prompt = await host.off_loop(engine.chat_prompt, messages)
         except Exception as exc:  # a template raises on what it cannot render (roles, order): the input's fault
             raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
     else:
-        prompt = engine.encode(req.prompt)
+        if isinstance(req.prompt, str):
+            host.check_prompt_bytes([req.prompt], "prompt")
+            prompt = await host.off_loop(engine.encode, req.prompt)
+        else:
+            prompt = engine.encode(req.prompt)
     room = engine.info.context_length - len(prompt)
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
     stream = await engine.asubmit(prompt, params)
