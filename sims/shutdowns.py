@@ -1,0 +1,95 @@
+"""Count exit codes of graceful shutdowns: start `ember serve` on the bundled
+model, serve a request or two, SIGTERM, wait; N times, P at a time.
+
+    python -m sims.shutdowns --runs 25 --parallel 2 [--ssd]
+
+Prints one line per run and a summary; exits 1 if any run did not exit 0
+(the stderr tail of each such run is printed). Issue #23 item 6: 4 of 71
+graceful shutdowns ended in SIGABRT ("terminate called without an active
+exception").
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def _read_url(proc: subprocess.Popen, timeout_s: float) -> str | None:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and sel.select(timeout=deadline - time.monotonic()):
+        line = proc.stdout.readline()
+        if not line:
+            return None
+        if line.startswith("ember: serving"):
+            return line.split(" at ", 1)[1].split()[0]
+    return None
+
+
+def _post(url: str, body: dict) -> None:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        r.read()
+
+
+def one(i: int, args: argparse.Namespace) -> tuple[int, int | None, str]:
+    with tempfile.TemporaryDirectory(prefix="ember-shutdown-") as d:
+        cmd = [sys.executable, "-m", "transport.cli", "serve", "--model", args.model, "--port", "0", "--log-level", "info"]
+        if args.ssd:
+            cmd += ["--ssd-cache", d]
+        err_path = os.path.join(d, "stderr")
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            try:
+                url = _read_url(proc, args.start_timeout)
+                if url is None:
+                    proc.kill()
+                    proc.wait()
+                    return i, None, open(err_path).read()[-2000:]
+                for k in range(args.requests):
+                    _post(url + "/v1/completions", {"prompt": f"shutdown run {i} request {k}: " * 4, "max_tokens": 4})
+                proc.send_signal(signal.SIGTERM)
+                rc = proc.wait(timeout=120)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                proc.stdout.close()
+        return i, rc, open(err_path).read()[-2000:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=25)
+    ap.add_argument("--parallel", type=int, default=2)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--requests", type=int, default=1)
+    ap.add_argument("--ssd", action="store_true")
+    ap.add_argument("--start-timeout", type=float, default=120)
+    args = ap.parse_args()
+    bad = []
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        for i, rc, tail in pool.map(lambda i: one(i, args), range(args.runs)):
+            print(f"run {i}: rc={rc}", flush=True)
+            if rc != 0:
+                bad.append((i, rc, tail))
+    print(f"{args.runs - len(bad)} of {args.runs} exited 0 in {time.monotonic() - t0:.0f} s")
+    for i, rc, tail in bad:
+        print(f"--- run {i} rc={rc} stderr tail:\n{tail}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
