@@ -48,9 +48,15 @@ def one(i: int, args: argparse.Namespace) -> tuple[int, int | None, str]:
         cmd = [sys.executable, "-m", "transport.cli", "serve", "--model", args.model, "--port", "0", "--log-level", "info"]
         if args.ssd:
             cmd += ["--ssd-cache", d]
+        if args.gdb:  # a backtrace of every thread if the process aborts
+            cmd = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "handle SIGTERM nostop noprint pass",
+                   "-ex", "handle SIGPIPE nostop noprint pass", "-ex", "run", "-ex", "thread apply all bt 30", "--args", *cmd]
+            env_extra = {"EMBER_NO_OPENBLAS": "1"}  # no re-exec: gdb must hold the serving process itself
+        else:
+            env_extra = {}
         err_path = os.path.join(d, "stderr")
         with open(err_path, "w") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **env_extra})
             try:
                 url = _read_url(proc, args.start_timeout)
                 if url is None:
@@ -59,14 +65,23 @@ def one(i: int, args: argparse.Namespace) -> tuple[int, int | None, str]:
                     return i, None, open(err_path).read()[-2000:]
                 for k in range(args.requests):
                     _post(url + "/v1/completions", {"prompt": f"shutdown run {i} request {k}: " * 4, "max_tokens": 4})
-                proc.send_signal(signal.SIGTERM)
+                pid = proc.pid
+                if args.gdb:
+                    text = open(err_path).read()
+                    pid = int(text.split("Started server process [", 1)[1].split("]", 1)[0])
+                os.kill(pid, signal.SIGTERM)
                 rc = proc.wait(timeout=120)
+                if args.gdb:  # gdb reports the inferior's end on its stdout
+                    out = proc.stdout.read()
+                    with open(err_path, "a") as f:
+                        f.write(out)
+                    rc = 0 if "exited normally" in out else (-6 if "SIGABRT" in out else 1)
             finally:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
                 proc.stdout.close()
-        return i, rc, open(err_path).read()[-2000:]
+        return i, rc, open(err_path).read()[-12000:]
 
 
 def main() -> int:
@@ -77,6 +92,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1)
     ap.add_argument("--ssd", action="store_true")
     ap.add_argument("--start-timeout", type=float, default=120)
+    ap.add_argument("--gdb", action="store_true", help="run each server under gdb (backtraces on abort)")
     args = ap.parse_args()
     bad = []
     t0 = time.monotonic()

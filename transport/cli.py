@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=os.environ.get("EMBER_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on every route but /health (default: $EMBER_API_KEY)",
     )
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request head is not complete this long after it opened or after its last response")
+    s.add_argument("--idle-timeout", type=float, default=5.0, metavar="SECONDS", help="close a keep-alive connection idle this long")
+    s.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="abort a stream whose client reads nothing for this long (it would hold its slot)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=serve, parser=s)
 
@@ -140,10 +145,17 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _import_mlx_on_main_thread(config)
     from transport.security import is_loopback
 
-    app = build_app(config, api_key=args.api_key, loopback_only=is_loopback(args.host))
+    from transport.conn_guard import header_deadline_protocol
+
+    for flag in ("header_timeout", "idle_timeout", "send_timeout"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be a positive number of seconds")
+    app = build_app(config, api_key=args.api_key, loopback_only=is_loopback(args.host), send_timeout_s=args.send_timeout)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
+            http=header_deadline_protocol(args.header_timeout),
+            timeout_keep_alive=args.idle_timeout,
             lifespan="on",
             log_level=args.log_level,
             timeout_graceful_shutdown=math.ceil(settings_from(config).shutdown_timeout_s),

@@ -48,6 +48,9 @@ MAX_BODY_BYTES = 8 << 20
 # a token (English text is ~4), so it is a 400 before any tokenizing. What
 # passes is tokenized and templated off the event loop (``ServerState.off_loop``).
 PROMPT_BYTES_PER_TOKEN = 64
+# A streaming client whose socket accepts nothing for this long is aborted
+# (it would otherwise hold its admission slot until max_tokens).
+SEND_TIMEOUT_S = 30.0
 TOKENIZE_THREADS = 2  # hostile long prompts queue here, not on the event loop or on every CPU
 
 
@@ -62,8 +65,10 @@ class ServerState:
         keepalive_s: float,
         default_max_tokens: int,
         max_body_bytes: int,
+        send_timeout_s: float | None = None,
     ):
         self.config = config
+        self.send_timeout_s = send_timeout_s
         self.engine_kw = engine_kw
         self.keepalive_s = keepalive_s
         self.default_max_tokens = default_max_tokens
@@ -264,7 +269,9 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     stream = await engine.asubmit(prompt, params)
     renderer = ChatRenderer(model, req.include_usage) if chat else CompletionRenderer(model, req.include_usage)
     if req.stream:
-        return EventStream(stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
+        return EventStream(
+            stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done, send_timeout_s=host.send_timeout_s
+        )
     completion = await collect(stream, request.receive, timer)
     if completion is None:
         return Response(status_code=400)  # the client left; nothing is sent
@@ -341,6 +348,7 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     api_key: str | None = None,
     loopback_only: bool = False,
+    send_timeout_s: float | None = SEND_TIMEOUT_S,
     **engine_kw: Any,
 ) -> Starlette:
     """The app serving one engine; ``engine_kw`` goes to ``Engine.open`` (backend, clock, events…).
@@ -350,7 +358,8 @@ def build_app(
     route, including ones added later."""
     config = config.validate()  # a bad combination fails here, before anything listens
     host = ServerState(
-        config, engine_kw, keepalive_s=keepalive_s, default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes
+        config, engine_kw, keepalive_s=keepalive_s, default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes,
+        send_timeout_s=send_timeout_s,
     )
 
     @asynccontextmanager
