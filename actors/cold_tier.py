@@ -21,8 +21,11 @@ they can run on a worker thread); ``ColdTier`` is the thin actor around it:
   the engine stays idle.
 
 The byte cap counts every file under our fingerprint folder and is enforced
-at write time by evicting the least recently used entries first. ENOSPC drops
-that one write, warns once, and the tier keeps serving.
+at write time by evicting the least recently used entries first. ENOSPC (the
+disk filled below the cap) evicts the least recently used entries holding as
+many bytes as the write and retries it once; if that cannot help (no entries
+left) the write is dropped, a warning is logged once, and the tier keeps
+serving.
 """
 
 from __future__ import annotations
@@ -200,6 +203,7 @@ class ColdStore:
             "superseded": 0,
             "refused": 0,
             "enospc": 0,
+            "enospc_evictions": 0,  # entries evicted to recover from a full disk
             "write_failures": 0,
             "misses": 0,
         }
@@ -450,6 +454,24 @@ class ColdStore:
             self._remove_path(e.path)
         self.counters["evictions"] += len(victims)
         self.reserved += nbytes
+        return victims
+
+    def evict_bytes(self, nbytes: int, *, keep: str = "") -> list[ColdEntry]:
+        """The least recently used entries holding at least ``nbytes`` (all of
+        them if fewer), out of the index; their files are to be deleted. For a
+        disk that filled below the cap (ENOSPC)."""
+        victims: list[ColdEntry] = []
+        freed = 0
+        for e in self._paths.values():  # least recently used first
+            if freed >= nbytes:
+                break
+            if e.path != keep:
+                victims.append(e)
+                freed += e.nbytes
+        for e in victims:
+            self._remove_path(e.path)
+        self.counters["evictions"] += len(victims)
+        self.counters["enospc_evictions"] += len(victims)
         return victims
 
     def release(self, nbytes: int) -> None:
@@ -777,10 +799,27 @@ class ColdTier(Actor[Inbox]):
             if victims:
                 await self.io(store.delete_files, [v.path for v in victims])
             await self.io(store.disk.makedirs, posixpath.dirname(path))
-            await kvfile.write_streamed(writer, sources, wait_turn=gate, device_run=self.device.run, io_run=self.io)
+            for attempt in (0, 1):
+                try:
+                    await kvfile.write_streamed(writer, sources, wait_turn=gate, device_run=self.device.run, io_run=self.io)
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    store.counters["enospc"] += 1
+                    # The disk filled below our cap (other data, a smaller
+                    # volume): free the least recently used entries, as many
+                    # bytes as this file, and try once more, so a full disk
+                    # recovers instead of failing every flush until an
+                    # operator frees space.
+                    freed = store.evict_bytes(writer.file_bytes, keep=path) if attempt == 0 else []
+                    if not freed:
+                        raise
+                    log.warning("[cold_tier] disk full: evicted %d entries to make room, retrying", len(freed))
+                    await self.io(store.delete_files, [v.path for v in freed])
+                    writer = KvWriter(store.disk, path, header)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                store.counters["enospc"] += 1
                 if not self._warned_enospc:
                     self._warned_enospc = True
                     log.warning("[cold_tier] disk full: dropping writes until space frees (%s)", exc)
