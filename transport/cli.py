@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ssd-cache-verify", action=argparse.BooleanOptionalAction, default=None,
         help="checksum every tensor restored from SSD (default: on; --no-ssd-cache-verify skips it)",
     )
+    s.add_argument("--spill-queue", type=float, metavar="GIB", help="cap of caches waiting to be written to SSD (default 2)")
     s.add_argument("--ssd-demote-idle", type=float, metavar="SECONDS", help="demote RAM entries idle this long to SSD")
     s.add_argument("--min-cached-prefix", type=int, metavar="TOKENS", help="shortest cached prefix worth reusing (default 16)")
     s.add_argument(
@@ -87,6 +88,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "ssd_cache": "ssd_cache_dir",
         "ssd_cache_max": "ssd_cache_max_gib",
         "ssd_demote_idle": "ssd_demote_idle_s",
+        "spill_queue": "spill_queue_gib",
         "min_cached_prefix": "min_cached_prefix",
         "draft_model": "draft_model",
         "num_draft_tokens": "num_draft_tokens",
