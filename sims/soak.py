@@ -184,7 +184,8 @@ def main() -> int:
     growth = statistics.mean(last) - statistics.mean(mid)
     plateau = growth <= max(0.10 * statistics.mean(mid), 64 * MIB)
 
-    cmdline = f"python -m sims.soak --minutes {args.minutes:g} --model {args.model} --clients {args.clients}"
+    cmdline = (f"python -m sims.soak --minutes {args.minutes:g} --model {args.model} --clients {args.clients} "
+               f"--prompt-cache-gib {args.prompt_cache_gib:g} --spill-queue-gib {args.spill_queue_gib:g}")
     print(f"# {cmdline}")
     print(f"traffic: {traffic.counts}; server exit code {rc}")
     ps, ss = final_stats.get("prompt_cache", {}), final_stats.get("ssd_cache", {})
