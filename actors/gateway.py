@@ -21,6 +21,7 @@ import msgspec
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
 from actors.scheduler import Abort, Admit, RowDelta
 from engine.errors import EngineDead, EngineDraining, EngineOverloaded, InvalidRequest, RequestFailed
+from engine.logits_params import check_logits_params
 from engine.ports import ModelInfo
 from engine.types import Delta, SamplingParams
 
@@ -238,6 +239,7 @@ class Gateway(Actor[Inbox]):
             # numpy and MLX both refuse other seeds, and inside a GPU step that
             # error would take the whole engine down.
             raise InvalidRequest("seed must be in [0, 2**64)", "seed")
+        check_logits_params(p, self.info)
 
     async def receive(self, msg: Inbox) -> Any:
         match msg:
@@ -292,7 +294,10 @@ class Gateway(Actor[Inbox]):
             if d.error is not None:
                 item = Failure(RequestFailed(d.error))
             else:
-                item = Delta(rid=d.rid, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason, usage=d.usage)
+                item = Delta(
+                    rid=d.rid, text=d.text, token_ids=d.token_ids, logprobs=d.logprobs,
+                    finish_reason=d.finish_reason, usage=d.usage,
+                )
             try:
                 send.send_nowait(item)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):

@@ -30,7 +30,7 @@ from engine.errors import EngineDead
 from engine.eventlog import EventLog
 from engine.ports import Backend, Clock, DecodeRow, Device, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
 from engine.textstream import StopMatcher
-from engine.types import SamplingParams, Usage
+from engine.types import SamplingParams, TokenLogprob, Usage
 
 log = logging.getLogger("ember.scheduler")
 
@@ -129,6 +129,7 @@ class RowDelta(msgspec.Struct, frozen=True, kw_only=True):
     rid: int
     text: str = ""
     token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
@@ -398,7 +399,7 @@ class SchedulerCore:
             if self.spec is not None and self.spec.collect(row, [token]):
                 continue  # a speculating row: emitted with the Verifier's verdict
             row.in_cache += 1
-            self._emit(row, [token])
+            self._emit(row, [token], result.logprobs.get(rid))
         for rid, targets in result.verified.items():
             row = self.rows.get(rid)
             if row is not None and row.state is RowState.DECODE and self.spec is not None:
@@ -436,8 +437,9 @@ class SchedulerCore:
         self.events.record("fail", self.clock.now(), rid=rid)
         self._finish(row, "error", keep_cache=False, error=error)
 
-    def _emit(self, row: Row, tokens: list[int]) -> None:
-        """Append sampled tokens to a row; finish it on EOS, a stop string or length."""
+    def _emit(self, row: Row, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append sampled tokens to a row; finish it on EOS, a stop string or length.
+        ``logprobs``: one per token, when the request asked for them."""
         eos = self.backend.tokenizer.eos_token_ids
         params, detok, stop, generated = row.params, row.detok, row.stop, row.generated
         reason = None
@@ -461,11 +463,12 @@ class SchedulerCore:
         text = "".join(text_parts)
         if generated:
             row.next_input = generated[-1]
+        lps = logprobs[: len(out_ids)] if logprobs is not None and params.logprobs is not None else None
         if reason is None:
-            self.outbox.append(RowDelta(rid=row.rid, text=text, token_ids=out_ids))
+            self.outbox.append(RowDelta(rid=row.rid, text=text, token_ids=out_ids, logprobs=lps))
             return
         if out_ids:  # a token went through the detokenizer (and so a text part, maybe empty)
-            self.outbox.append(RowDelta(rid=row.rid, text=text, token_ids=out_ids))
+            self.outbox.append(RowDelta(rid=row.rid, text=text, token_ids=out_ids, logprobs=lps))
         self.counters["finished"] += 1
         self.events.record("finish", self.clock.now(), rid=row.rid, reason=reason, n=len(generated))
         self._finish(row, reason, keep_cache=True)

@@ -29,11 +29,11 @@ from actors.gateway import Cancel, Drain, Gateway, GatewayConfig, StepOutput, Su
 from actors.runtime import Actor, Failure
 from actors.scheduler import RowDelta, Scheduler, SchedulerConfig, SchedulerCore, Shutdown
 from engine.config import EngineConfig
-from engine.errors import EngineDead, EngineError
+from engine.errors import EngineDead, EngineError, InvalidRequest
 from engine.eventlog import EventLog
 from engine.ports import Backend, Clock, Device, InlineDevice, LoopClock
 from engine.spec_build import build_speculation, check_request
-from engine.types import Delta, SamplingParams, Usage
+from engine.types import Constraint, Delta, SamplingParams, TokenLogprob, Usage
 
 log = logging.getLogger("ember.engine")
 
@@ -57,10 +57,13 @@ class Completion:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
+        self.logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
     def add(self, d: Delta) -> None:
         self.text += d.text
         self.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + d.logprobs
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
             self.usage = d.usage
@@ -203,6 +206,7 @@ class Engine:
         if self.durability is not None:
             self.actors.append(self.durability)  # it asks the Scheduler and the ColdTier
         self._actor_scope: anyio.CancelScope | None = None
+        self._token_bytes: dict[int, bytes] = {}
 
     def _make_prefix_cache(self) -> Any:
         """The RAM prompt-cache tier (None when disabled)."""
@@ -416,9 +420,23 @@ class Engine:
         """
         self._check_alive()
         check_request(params or SamplingParams(), self.speculation)
+        if params is not None and params.constraint is not None:
+            await self.compile_constraint(params.constraint)
         tokens = self.encode(prompt)
         rid, stream = await self.gateway.ref.ask(Submit(tokens=tokens, params=params or SamplingParams(), ns=ns), nowait=True)
         return RequestStream(self.gateway.ref, rid, stream)
+
+    async def compile_constraint(self, constraint: Constraint) -> None:
+        """Compile (or find cached) a request's grammar on a worker thread, so the
+        event loop never waits for it; an invalid or unsupported grammar raises
+        ``InvalidRequest`` (param ``constraint``) before the request is admitted."""
+        grammars = getattr(self.backend, "grammars", None)
+        if grammars is None:
+            raise InvalidRequest(
+                "constrained decoding is not supported by this backend (the fake GPU has no logits processing)",
+                "constraint",
+            )
+        await anyio.to_thread.run_sync(grammars.compile, constraint)
 
     async def agenerate(
         self,
@@ -432,8 +450,23 @@ class Engine:
             async for d in stream:
                 yield d
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt tokens of a chat: the tokenizer's chat template."""
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's own bytes (a byte-level BPE token may be part of a UTF-8
+        character, which ``decode`` would turn into U+FFFD): for logprobs."""
+        cache = self._token_bytes
+        missing = [i for i in ids if i not in cache]
+        if missing:
+            grammars = getattr(self.backend, "grammars", None)
+            lltok = grammars.tokenizer() if grammars is not None else None
+            for i in missing:
+                cache[i] = lltok.decode_bytes([i]) if lltok is not None else self.tokenizer.decode([i]).encode()
+        return [cache[i] for i in ids]
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt tokens of a chat: the tokenizer's chat template (offering
+        ``tools``, in OpenAI's function shape, when given)."""
+        if tools:
+            return self.tokenizer.apply_chat_template(messages, tools=tools)
         return self.tokenizer.apply_chat_template(messages)
 
     async def achat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *, ns: str = "") -> AsyncIterator[Delta]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
+import json
 import math
 import operator
 import threading
@@ -29,6 +30,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from engine.mlx_tokenizer import ToolMarkup
 from engine.ports import ModelInfo, StepPlan, StepResult
 from engine.types import GREEDY_TEMPERATURE, SamplingParams
 
@@ -91,12 +93,18 @@ class ByteDetokenizer:
         return seg
 
 
+def _parse_json_call(text: str, tools: Any = None) -> Any:
+    """mlx-lm's `json_tools` parser, without importing mlx-lm."""
+    return json.loads(text.strip())
+
+
 class ByteTokenizer:
     EOS = 256
     vocab_size = 260
 
     def __init__(self) -> None:
         self.eos_token_ids = {self.EOS}
+        self.tool_markup = ToolMarkup(start="<tool_call>", end="</tool_call>", parser=_parse_json_call, json_form=True)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -107,9 +115,22 @@ class ByteTokenizer:
     def detokenizer(self) -> ByteDetokenizer:
         return ByteDetokenizer()
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages)
-        return self.encode(text + "<|assistant|>")
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        text = f"<|tools|>{json.dumps(tools)}\n" if tools else ""
+        for m in messages:
+            text += f"<|{m['role']}|>{m.get('content') or ''}"
+            for call in m.get("tool_calls") or []:  # the Hermes/Qwen form, like the bundled tiny template
+                fn = call.get("function", call)
+                args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
+                text += f'<tool_call>\n{{"name": "{fn["name"]}", "arguments": {args}}}\n</tool_call>'
+            text += "\n"
+        return text + "<|assistant|>"
 
 
 # --------------------------------------------------------------------------

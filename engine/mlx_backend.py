@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -66,6 +67,8 @@ from engine.config import EngineConfig
 from engine.device import ThreadDevice
 from engine.mlx_device import MLXThread
 from engine.mlx_batch import DecodeBatch, merge_caches
+from engine.grammar import Grammars
+from engine.logits import RowLogits, apply_words, needs_processing, to_token_logprobs
 from engine.mlx_sampling import RowSampler, row_seed
 from engine.mlx_tokenizer import MLXTokenizer
 from engine.ports import ModelInfo, StepPlan, StepResult
@@ -154,6 +157,7 @@ class _Row:
     cache: list[Any] | None  # its own B=1 cache; None once it is in the DecodeBatch
     fed: int = 0  # tokens committed to its KV cache
     emitted: int = 0  # decode tokens handed back
+    logits: RowLogits | None = None  # processors, grammar mask, logprobs (engine.logits)
 
 
 @dataclass(slots=True)
@@ -162,6 +166,8 @@ class _Ahead:
 
     tokens: mx.array  # [B] its sampled tokens, in batch order
     keys: list[tuple[_Row, mx.array]]  # the sampled rows' PRNG keys before it, to undo it
+    fed: list[_Row] = ()  # rows whose RowLogits were fed its inputs (undo: trim 1)
+    logprobs: dict[int, tuple[mx.array, ...]] | None = None  # lazy, by rid
 
 
 @dataclass(frozen=True)
@@ -242,9 +248,11 @@ class MLXBackend:
             config_fingerprint=_config_fingerprint(config, kv_scheme),
             tokenizer_hash=tokenizer_hash,
             num_layers=len(getattr(model, "layers", probe)),
+            logits_processing=True,
         )
         self._rows: dict[int, _Row] = {}
         self._batch = DecodeBatch()
+        self.grammars = Grammars(getattr(tokenizer, "_tokenizer", tokenizer), self.info.vocab_size, sorted(self.tokenizer.eos_token_ids))
         # Decode steps computed ahead of the Scheduler at most. One: deeper runs
         # measured slower, as their graph building holds the GIL the event loop
         # needs and a plan that arrives waits for the forward in progress.
@@ -376,13 +384,12 @@ class MLXBackend:
         joiners = [rid for rid in work if self._rows[rid].cache is not None]
         verifying = bool(plan.verify)
 
-        outputs: list[tuple[list[int], list[int] | None, Any]] = []  # (rids, widths, tokens)
+        outputs: list[tuple[list[int], list[int] | None, Any, dict]] = []  # (rids, widths, tokens, logprobs)
         step_tokens: list[mx.array] = []  # [B] per group, for the next queued step
         if queued:
-            queued.pop(0)  # this step's result
             for rid in batch.rids:
                 self._rows[rid].fed += 1
-            outputs.append((list(batch.rids), None, queued_tokens[0]))
+            outputs.append((list(batch.rids), None, queued_tokens[0], queued.pop(0).logprobs or {}))
             step_tokens.append(queued_tokens[0])
             queued_tokens = queued_tokens[1:]
             self.counters["pipelined"] += 1
@@ -424,7 +431,7 @@ class MLXBackend:
         if ahead is not None:
             self._queued = queued
             self._due = queued[-1].tokens if queued else ahead
-            if len(queued) < self.max_ahead:
+            if len(queued) < self.max_ahead and not self._has_logits():
                 # Build the next step's graph now, on this step's still-lazy tokens:
                 # the Python of the build overlaps the last kernels of this step
                 # (MLX's CPU ``async_eval`` returns with a few tasks still running,
@@ -433,9 +440,12 @@ class MLXBackend:
                 self._build_ahead(pending=1)
         # Caches handed out are evaluated, so the prompt-cache tiers may copy them
         # from another thread (an unevaluated array is bound to this thread's stream).
-        mx.eval([toks for _, _, toks in outputs], [c.state for cache in res.closed.values() for c in cache])
-        for rids, widths, toks in outputs:
-            self._collect(rids, widths, toks, verify_rids, res)
+        mx.eval(
+            [(toks, list(lps.values())) for _, _, toks, lps in outputs],
+            [c.state for cache in res.closed.values() for c in cache],
+        )
+        for rids, widths, toks, lps in outputs:
+            self._collect(rids, widths, toks, lps, verify_rids, res)
         if heads:
             self._join_heads(rest, verify_rids, res)
         if plan.prefill or self.steps % CLEAR_CACHE_EVERY == 0:
@@ -492,7 +502,15 @@ class MLXBackend:
                     trim_prompt_cache(cache, size - fed)
             seed = row_seed(o.sampling, self.engine_seed, o.rid)
             sampler = RowSampler(o.sampling, seed, self.info.vocab_size)
-            self._rows[o.rid] = _Row(o.rid, sampler, o.sampling.max_tokens, cache, fed)
+            logits = None
+            if needs_processing(o.sampling):
+                try:
+                    matcher = self.grammars.matcher(o.sampling.constraint) if o.sampling.constraint else None
+                except Exception as exc:  # noqa: BLE001 - normally refused at admission (Engine.asubmit)
+                    res.errors[o.rid] = f"constraint: {exc}"
+                    continue
+                logits = RowLogits(o.sampling, matcher, self.info.vocab_size, sorted(self.tokenizer.eos_token_ids))
+            self._rows[o.rid] = _Row(o.rid, sampler, o.sampling.max_tokens, cache, fed, logits=logits)
 
     def _trim(self, plan: StepPlan, res: StepResult) -> None:
         batch_trim: dict[int, int] = {}
@@ -507,6 +525,8 @@ class MLXBackend:
                     res.errors[rid] = "this model's cache cannot be trimmed"
                     continue
                 row.fed -= n
+                if row.logits is not None:
+                    row.logits.trim(n)
             elif n:
                 batch_trim[rid] = batch_trim.get(rid, 0) + n
         if batch_trim:
@@ -516,7 +536,10 @@ class MLXBackend:
                 return
             self._batch.trim([batch_trim.get(rid, 0) for rid in self._batch.rids])
             for rid, n in batch_trim.items():
-                self._rows[rid].fed -= n
+                row = self._rows[rid]
+                row.fed -= n
+                if row.logits is not None:
+                    row.logits.trim(n)
 
     def _window_fits(self, rid: int, n: int) -> bool:
         """Speculation's guard: can the row's cache take an ``n``-token verify
@@ -600,39 +623,91 @@ class MLXBackend:
     # ---- sampling ------------------------------------------------------------
     def _sample(
         self, rids: list[int], inputs: list[list[int]], logits: mx.array, step_tokens: list[mx.array]
-    ) -> tuple[list[int], list[int] | None, Any]:
+    ) -> tuple[list[int], list[int] | None, Any, dict[int, tuple[mx.array, ...]]]:
         """Sample each row's tokens. A pure decode group gives one ``[B]`` array
-        (also appended to ``step_tokens``); otherwise a list of per-row arrays."""
-        samplers = [self._rows[rid].sampler for rid in rids]
+        (also appended to ``step_tokens``); otherwise a list of per-row arrays.
+        The last item: the lazy logprob arrays of the rows that asked for them."""
+        rows = [self._rows[rid] for rid in rids]
+        lps: dict[int, tuple[mx.array, ...]] = {}
         if logits.shape[1] == 1 and all(len(x) == 1 for x in inputs):
-            toks = self._sample_last(logits, samplers)
+            toks = self._sample_last(logits, rows, inputs, lps)
             step_tokens.append(toks)
-            return list(rids), None, toks
+            return list(rids), None, toks, lps
         per_row = []
         widths = [len(x) for x in inputs]
-        for i, (s, n) in enumerate(zip(samplers, widths)):
+        for i, (row, n) in enumerate(zip(rows, widths)):
             if n == 0:
                 per_row.append(mx.zeros((0,), mx.uint32))
                 continue
-            lp = logits[i, :n, :]
-            per_row.append(s(lp - mx.logsumexp(lp, axis=-1, keepdims=True)))
-        return list(rids), widths, per_row
+            raw = logits[i, :n, :]
+            lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+            if row.logits is None:
+                per_row.append(row.sampler(lp))
+                continue
+            toks = row.sampler(row.logits.window(inputs[i], raw))
+            if row.logits.logprobs is not None:
+                lps[row.rid] = row.logits.logprob_arrays(lp, toks)
+            per_row.append(toks)
+        return list(rids), widths, per_row, lps
 
-    @staticmethod
-    def _sample_last(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
-        lp = logits[:, -1, :]
-        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-        if all(s.greedy for s in samplers):
-            return mx.argmax(lp, axis=-1)
-        return mx.concatenate([s(lp[i : i + 1]) for i, s in enumerate(samplers)])
+    def _sample_last(
+        self,
+        logits: mx.array,
+        rows: list[_Row],
+        inputs: list[list[int]] | None = None,
+        lps: dict[int, tuple[mx.array, ...]] | None = None,
+    ) -> mx.array:
+        raw = logits[:, -1, :]
+        lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+        procs = [i for i, r in enumerate(rows) if r.logits is not None]
+        if not procs:
+            if all(r.sampler.greedy for r in rows):
+                return mx.argmax(lp, axis=-1)
+            return mx.concatenate([r.sampler(lp[i : i + 1]) for i, r in enumerate(rows)])
+        # Rows with logits processing (engine.logits), batched: processors per
+        # row, then every row's grammar mask in one [B, V] op.
+        for i in procs:
+            rows[i].logits.feed(inputs[i][0])
+        x = raw
+        if any(rows[i].logits.processors for i in procs):
+            x = mx.concatenate([r.logits.apply_processors(x[i : i + 1]) if r.logits else x[i : i + 1] for i, r in enumerate(rows)])
+        masked = [i for i in procs if rows[i].logits.matcher is not None]
+        if masked:
+            words = np.full((len(rows), (self.info.vocab_size + 31) // 32), -1, np.int32)
+            for i in masked:
+                rows[i].logits.mask_words(words[i])
+            x = apply_words(x, words, self.info.vocab_size)
+        plp = x - mx.logsumexp(x, axis=-1, keepdims=True)  # == lp for the rows without processing
+        if all(r.sampler.greedy for r in rows):
+            toks = mx.argmax(plp, axis=-1)
+        else:
+            toks = mx.concatenate([r.sampler(plp[i : i + 1]) for i, r in enumerate(rows)])
+        for i in procs:
+            if rows[i].logits.logprobs is not None:
+                lps[rows[i].rid] = rows[i].logits.logprob_arrays(lp[i : i + 1], toks[i : i + 1])
+        return toks
+
+    def _has_logits(self) -> bool:
+        """A batch row with processing: its next mask or penalty needs the token
+        just sampled on the host, so its next step is built only after this
+        one's tokens are read (in ``run_ahead``, not inside ``step``)."""
+        return any(self._rows[rid].logits is not None for rid in self._batch.rids)
 
     def _collect(
-        self, rids: list[int], widths: list[int] | None, toks: Any, verify_rids: set[int], res: StepResult
+        self,
+        rids: list[int],
+        widths: list[int] | None,
+        toks: Any,
+        lps: dict[int, tuple[mx.array, ...]],
+        verify_rids: set[int],
+        res: StepResult,
     ) -> None:
         if widths is None:
             for rid, t in zip(rids, toks.tolist()):
                 res.tokens[rid] = t
                 self._rows[rid].emitted += 1
+                if rid in lps:
+                    res.logprobs[rid] = to_token_logprobs([t], lps[rid])
             return
         for rid, n, arr in zip(rids, widths, toks):
             if n == 0:
@@ -642,6 +717,8 @@ class MLXBackend:
             else:
                 res.tokens[rid] = arr.item()
                 self._rows[rid].emitted += 1
+                if rid in lps:
+                    res.logprobs[rid] = to_token_logprobs([res.tokens[rid]], lps[rid])
 
     # ---- running ahead -------------------------------------------------------
     def run_ahead(self, idle: Callable[[], bool] = lambda: False) -> None:
@@ -680,9 +757,13 @@ class MLXBackend:
             self._due = None  # every row has all its tokens by then
             return
         keys = [(r, r.sampler.key) for r in rows if not r.sampler.greedy]
+        inputs, lps = None, {}
+        fed = [r for r in rows if r.logits is not None]
+        if fed:  # masks and penalties need the inputs on the host
+            inputs = [[t] for t in tokens.tolist()]
         logits = batch.decode(self.model, tokens)
-        nxt = self._sample_last(logits, [r.sampler for r in rows])
-        self._queued.append(_Ahead(nxt, keys))
+        nxt = self._sample_last(logits, rows, inputs, lps)
+        self._queued.append(_Ahead(nxt, keys, fed, lps))
         self._due = self._built = nxt
 
     def _queue_fits(self, plan: StepPlan) -> bool:
@@ -707,7 +788,7 @@ class MLXBackend:
         speculation). Only with one step ahead, no trims and no other inputs."""
         batch = self._batch
         closed = set(plan.close)
-        if len(queued) != 1 or any(rid in batch and rid not in closed for rid, _ in plan.trim):
+        if len(queued) != 1 or any(rid in batch and rid not in closed for rid, _ in plan.trim) or self._has_logits():
             return False
         first = {d.rid: d.token for d in plan.decode if d.rid in batch}
         windows = {v.rid: v.tokens[0] for v in plan.verify if v.rid in batch and v.tokens}
@@ -727,7 +808,7 @@ class MLXBackend:
             return None
         logits = batch.forward(self.model, inputs)
         rids = list(batch.rids)
-        _, widths, toks = self._sample(rids, inputs, logits, [])
+        _, widths, toks, _ = self._sample(rids, inputs, logits, [])
         for rid, x in zip(rids, inputs):
             self._rows[rid].fed += len(x)
         mx.eval(toks)
@@ -753,6 +834,9 @@ class MLXBackend:
             c.trim(len(queued))
         for row, key in queued[0].keys:
             row.sampler.key = key
+        for q in queued:
+            for row in q.fed:
+                row.logits.trim(1)
         self.counters["undone"] += len(queued)
 
     # ---- introspection (tests, stats) ------------------------------------------

@@ -6,9 +6,20 @@ Nothing here touches MLX arrays, so these methods are safe on the event loop
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from engine.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class ToolMarkup:
+    """How a model's template writes tool calls: mlx-lm's markers and parser."""
+
+    start: str
+    end: str
+    parser: Callable[[str, Any], Any]
+    json_form: bool  # mlx-lm's `json_tools` form, for which a forced call's grammar is written
 
 
 class MLXTokenizer:
@@ -16,6 +27,7 @@ class MLXTokenizer:
         self._tok = wrapper
         self.eos_token_ids: set[int] = set(wrapper.eos_token_ids)
         self._bos: str | None = getattr(wrapper, "bos_token", None)
+        self.tool_markup = _tool_markup(wrapper)
 
     def __len__(self) -> int:
         return len(self._tok)
@@ -34,13 +46,45 @@ class MLXTokenizer:
         # It already has add_token / finalize / last_segment.
         return self._tok.detokenizer
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's text; ``encode_rendered`` of it equals ``apply_chat_template``."""
         if not self._tok.has_chat_template:
             raise InvalidRequest("this model has no chat template; send a plain prompt", "messages")
+        if tools and self.tool_markup is None:
+            raise InvalidRequest("this model's chat template does not support tools", "tools")
+        kw = {"tools": tools} if tools else {}
         try:
-            out = self._tok.apply_chat_template(messages, add_generation_prompt=True)
+            return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        except Exception as exc:  # jinja errors on malformed messages: the caller's fault
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Tokens of template output: its special tokens are spelled out, none are added."""
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        if not self._tok.has_chat_template:
+            raise InvalidRequest("this model has no chat template; send a plain prompt", "messages")
+        if tools and self.tool_markup is None:
+            raise InvalidRequest("this model's chat template does not support tools", "tools")
+        kw = {"tools": tools} if tools else {}
+        try:
+            out = self._tok.apply_chat_template(messages, add_generation_prompt=True, **kw)
         except Exception as exc:  # jinja errors on malformed messages: the caller's fault
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
         if isinstance(out, dict) or hasattr(out, "input_ids"):  # a BatchEncoding from some templates
             out = out["input_ids"]
         return [int(t) for t in out]
+
+
+def _tool_markup(wrapper: Any) -> Any:
+    """mlx-lm's tool-call markers and parser for this template (None: no tools)."""
+    if not getattr(wrapper, "has_tool_calling", False):
+        return None
+    parser = wrapper.tool_parser
+    return ToolMarkup(
+        start=wrapper.tool_call_start,
+        end=wrapper.tool_call_end,
+        parser=parser,
+        json_form=getattr(parser, "__module__", "") == "mlx_lm.tool_parsers.json_tools",
+    )

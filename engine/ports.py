@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol, TypeVar
 
 import anyio
 
-from engine.types import SamplingParams
+from engine.types import SamplingParams, TokenLogprob
 
 T = TypeVar("T")
 
@@ -80,6 +80,9 @@ class ModelInfo:
     config_fingerprint: str
     tokenizer_hash: str
     num_layers: int
+    # The backend applies SamplingParams' logits processing (constraint,
+    # penalties, logit_bias, logprobs); the Gateway refuses them otherwise.
+    logits_processing: bool = False
 
 
 @dataclass(slots=True)
@@ -149,6 +152,7 @@ class StepResult:
     verified: dict[int, list[int]] = field(default_factory=dict)
     closed: dict[int, Any] = field(default_factory=dict)  # rid -> cache (when kept)
     errors: dict[int, str] = field(default_factory=dict)  # rid -> per-row failure
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # rid -> its token's, when asked for
 
 
 class Backend(Protocol):

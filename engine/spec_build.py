@@ -61,6 +61,11 @@ def check_request(params: SamplingParams, spec: Speculation | None) -> None:
         )
     if params.speculate and n == 0:
         raise InvalidRequest("speculate=true with num_draft_tokens=0 contradicts itself", "num_draft_tokens")
+    if params.logprobs is not None and (params.speculate or (n is not None and n > 0)):
+        raise InvalidRequest(
+            "logprobs are computed on plain decode steps: a request asking for them does not speculate",
+            "speculate" if params.speculate else "num_draft_tokens",
+        )
 
 
 def _ngram_core(name: str) -> DrafterCore:

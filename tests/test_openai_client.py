@@ -112,11 +112,30 @@ def test_errors(client):
         client.completions.create(model="gpt-nope", prompt="a", max_tokens=1)
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="fake-gpu-0", messages=[{"role": "user", "content": "a"}], n=3)
+        client.chat.completions.create(model="fake-gpu-0", messages=[{"role": "user", "content": "a"}], n=99)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="fake-gpu-0", prompt="a", max_tokens=-3)
     assert e.value.body["param"] == "max_tokens"
+
+
+def test_n_choices(client):
+    """n rows admitted together; greedy on the fake GPU, so every choice is the same text."""
+    want = TOK.decode(expected_tokens(list(b"xy"), 5))
+    r = client.completions.create(model="fake-gpu-0", prompt="xy", max_tokens=5, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [want] * 3
+    assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 15
+    texts: dict[int, str] = {}
+    ends = []
+    for chunk in client.chat.completions.create(
+        model="fake-gpu-0", messages=[{"role": "user", "content": "a"}], max_tokens=4, n=2, stream=True
+    ):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                ends.append(c.index)
+    assert sorted(ends) == [0, 1] and texts[0] == texts[1] != ""
 
 
 def test_sigterm_drains_and_exits_zero(server, client):
@@ -169,3 +188,4 @@ def test_ember_serve_without_model_serves_the_bundled_tiny_on_mlx():
         for f in (proc.stdout, proc.stderr):
             if f is not None:
                 f.close()
+

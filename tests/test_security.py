@@ -50,7 +50,8 @@ KEYS = {"none": {}, "wrong": {"authorization": "Bearer nope"}, "bearer": {"autho
 ROUTES = [
     ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}', 200),
     ("POST", "/admin/cache/flush", b"", 200),  # privileged: no SSD tier here, an empty durable report
-    ("POST", "/v1/messages", b"{}", 404),  # a route other branches add: the guard runs before routing
+    ("POST", "/v1/messages", b"{}", 400),  # Anthropic Messages: past the guard, the route's own 400 for a body without messages
+    ("POST", "/v1/route-added-later", b"{}", 404),  # the guard runs before routing: it covers routes added later
     ("GET", "/v1/models", None, 200),
     ("GET", "/health", None, 200),
 ]
@@ -91,7 +92,7 @@ async def test_content_type_host_and_api_key_matrix(with_key, loopback):
                     if want == 401:
                         assert r.headers["www-authenticate"] == "Bearer"
                 cells += 1
-    assert cells == 3 * 6 * 8 * 4 + 2 * 8 * 4
+    assert cells == 4 * 6 * 8 * 4 + 2 * 8 * 4
 
 
 def test_loopback_names():

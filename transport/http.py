@@ -29,11 +29,13 @@ from starlette.routing import Route
 
 from engine.api import Completion, Engine, RequestStream, build_backend
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidRequest
 from engine.eventlog import EventLog
 from engine.ports import LoopClock
+from transport import chat_turn
 from transport.errors import ApiError, error_body, from_engine_error
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
+from transport.choices import ChoiceStream, submit_choices
 from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.security import SecurityMiddleware
@@ -142,13 +144,19 @@ class ServerState:
         for t in texts:
             n += len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass"))
             if n > cap:
-                raise ApiError(
-                    400,
+                # InvalidRequest, not ApiError: every API maps it to its own 400 shape
+                raise InvalidRequest(
                     f"the prompt is longer than the context can hold: over {cap} bytes of text "
                     f"({engine.info.context_length} tokens × {PROMPT_BYTES_PER_TOKEN} bytes, a bound no tokenizer reaches)",
-                    param=param,
-                    code="context_length_exceeded",
+                    param,
                 )
+
+    async def chat_prompt(self, engine: Engine, messages: list[dict[str, Any]], setup: Any, param: str = "messages") -> Any:
+        """``chat_turn.chat_prompt`` behind the byte bound and off the event
+        loop: what every chat-shaped route (chat completions, Messages,
+        Responses) renders its prompt with."""
+        self.check_prompt_bytes(message_texts(messages), param)
+        return await self.off_loop(chat_turn.chat_prompt, engine, messages, setup, param)
 
     def health(self) -> tuple[str, int]:
         if self.phase == "ready" and self.engine is not None:
@@ -209,6 +217,22 @@ def _endpoint(route: str, handler: Handler) -> Callable[[Request], Awaitable[Res
     return endpoint
 
 
+def message_texts(messages: list[Any]) -> list[str]:
+    """Every string in chat messages (contents, names, tool arguments…), for
+    the byte bound checked before templating."""
+    out: list[str] = []
+    stack: list[Any] = list(messages)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
+
+
 async def read_body(request: Request, cap: int) -> bytes:
     too_large = ApiError(413, f"the request body is larger than {cap} bytes", code="request_too_large")
     length = request.headers.get("content-length", "")
@@ -222,8 +246,11 @@ async def read_body(request: Request, cap: int) -> bytes:
     return bytes(body)
 
 
-async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Completion | None:
-    """A non-streaming request's whole output, or None if the client left (then it is aborted)."""
+async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: TokenTimer) -> Any:
+    """A non-streaming request's whole output (a list, one per choice, for a
+    ``ChoiceStream``), or None if the client left (then it is aborted)."""
+    rids = getattr(stream, "rids", None)
+    outs = {rid: Completion() for rid in rids} if rids else None
     out = Completion()
     disconnect = Disconnect(receive)
     failed: EngineError | None = None
@@ -233,7 +260,7 @@ async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Com
             try:
                 async for d in stream:
                     timer.tokens(len(d.token_ids))
-                    out.add(d)
+                    (outs[d.rid] if outs is not None else out).add(d)
             except EngineError as exc:
                 failed = exc
             tg.cancel_scope.cancel()
@@ -242,7 +269,7 @@ async def collect(stream: RequestStream, receive: Any, timer: TokenTimer) -> Com
     if disconnect.happened:
         return None
     timer.done()
-    return out
+    return [outs[rid] for rid in rids] if outs is not None else out
 
 
 async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
@@ -252,12 +279,8 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     req = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
     model = host.check_model(req.model)
     if chat:
-        messages = [m.as_template_message() for m in req.messages]
-        host.check_prompt_bytes([v for m in messages for v in m.values() if isinstance(v, str)], "messages")
-        try:
-            prompt = await host.off_loop(engine.chat_prompt, messages)
-        except Exception as exc:  # a template raises on what it cannot render (roles, order): the input's fault
-            raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+        tools = req.tool_setup()
+        prompt = await host.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
     else:
         if isinstance(req.prompt, str):
             host.check_prompt_bytes([req.prompt], "prompt")
@@ -266,8 +289,19 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
             prompt = engine.encode(req.prompt)
     room = engine.info.context_length - len(prompt)
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
-    stream = await engine.asubmit(prompt, params)
-    renderer = ChatRenderer(model, req.include_usage) if chat else CompletionRenderer(model, req.include_usage)
+    rename = {"constraint": "response_format"}
+    if chat:
+        params = chat_turn.tool_params(engine, params, tools)
+        if tools.forced:
+            rename = {"constraint": tools.param_choice}
+    stream = await submit_choices(engine, prompt, req.choice_params(params), rename)
+    rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
+    if chat:
+        renderer = ChatRenderer(
+            model, req.include_usage, rids=rids, token_bytes=engine.token_bytes, splitter=lambda: chat_turn.splitter(engine, tools)
+        )
+        return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
+    renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
     if req.stream:
         return EventStream(
             stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done, send_timeout_s=host.send_timeout_s
@@ -322,6 +356,13 @@ async def cache_flush(request: Request, host: ServerState) -> Response:
 
 async def metrics(request: Request, host: ServerState) -> Response:
     return Response(host.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def agent_routes() -> list[Route]:
+    """The Anthropic Messages and OpenAI Responses routes, each with its own error shape."""
+    from transport import anthropic_api, responses_api
+
+    return anthropic_api.routes() + responses_api.routes(_endpoint)
 
 
 # ---------------------------------------------------------------------------
@@ -381,6 +422,7 @@ def build_app(
         Route("/metrics", _endpoint("metrics", metrics), methods=["GET"]),
         Route("/admin/cache/flush", _endpoint("cache_flush", cache_flush), methods=["POST"]),
     ]
+    routes += agent_routes()
     app = Starlette(
         routes=routes,
         middleware=[Middleware(SecurityMiddleware, api_key=api_key, loopback_only=loopback_only)],

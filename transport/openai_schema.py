@@ -5,15 +5,20 @@ unsupported field is a 400 naming it, not a silent no-op. Which common OpenAI
 fields are accepted is a deliberate list (docs/http.md):
 
 * accepted and ignored, because they do not change the output: ``user``,
-  ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``;
+  ``metadata``, ``store``, ``service_tier``;
+* chat tools: ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
+  ``tool_calls`` and ``tool`` messages (checked here and in transport/tools.py);
 * accepted only at their neutral value (anything else is a 400 saying it is
-  not supported): ``n`` (1), ``logprobs`` (false / null), ``top_logprobs``,
-  ``presence_penalty`` / ``frequency_penalty`` (0), ``logit_bias`` (empty),
-  ``response_format`` (``{"type": "text"}``), ``tools`` (empty),
-  ``tool_choice`` ("none"), and for completions ``echo`` (false),
-  ``best_of`` (1), ``suffix`` (empty);
+  not supported): for completions ``echo`` (false), ``best_of`` (1),
+  ``suffix`` (empty);
+* logits processing (docs/structured-output.md): ``response_format``
+  (``text``, ``json_object``, ``json_schema``, enforced by grammar-constrained
+  decoding), ``logprobs`` / ``top_logprobs`` (chat, 0..20) and ``logprobs: N``
+  (completions, 0..5), ``presence_penalty`` / ``frequency_penalty`` (-2..2),
+  ``logit_bias`` (token-id keys, -100..100), ``n`` (1..16 choices);
 * Ember's extensions (vLLM / mlx-lm spell them the same way): ``top_k``,
-  ``min_p``, ``ignore_eos``, ``num_draft_tokens``, ``speculate``.
+  ``min_p``, ``ignore_eos``, ``num_draft_tokens``, ``speculate``,
+  ``repetition_penalty``.
 
 Ranges (``max_tokens >= 1``, ``0 < top_p <= 1``, the seed, the context
 length, token ids in the vocabulary) are checked once, by the Gateway, so the
@@ -22,17 +27,23 @@ embedded API and HTTP agree; the schema checks types and shapes.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
 import msgspec
 
 from engine.errors import InvalidRequest
-from engine.types import SamplingParams, Usage
+from engine.types import Constraint, SamplingParams, Usage
+from transport.tools import ToolChoice, ToolSetup, check_tool, template_arguments
 
 MAX_STOP_STRINGS = 16
 MAX_DRAFT_TOKENS = 64  # a draft window is verified in one forward: beyond this it is only waste
 MAX_STOP_CHARS = 256  # the stop matcher holds back up to len(stop)-1 chars and rescans them per token
+MAX_N = 16  # choices per request: each is a row of the batch
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bounds
+MAX_COMPLETION_LOGPROBS = 5
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -44,28 +55,107 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     def as_template_message(self) -> dict[str, Any]:
-        """The dict a chat template reads; text parts are concatenated like mlx-lm does."""
+        """The dict a chat template reads; text parts are concatenated like mlx-lm does,
+        and a call's arguments are handed over as an object (templates `tojson` them)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
         msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # always strict here: a forced call's arguments follow the schema
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The grammar this format asks for (None for plain text). ``strict`` is
+        honoured either way: the output is always constrained to the schema."""
+        if self.type == "text":
+            if self.json_schema is not None:
+                raise InvalidRequest("json_schema is only allowed with type json_schema", "response_format.json_schema")
+            return None
+        if self.type == "json_object":
+            if self.json_schema is not None:
+                raise InvalidRequest("json_schema is only allowed with type json_schema", "response_format.json_schema")
+            return Constraint(kind="json_object")
+        js = self.json_schema
+        if js is None:
+            raise InvalidRequest("response_format of type json_schema needs a json_schema", "response_format.json_schema")
+        if not _SCHEMA_NAME.match(js.name):
+            raise InvalidRequest(
+                "json_schema.name must be 1-64 characters of a-z, A-Z, 0-9, _ and -", "response_format.json_schema.name"
+            )
+        if js.schema is None:
+            return Constraint(kind="json_object")
+        return Constraint(kind="json_schema", source=msgspec.json.encode(js.schema).decode())
+
+
+def rename_param(exc: InvalidRequest, name: str, engine_param: str = "constraint") -> InvalidRequest:
+    """An engine error about ``engine_param`` reported under the request's own field."""
+    if exc.param == engine_param:
+        exc.param = name
+    return exc
 
 
 class _Common(_Strict):
@@ -87,6 +177,7 @@ class _Common(_Strict):
     speculate: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # accepted and ignored: they do not change what is generated
     user: str | None = None
@@ -95,13 +186,17 @@ class _Common(_Strict):
     service_tier: str | None = None
 
     def _check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise InvalidRequest("n must be 1: Ember generates one choice per request", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(f"n must be in [1, {MAX_N}]", "n")
         for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise InvalidRequest(f"{name} is not supported (only 0)", name)
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", "logit_bias")
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise InvalidRequest(f"{name} must be in [-2, 2]", name)
+        if self.repetition_penalty is not None and not (
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0
+        ):
+            raise InvalidRequest("repetition_penalty must be a finite number > 0", "repetition_penalty")
+        self.logit_bias_ids()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
         stops = self.stop_list()
@@ -111,6 +206,24 @@ class _Common(_Strict):
             raise InvalidRequest(f"a stop string is longer than {MAX_STOP_CHARS} characters", "stop")
         if self.num_draft_tokens is not None and not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}]", "num_draft_tokens")
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` with its keys as token ids (OpenAI sends them as strings)."""
+        out: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise InvalidRequest(f"logit_bias keys must be token ids, not {key!r}", "logit_bias")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidRequest(f"logit_bias values must be in [-100, 100] (token {key}: {bias})", "logit_bias")
+            out[int(key)] = float(bias)
+        return out
+
+    def logprobs_k(self) -> int | None:
+        """Top alternatives per token asked for (None: no logprobs)."""
+        return None
+
+    def constraint(self) -> Constraint | None:
+        return None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -131,6 +244,9 @@ class _Common(_Strict):
         top_k = d.top_k if self.top_k is None else self.top_k
         if top_k >= vocab_size:
             top_k = 0  # keeps every token, which is what "no top-k" means; a sampler may choke on k > vocab
+        bias = self.logit_bias_ids()
+        if any(t >= vocab_size for t in bias):
+            raise InvalidRequest(f"logit_bias has a token id outside the vocabulary (size {vocab_size})", "logit_bias")
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             temperature=d.temperature if self.temperature is None else self.temperature,
@@ -142,7 +258,23 @@ class _Common(_Strict):
             ignore_eos=self.ignore_eos,
             num_draft_tokens=self.num_draft_tokens,
             speculate=self.speculate,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=bias,
+            logprobs=self.logprobs_k(),
+            constraint=self.constraint(),
         )
+
+    def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """One SamplingParams per choice (``n``): each draws its own random stream
+        (a request seed ``s`` gives choice ``i`` the seed ``s + i``)."""
+        n = self.n or 1
+        if n == 1:
+            return [params]
+        if params.seed is None:
+            return [params] * n  # the engine derives each row's seed from its own id
+        return [msgspec.structs.replace(params, seed=(params.seed + i) % (1 << 64)) for i in range(n)]
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -151,9 +283,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools: ignored
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> "ChatCompletionRequest":
         self._check_common()
@@ -165,20 +297,55 @@ class ChatCompletionRequest(_Common, kw_only=True):
             and self.max_tokens != self.max_completion_tokens
         ):
             raise InvalidRequest("max_tokens and max_completion_tokens disagree; send one", "max_completion_tokens")
-        if self.logprobs:
-            raise InvalidRequest("logprobs are not supported", "logprobs")
-        if self.top_logprobs not in (None, 0):
-            raise InvalidRequest("top_logprobs is not supported", "top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequest("only response_format {\"type\": \"text\"} is supported", "response_format")
-        if self.tools:
-            raise InvalidRequest("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequest("tool_choice is not supported", "tool_choice")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+                raise InvalidRequest(f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}]", "top_logprobs")
+            if not self.logprobs:
+                raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.response_format is not None:
+            self.response_format.constraint()  # its own shape errors, before any work
+        self._check_messages()
         return self
+
+    def _check_messages(self) -> None:
+        """Roles and tool traffic that a template would render silently wrong."""
+        calls: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise InvalidRequest("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+            for c in m.tool_calls or []:
+                calls.add(c.id)
+            if m.role == "tool":
+                if m.tool_call_id is None:
+                    raise InvalidRequest("a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
+                if m.tool_call_id not in calls:
+                    raise InvalidRequest(
+                        f"tool_call_id {m.tool_call_id!r} matches no earlier assistant tool call", f"messages[{i}].tool_call_id"
+                    )
+            elif m.tool_call_id is not None:
+                raise InvalidRequest("only tool messages carry tool_call_id", f"messages[{i}].tool_call_id")
+
+    def tool_setup(self) -> ToolSetup:
+        """The checked tools and choice (``tool_choice: none`` offers none)."""
+        tools = [
+            check_tool(t.function.name, t.function.description, t.function.parameters, f"tools[{i}].function")
+            for i, t in enumerate(self.tools or [])
+        ]
+        c = self.tool_choice
+        if isinstance(c, NamedToolChoice):
+            choice = ToolChoice(mode="named", name=c.function.name)
+        else:
+            choice = ToolChoice(mode=c or "auto")
+        return ToolSetup.of(tools, choice, self.parallel_tool_calls, "tool_choice")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def constraint(self) -> Constraint | None:
+        return self.response_format.constraint() if self.response_format is not None else None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -190,8 +357,8 @@ class CompletionRequest(_Common, kw_only=True):
 
     def check(self) -> "CompletionRequest":
         self._check_common()
-        if self.logprobs is not None:
-            raise InvalidRequest("logprobs are not supported", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
         if self.echo:
             raise InvalidRequest("echo is not supported", "echo")
         if self.best_of not in (None, 1):
@@ -199,6 +366,9 @@ class CompletionRequest(_Common, kw_only=True):
         if self.suffix:
             raise InvalidRequest("suffix is not supported", "suffix")
         return self
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
 
 _AT_PATH = re.compile(r" - at `\$\.?(.*)`$")
@@ -248,16 +418,57 @@ class UsageBody(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
 
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET  # only when the model called
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct):
+    """A chat choice's ``logprobs``: one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class TextLogprobs(msgspec.Struct):
+    """A text completion choice's ``logprobs`` (OpenAI's legacy shape)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -269,16 +480,32 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     object: str = "chat.completion"
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """OpenAI's streamed call: the first piece has id, type and name (and empty
+    arguments), the rest only ``function.arguments`` pieces, all with ``index``."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class ChunkDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChunkDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -294,7 +521,7 @@ class TextChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class TextCompletion(msgspec.Struct, kw_only=True):

@@ -125,7 +125,7 @@ class EventStream(Response):
             while d is not None:
                 self.on_tokens(len(d.token_ids))
                 chunks += self.renderer.delta(d)
-                if d.finish_reason is not None:
+                if d.finish_reason is not None and self.stream.finished:  # every choice's (n > 1)
                     finished = True
                     break
                 try:
@@ -139,4 +139,5 @@ class EventStream(Response):
             if finished:
                 self.on_end()
                 break
-        await body([DONE])
+        # OpenAI's streams end in [DONE]; a renderer whose API has no such line says `done = b""`.
+        await body([getattr(self.renderer, "done", DONE)])

@@ -48,14 +48,12 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
 
-# ChatML. The models were never trained on chat, the template exists so the
-# engine's chat endpoints work end to end.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# ChatML, with Hermes/Qwen2.5-style tool calls (`<tool_call>` JSON, tool results
+# as `<tool_response>` in a user turn), which mlx-lm's `json_tools` parser reads.
+# The models were never trained on chat: the template exists so the engine's chat
+# and tool-calling endpoints work end to end (forced calls come from a grammar).
+# The shipped copy is engine/models/tiny/chat_template.jinja; keep them equal.
+CHAT_TEMPLATE = (Path(__file__).resolve().parent / "tiny" / "chat_template.jinja").read_text()
 
 HOLDOUT_EVERY = 25
 VOCAB_SIZE = 2048

@@ -1,0 +1,155 @@
+"""What the three chat APIs share once a request is decoded: the prompt (the
+model's chat template, offering the tools), the constraint that forces a tool
+call, and the splitter that cuts calls out of the output.
+
+Chat Completions (transport/http.py), Anthropic Messages
+(transport/anthropic_api.py) and OpenAI Responses (transport/responses_api.py)
+each turn their own request shape into OpenAI-style template messages and a
+``ToolSetup``, call these, and render the same events their own way.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import msgspec
+
+from engine.errors import InvalidRequest
+from engine.types import Constraint, SamplingParams
+from transport.output_memory import OutputMemory
+from transport.tool_calls import CallSplitter, markup_of
+from transport.tools import ToolSetup
+
+
+def engine_enforces_constraints(engine: Any) -> bool:
+    """Whether this engine masks logits by ``SamplingParams.constraint`` (the MLX
+    backend with llguidance does; the fake GPU does not)."""
+    return bool(getattr(engine.info, "logits_processing", False))
+
+
+class Prompt(list):
+    """A chat prompt's token ids, with the text they render (None when the
+    tokenizer cannot say) for ``remember``."""
+
+    text: str | None = None
+
+
+_MEMORIES: "weakref.WeakKeyDictionary[Any, OutputMemory]" = weakref.WeakKeyDictionary()
+
+
+def output_memory(engine: Any) -> OutputMemory:
+    """The engine's memory of generated ids (transport/output_memory.py)."""
+    memory = _MEMORIES.get(engine)
+    if memory is None:
+        # EMBER_OUTPUT_MEMORY=0 keeps nothing: sims.bench_agent_turns --no-output-memory measures without it
+        off = os.environ.get("EMBER_OUTPUT_MEMORY", "1") == "0"
+        memory = _MEMORIES[engine] = OutputMemory(max_chars=0 if off else 16 << 20)
+    return memory
+
+
+def chat_prompt(engine: Any, messages: list[dict[str, Any]], setup: ToolSetup, param: str = "messages") -> Prompt:
+    """The prompt tokens — earlier answers as the model generated them, where
+    the conversation repeats them; a template that cannot render the input is
+    the input's fault (400)."""
+    tok = engine.tokenizer
+    setup.check_markup(markup_of(tok))
+    tools = setup.template_tools()
+    try:
+        if not hasattr(tok, "render_chat"):
+            return Prompt(engine.chat_prompt(messages, tools))
+        text = tok.render_chat(messages, tools)
+    except InvalidRequest:
+        raise
+    except Exception as exc:  # a template raises on what it cannot render (roles, order)
+        raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param) from None
+    ids, _ = output_memory(engine).tokenize(text, tok.encode_rendered)
+    prompt = Prompt(ids)
+    prompt.text = text
+    return prompt
+
+
+def remember(engine: Any, prompt: Prompt, text: str, token_ids: list[int]) -> None:
+    """Keep a finished answer's ids for the next turn, if they spell its text exactly."""
+    if prompt.text is None or not token_ids or engine.tokenizer.decode(token_ids) != text:
+        return
+    output_memory(engine).remember(prompt.text + text, list(prompt) + list(token_ids))
+
+
+class Recording:
+    """A streaming renderer that also hands the whole output to ``on_finish``."""
+
+    def __init__(self, renderer: Any, on_finish: Any):
+        self._renderer = renderer
+        self._on_finish = on_finish
+        self._out: dict[int, tuple[list[str], list[int]]] = {}  # per row (n choices)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._renderer, name)
+
+    def delta(self, d: Any) -> list[bytes]:
+        text, ids = self._out.setdefault(d.rid, ([], []))
+        text.append(d.text)
+        ids += d.token_ids
+        if d.finish_reason is not None:
+            self._on_finish("".join(text), ids)
+        return self._renderer.delta(d)
+
+
+def with_constraint(engine: Any, params: SamplingParams, constraint: Constraint | None, param: str) -> SamplingParams:
+    """``params`` constrained to ``constraint``; refused (400 on ``param``) when the
+    engine cannot enforce it or another constraint is already set, never ignored."""
+    if constraint is None:
+        return params
+    if params.constraint is not None:
+        raise InvalidRequest("a forced tool call and a response format cannot both constrain the output", param)
+    if not engine_enforces_constraints(engine):
+        raise InvalidRequest("this engine cannot enforce a grammar (constrained decoding), which this parameter needs", param)
+    return msgspec.structs.replace(params, constraint=constraint)
+
+
+def tool_params(engine: Any, params: SamplingParams, setup: ToolSetup) -> SamplingParams:
+    markup = markup_of(engine.tokenizer)
+    return with_constraint(engine, params, setup.constraint(markup), setup.param_choice)
+
+
+def splitter(engine: Any, setup: ToolSetup, id_prefix: str = "call_") -> CallSplitter | None:
+    """None when no tools are in play: the text is the answer, verbatim."""
+    if not setup.active:
+        return None
+    names = [t.as_template_tool() for t in setup.tools]
+    single = not setup.parallel
+    return CallSplitter(markup_of(engine.tokenizer), names, single=single, id_prefix=id_prefix)
+
+
+async def submit(engine: Any, prompt: list[int], params: SamplingParams, constraint_param: str | None) -> Any:
+    """``engine.asubmit``; a grammar the engine cannot compile is reported on the
+    request's own parameter (``tool_choice``, ``text.format``), not ``constraint``."""
+    try:
+        return await engine.asubmit(prompt, params)
+    except InvalidRequest as exc:
+        if exc.param == "constraint" and constraint_param is not None:
+            raise InvalidRequest(str(exc), constraint_param) from None
+        raise
+
+
+async def respond(request: Any, host: Any, engine: Any, prompt: Prompt, stream: Any, renderer: Any, streaming: bool, timer: Any) -> Any:
+    """Send the answer — SSE or one body — and remember its ids for the next turn."""
+    from starlette.responses import Response
+
+    from transport.http import collect
+    from transport.sse import EventStream
+
+    def on_finish(text: str, ids: list[int]) -> None:
+        remember(engine, prompt, text, ids)
+
+    if streaming:
+        recording = Recording(renderer, on_finish)
+        return EventStream(stream, recording, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
+    completion = await collect(stream, request.receive, timer)
+    if completion is None:
+        return Response(status_code=400)  # the client left; nothing is sent
+    for c in completion if isinstance(completion, list) else [completion]:  # n choices: each may be continued
+        on_finish(c.text, c.token_ids)
+    return Response(renderer.body(completion), media_type="application/json")
