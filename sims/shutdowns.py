@@ -37,6 +37,11 @@ def _read_url(proc: subprocess.Popen, timeout_s: float) -> str | None:
     return None
 
 
+def _tail(path: str, n: int) -> str:
+    with open(path) as f:
+        return f.read()[-n:]
+
+
 def _post(url: str, body: dict) -> None:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -62,12 +67,12 @@ def one(i: int, args: argparse.Namespace) -> tuple[int, int | None, str]:
                 if url is None:
                     proc.kill()
                     proc.wait()
-                    return i, None, open(err_path).read()[-2000:]
+                    return i, None, _tail(err_path, 2000)
                 for k in range(args.requests):
                     _post(url + "/v1/completions", {"prompt": f"shutdown run {i} request {k}: " * 4, "max_tokens": 4})
                 pid = proc.pid
                 if args.gdb:
-                    text = open(err_path).read()
+                    text = _tail(err_path, 1 << 30)
                     pid = int(text.split("Started server process [", 1)[1].split("]", 1)[0])
                 os.kill(pid, signal.SIGTERM)
                 rc = proc.wait(timeout=120)
@@ -81,7 +86,7 @@ def one(i: int, args: argparse.Namespace) -> tuple[int, int | None, str]:
                     proc.kill()
                     proc.wait()
                 proc.stdout.close()
-        return i, rc, open(err_path).read()[-12000:]
+        return i, rc, _tail(err_path, 12000)
 
 
 def main() -> int:
