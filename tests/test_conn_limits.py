@@ -69,11 +69,11 @@ async def test_a_client_that_stops_reading_is_aborted_after_the_send_timeout():
         waited = anyio.current_time() - t0
         assert status == [200] and writes == 4
         with anyio.fail_after(5):  # the Cancel reaches the Gateway, the Abort the Scheduler's next step
-            while host.engine.stats()["gateway"]["in_flight"]:
+            while host.engine.stats()["gateway"]["in_flight"] or host.engine.stats()["scheduler"]["active_rows"]:
                 await anyio.sleep(0.01)
         s = host.engine.stats()["scheduler"]
         print(f"generated {s['generated_tokens']} tokens before the abort")
-        assert s["active_rows"] == 0 and s["finished"] == 0 and s["generated_tokens"] < 32000
+        assert s["finished"] == 0 and s["generated_tokens"] < 32000
         print(f"\nthe stalled stream was aborted after {waited:.2f} s (send timeout 0.5 s), {writes} writes")
         assert 0.5 <= waited < 10.0
         # the slot is free: the next request is admitted (max_queue=0, max_batch=1)
