@@ -30,14 +30,16 @@ serving.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import hashlib
 import logging
 import posixpath
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence, assert_never
+from typing import Any, assert_never
 
 import anyio
 import msgspec
@@ -213,7 +215,7 @@ class ColdStore:
     def meta_for(self, ns: str) -> KvMeta:
         return msgspec.structs.replace(self.meta, ns=ns)
 
-    def path_for(self, tokens: Sequence[int], ns: str) -> str:
+    def path_for(self, tokens: Sequence[int] | np.ndarray, ns: str) -> str:
         return posixpath.join(self.dir, ns_folder(ns), entry_id(as_tokens(tokens), ns) + ".kv")
 
     # ---- I/O (no index state) ------------------------------------------------
@@ -412,13 +414,13 @@ class ColdStore:
         """True if an entry covers exactly ``tokens``: equal, or longer and trimmable."""
         return self.holds_key(token_bytes(tokens), ns)
 
-    def holds_key(self, key: bytes, ns: str) -> bool:
+    def holds_key(self, key: builtins.bytes, ns: str) -> bool:  # builtins: the class has a `bytes` property
         """``holds`` for tokens already as ``token_bytes``."""
         if self._index.extending(ns, key):
             return True
         return any(e.key == key for e in self._index.rigid(ns))
 
-    def added_since(self, n: int) -> list[tuple[str, bytes, bool]] | None:
+    def added_since(self, n: int) -> list[tuple[str, builtins.bytes, bool]] | None:
         """The entries indexed after add number ``n`` as (ns, key, trimmable),
         whether still indexed or not; None if they are no longer all kept."""
         if n < self._added_base:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Any, Awaitable, Callable, Mapping, Protocol, assert_never
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, assert_never
 
 import anyio
 import msgspec
@@ -251,6 +252,7 @@ class DurabilityCoordinator(Actor[Inbox]):
             case Flush():
                 # First settle with the Scheduler: a row whose last token the
                 # caller has seen may not have been put (and announced) yet.
+                assert self.current is not None and self._tg is not None  # inside receive(), inside main()
                 self._flush_waiters.append(self.current)
                 if core.flushing:
                     core.flush()  # joins the running flush
@@ -319,6 +321,7 @@ class DurabilityCoordinator(Actor[Inbox]):
         """``_snapshot`` without the ask, while the engine is idle: what the
         Scheduler would answer between steps, taken now (no task, no reply
         stream, no ``SnapshotTaken`` through the inbox)."""
+        assert self.snapshot_now is not None  # _snapshot_idle is chosen only with it
         try:
             got = self.snapshot_now(ns, tokens)
         except Exception as exc:  # noqa: BLE001 - as the ask's Failure: the key stays dirty
@@ -548,7 +551,7 @@ def build_coordinator(
     one write-behind, never blocks the Scheduler)."""
     settings = settings_from(config, environ)
     gate = IdleGate()
-    scheduler.subscribe(gate)  # type: ignore[arg-type] - it takes the tell_nowait of an ActorRef
+    scheduler.subscribe(gate)  # type: ignore[arg-type]  # it takes only the tell_nowait of an ActorRef
     port = ColdTierPort(cold_tier)
     core = DurabilityCore(settings, clock, port, lambda: gate.busy, events)
     sched_core = scheduler.core

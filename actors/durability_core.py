@@ -15,8 +15,9 @@ import enum
 import logging
 import math
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 import msgspec
 

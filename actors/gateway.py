@@ -13,7 +13,7 @@ import asyncio
 import logging
 import math
 from collections import deque
-from typing import Any
+from typing import Any, assert_never
 
 import anyio
 import msgspec
@@ -178,7 +178,7 @@ class DeltaReceiver:
         self._ch.items.clear()
 
 
-def _time_up(fut: "asyncio.Future[None]") -> None:
+def _time_up(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
 
@@ -255,9 +255,12 @@ class Gateway(Actor[Inbox]):
                 self._route(msg.deltas)
             case Drain():
                 self.draining = True
+                assert self.current is not None  # receive() runs inside an envelope
                 self._drain_waiters.append(self.current)
                 self._maybe_drained()
                 return DEFER
+            case _:
+                assert_never(msg)
         return None
 
     def _submit(self, msg: Submit) -> tuple[int, DeltaReceiver]:

@@ -115,7 +115,8 @@ class _InboxState:
         self.receiver: asyncio.Future[None] | None = None  # the one reader, while it waits
         # senders waiting for room, oldest first: (their wake-up, their item);
         # a receive moves the oldest one's item into the buffer (anyio's order)
-        self.waiting_senders: deque[tuple[asyncio.Future[None], Any]] = deque()
+        # a waiting sender's future: None once its item is in, or the error that woke it
+        self.waiting_senders: deque[tuple[asyncio.Future[BaseException | None], Any]] = deque()
         self.send_closed = False
         self.recv_closed = False
         self.streak = 0  # items taken by ``receive`` without yielding
@@ -165,7 +166,7 @@ class InboxSender:
         except anyio.WouldBlock:
             pass
         s = self._state
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
         entry = (fut, item)
         s.waiting_senders.append(entry)
         try:
@@ -176,8 +177,9 @@ class InboxSender:
             except ValueError:
                 pass
             raise
-        if fut.result() is not None:  # woken by a close, the item not taken
-            raise fut.result()
+        error = fut.result()
+        if error is not None:  # woken by a close, the item not taken
+            raise error
 
     def waiting_room(self) -> bool:
         """True when a send would not wait and the reader is waiting for it."""
@@ -261,7 +263,7 @@ class InboxReceiver:
                 if s.receiver is fut:
                     s.receiver = None
 
-    def __aiter__(self) -> "InboxReceiver":
+    def __aiter__(self) -> InboxReceiver:
         return self
 
     async def __anext__(self) -> Any:
@@ -322,9 +324,7 @@ class ActorRef(Generic[M]):
         env = Envelope(msg, _Reply(fut))
         send = self._send
         try:
-            if nowait:
-                send.send_nowait(env)
-            elif send.waiting_room():
+            if nowait or send.waiting_room():
                 send.send_nowait(env)
             else:
                 await asyncio.sleep(0)

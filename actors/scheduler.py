@@ -14,16 +14,17 @@ import asyncio
 import enum
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol, assert_never
 
 import anyio
 import msgspec
 
-from actors.events import EngineBusy, EngineIdle
-from actors.runtime import Actor, ActorRef, Envelope, Failure
 from actors.drafter import DraftRound
 from actors.drafter import Forget as DrafterForget
+from actors.events import EngineBusy, EngineIdle
+from actors.runtime import Actor, ActorRef, Envelope, Failure
 from actors.spec_rounds import SpecRounds
 from actors.verifier import Forget as VerifierForget
 from engine.errors import EngineDead
@@ -178,6 +179,8 @@ class Row:
     finish_reason: str | None = None
     opened: bool = False
     prepared: tuple[Any, int] | None = None  # (cache, cached) chosen while RESTORING
+    checkpointed: int = 0  # earlier-position checkpoints taken (the prompt's end not counted)
+    last_checkpoint: int = 0  # the position of the latest one (or the cached prefix)
 
     def move(self, to: RowState) -> None:
         if to not in ROW_TRANSITIONS[self.state]:
@@ -196,6 +199,15 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: int = 8
     prefill_chunk: int = 512
     min_cached_prefix: int = 1  # shorter cached prefixes (RAM or SSD) are not reused
+    # Checkpoints, for caches that cannot be trimmed back to a prefix later (SSM
+    # state, a wrapped sliding window; the backend says ``needs_checkpoints``):
+    # a copy of the row's cache at the end of its prompt, so the same prompt
+    # again and the conversation's next turn hit, plus up to
+    # ``max_checkpoints`` earlier ones at prefill-chunk ends at least
+    # ``checkpoint_interval`` tokens apart (a long shared head: system prompt,
+    # tools, a document). Each is an ordinary prompt-cache entry (RAM, SSD).
+    checkpoint_interval: int = 1024
+    max_checkpoints: int = 2
 
 
 class SchedulerCore:
@@ -227,6 +239,10 @@ class SchedulerCore:
         self.outbox: list[RowDelta] = []
         self.steps = 0
         self.counters = {"admitted": 0, "finished": 0, "aborted": 0, "failed": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self.checkpointing = prefix_cache is not None and bool(getattr(backend, "needs_checkpoints", False))
+        self._checkpoint_at: dict[int, int] = {}  # rid -> position, for the step planned last
+        if self.checkpointing:
+            self.counters["checkpoints"] = 0
 
     # ---- messages ----------------------------------------------------------
     def admit(self, msg: Admit) -> None:
@@ -259,6 +275,7 @@ class SchedulerCore:
         row.finish_reason = reason
         tail = ""
         if row.detok is not None and error is None:
+            assert row.stop is not None  # set with detok
             row.detok.finalize()
             tail = row.stop.feed(row.detok.last_segment) + row.stop.flush()
         usage = Usage(prompt_tokens=len(row.prompt), completion_tokens=len(row.generated), cached_tokens=row.cached)
@@ -289,7 +306,7 @@ class SchedulerCore:
             cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
             if self._wait_for_cold(row, cache, cached):
                 return
-        row.cached = row.in_cache = cached
+        row.cached = row.in_cache = row.last_checkpoint = cached
         self.counters["cached_tokens"] += cached
         row.detok = self.backend.tokenizer.detokenizer()
         row.next_input = row.prompt[-1]
@@ -351,6 +368,7 @@ class SchedulerCore:
         while self.queue and len(self.active) < self.cfg.max_batch:
             self._open(self.rows[self.queue.popleft()], plan)
         budget = self.cfg.prefill_chunk
+        self._checkpoint_at = {}
         for rid in self.active:
             row = self.rows[rid]
             if row.state is not RowState.PREFILL or budget <= 0:
@@ -359,6 +377,8 @@ class SchedulerCore:
             plan.prefill.append(PrefillChunk(rid, row.prompt[row.in_cache : row.in_cache + n]))
             row.in_cache += n
             budget -= n
+            if self.checkpointing:
+                self._plan_checkpoint(row, plan)
             if row.in_cache == row.prefill_total:
                 row.move(RowState.DECODE)  # its last prompt token decodes in this same step
         for rid in self.active:
@@ -382,8 +402,27 @@ class SchedulerCore:
         )
         return plan
 
+    def _plan_checkpoint(self, row: Row, plan: StepPlan) -> None:
+        """Ask for a copy of the row's cache after this chunk: always at the
+        prompt's end, and at a bounded number of earlier chunk ends."""
+        at = row.in_cache
+        if at < row.prefill_total:
+            cfg = self.cfg
+            if row.checkpointed >= cfg.max_checkpoints or at - row.last_checkpoint < cfg.checkpoint_interval:
+                return
+            row.checkpointed += 1
+        row.last_checkpoint = at
+        plan.checkpoint.add(row.rid)
+        self._checkpoint_at[row.rid] = at
+
     # ---- applying ----------------------------------------------------------
     def apply(self, plan: StepPlan, result: StepResult) -> None:
+        for rid, cache in result.checkpoints.items():
+            at = self._checkpoint_at.pop(rid, None)
+            row = self.rows.get(rid)
+            if at is not None and row is not None and self.prefix_cache is not None:
+                self.prefix_cache.put(row.prompt[:at], row.ns, cache)
+                self.counters["checkpoints"] += 1
         for rid, cache in result.closed.items():
             row = self.rows.pop(rid, None)
             if row is not None and self.prefix_cache is not None:
@@ -416,6 +455,7 @@ class SchedulerCore:
     def apply_verified(self, verified: Any) -> None:
         """Emit the Verifier's verdicts; their trims go into the next plan."""
         live = {rid: r for rid, r in self.rows.items() if r.state is RowState.DECODE}
+        assert self.spec is not None  # verdicts come only with speculation
         self.spec.apply(verified, live, self._emit)
         rounds = [(v.rid, v.accepted, len(v.tokens)) for v in verified.verdicts]
         self.events.record("verified", self.clock.now(), n=self.steps, rounds=rounds)
@@ -442,6 +482,7 @@ class SchedulerCore:
         ``logprobs``: one per token, when the request asked for them."""
         eos = self.backend.tokenizer.eos_token_ids
         params, detok, stop, generated = row.params, row.detok, row.stop, row.generated
+        assert stop is not None  # a decoding row has its detokenizer and stop matcher
         reason = None
         text_parts: list[str] = []
         out_ids: list[int] = []
@@ -574,6 +615,8 @@ class Scheduler(Actor[Inbox]):
                 n, due = self.core.demote(msg.idle_s)
                 if self.core.cold is not None:
                     self.core.cold.demoted(n, due)
+            case _:
+                assert_never(msg)
         env.answer(None)
         return True
 
@@ -605,6 +648,7 @@ class Scheduler(Actor[Inbox]):
         """The watchdog timer: the step in flight reached its deadline."""
         self._watch_timer = None
         self._hung = self._step_n
+        assert self._hang_scope is not None  # the timer is set only inside main's scope
         self._hang_scope.cancel()
 
     async def _loop(self) -> None:
@@ -642,11 +686,13 @@ class Scheduler(Actor[Inbox]):
         try:
             if self._watch_loop is not None:  # the watchdog timer (``main``)
                 loop, now = self._watch_loop, core.clock.now()
+                assert self.step_timeout_s is not None  # main() sets _watch_loop only with a timeout
                 deadline = now + self.step_timeout_s
                 # A device whose run takes exactly its cost (the fake GPU's
                 # InlineDevice) finishes a step that ends a clock tick before
                 # the deadline: the timer could never fire, and is not set.
-                if not (self._exact_cost and now + cost + loop._clock_resolution < deadline):
+                # asyncio's private _clock_resolution: the granularity its timers fire at
+                if not (self._exact_cost and now + cost + loop._clock_resolution < deadline):  # type: ignore[attr-defined]
                     self._step_n = core.steps
                     self._watch_timer = loop.call_at(deadline, self._watch)
                 result = await self.device.run(core.backend.step, plan, cost_s=cost)
@@ -690,10 +736,12 @@ class Scheduler(Actor[Inbox]):
         if not drafts or self.drafter is None:
             return 0.0, 0.0
         answer = await self.drafter.ask(DraftRound(drafts=drafts))
+        assert self.core.spec is not None  # set with the drafter
         self.core.spec.set_drafts(answer, drafts)
         return answer.draft_s, answer.catch_up_s
 
     async def _verify(self, rows: int) -> None:
+        assert self.core.spec is not None and self.verifier is not None  # called only with speculation
         msg = self.core.spec.take_verify(rows)
         if msg is None:
             return
@@ -706,6 +754,7 @@ class Scheduler(Actor[Inbox]):
         if not rids:
             return
         for ref, msg in ((self.drafter, DrafterForget(rids=rids)), (self.verifier, VerifierForget(rids=rids))):
+            assert ref is not None  # set with core.spec
             try:
                 ref.tell_nowait(msg)
             except Exception:  # a full inbox only delays freeing a finished row's state

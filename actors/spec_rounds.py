@@ -24,8 +24,9 @@ later, after its trim (``defer_closing``).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from actors.drafter import Draft, DraftedRound
 from actors.verifier import StepCost, Verified, Verify, Window

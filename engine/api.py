@@ -16,10 +16,12 @@ nesting order. An actor that crashes takes the engine down: every waiter gets
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -27,7 +29,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from actors.durability import DurabilityCoordinator, Flush, FlushReport, build_coordinator, settings_from
 from actors.gateway import Cancel, Drain, Gateway, GatewayConfig, StepOutput, Submit
 from actors.runtime import Actor, Failure
-from actors.scheduler import RowDelta, Scheduler, SchedulerConfig, SchedulerCore, Shutdown
+from actors.scheduler import RowDelta, Scheduler, SchedulerConfig, SchedulerCore
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError, InvalidRequest
 from engine.eventlog import EventLog
@@ -44,6 +46,10 @@ def build_backend(config: EngineConfig, clock: Clock) -> tuple[Backend, Device]:
         from engine.fake_gpu import FakeBackend
 
         return FakeBackend(config.fake), InlineDevice(clock)
+    if config.distributed:
+        from engine.mlx_distributed import load_distributed_backend
+
+        return load_distributed_backend(config)
     from engine.mlx_backend import load_mlx_backend
 
     return load_mlx_backend(config)
@@ -84,7 +90,7 @@ class RequestStream:
         self._recv = recv
         self.finished = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> Delta:
@@ -138,7 +144,7 @@ class RequestStream:
             except EngineError:
                 pass
 
-    async def __aenter__(self) -> "RequestStream":
+    async def __aenter__(self) -> RequestStream:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -277,7 +283,7 @@ class Engine:
         device: Device | None = None,
         clock: Clock | None = None,
         events: EventLog | None = None,
-    ) -> AsyncIterator["Engine"]:
+    ) -> AsyncIterator[Engine]:
         config = (config or EngineConfig()).validate()
         clock = clock or LoopClock()
         if backend is None:
@@ -287,6 +293,8 @@ class Engine:
         events = events if events is not None else EventLog(keep=config.backend == "fake")
         events.start(clock.now())
         engine = cls(config, backend, device or InlineDevice(clock), clock, events)
+        if hasattr(backend, "attach_engine"):  # rank 0 of a distributed engine (engine.mlx_distributed)
+            backend.attach_engine(engine, asyncio.get_running_loop())
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(engine._run_actors)
@@ -410,7 +418,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         ns: str = "",
-    ) -> "RequestStream":
+    ) -> RequestStream:
         """Admit a request now and return its stream of deltas.
 
         Admission errors (``InvalidRequest``, ``EngineOverloaded``,
@@ -422,6 +430,10 @@ class Engine:
         check_request(params or SamplingParams(), self.speculation)
         if params is not None and params.constraint is not None:
             await self.compile_constraint(params.constraint)
+        if params is not None and params.logprobs is not None and not self._token_bytes:
+            grammars = getattr(self.backend, "grammars", None)
+            if grammars is not None:  # token_bytes' tokenizer (~1 s for a large vocabulary): built off the loop
+                await anyio.to_thread.run_sync(grammars.tokenizer)
         tokens = self.encode(prompt)
         rid, stream = await self.gateway.ref.ask(Submit(tokens=tokens, params=params or SamplingParams(), ns=ns), nowait=True)
         return RequestStream(self.gateway.ref, rid, stream)
@@ -489,6 +501,9 @@ class Engine:
             **({"prompt_cache": self.prefix_cache.stats()} if self.prefix_cache is not None else {}),
             **({"ssd_cache": self._ssd_stats()} if self.cold_tier is not None else {}),
             **({"speculation": self.speculation.stats()} if self.speculation is not None else {}),
+            **({"distributed": self.backend.stats()} if self.config.distributed else {}),  # type: ignore[attr-defined]  # the distributed backend wraps MLXBackend and adds stats()
+            # paths a cache kind ruled out, and how often (engine.mlx_backend)
+            **({"fallbacks": dict(fb)} if (fb := getattr(self.backend, "fallbacks", None)) is not None else {}),
         }
 
 
@@ -500,12 +515,12 @@ class Engine:
 
     # ---- sync facade -------------------------------------------------------
     @classmethod
-    def start(cls, config: EngineConfig | None = None, **kw: Any) -> "Engine":
+    def start(cls, config: EngineConfig | None = None, **kw: Any) -> Engine:
         """Start an engine on a background event-loop thread (blocking portal)."""
         if (config or EngineConfig()).backend == "mlx" and kw.get("backend") is None:
             # mlx_lm must be first imported on a thread that outlives the process's
             # use of it: imported on the portal's thread, the process aborts at exit.
-            import engine.mlx_backend  # noqa: F401
+            from engine import mlx_backend  # noqa: F401
         portal_cm = start_blocking_portal()
         portal = portal_cm.__enter__()
         try:

@@ -13,7 +13,8 @@ import functools
 import os
 import sys
 import sysconfig
-from typing import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 OPT_OUT = "EMBER_NO_OPENBLAS"
 
@@ -73,7 +74,7 @@ class BlasThreads:
     """
 
     def __init__(self, environ: Mapping[str, str] = os.environ):
-        self._set = None
+        self._set: Callable[[int], Any] | None = None
         self.default = 0
         self.current = 0
         if environ.get("OPENBLAS_NUM_THREADS") or environ.get("OMP_NUM_THREADS"):
@@ -94,7 +95,7 @@ class BlasThreads:
     def use(self, n: int) -> None:
         """``n`` threads from now on (0 = the default); a no-op when unchanged."""
         n = n or self.default
-        if self.active and n != self.current:
+        if self._set is not None and self.active and n != self.current:
             self._set(n)
             self.current = n
 

@@ -24,6 +24,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # few-row GEMM (decode, verify windows) is faster on that layout
     # (engine.cpu_layout); logits ~1e-5 from mlx-lm's layout. No effect on GPUs.
     cpu_pretranspose: bool = True
+    # KV cache options as mlx-lm has them (docs/compat-matrix.md): a sliding
+    # window of this many tokens for models without their own cache layout
+    # (mlx-lm's --max-kv-size, without attention sinks), and KV quantized to
+    # this many bits (mlx-lm's --kv-bits, group size --kv-group-size), both
+    # with batching, speculation and the prompt-cache tiers
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
     step_timeout_s: float | None = None
     # tiered prompt cache
     prompt_cache_gib: float = 2.0  # RAM tier cap; 0 disables
@@ -44,11 +52,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # speculative decoding
     draft_model: str | None = None  # path, "tiny-draft" or "ngram"
     num_draft_tokens: int | None = None  # None: adaptive
+    # one model across ranks launched by mlx.launch: "tensor" or "pipeline"
+    # (engine.mlx_distributed; the RAM tier in lock-step, no SSD tier)
+    distributed: str | None = None
     # misc
     seed: int = 0
     model_name: str | None = None  # the name served in /v1/models
 
-    def validate(self) -> "EngineConfig":
+    def validate(self) -> EngineConfig:
         from engine.errors import InvalidRequest
 
         if self.backend not in ("fake", "mlx"):
@@ -61,8 +72,27 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest("prefill_chunk must be >= 1", "prefill_chunk")
         if self.min_cached_prefix < 1:
             raise InvalidRequest("min_cached_prefix must be >= 1", "min_cached_prefix")
+        if self.max_kv_size is not None and self.max_kv_size < 1:
+            raise InvalidRequest("max_kv_size must be >= 1", "max_kv_size")
+        if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
+            raise InvalidRequest("kv_bits must be one of 2, 3, 4, 5, 6, 8", "kv_bits")
+        if self.kv_group_size not in (32, 64, 128):
+            raise InvalidRequest("kv_group_size must be 32, 64 or 128", "kv_group_size")
         if self.prompt_cache_gib < 0:
             raise InvalidRequest("prompt_cache_gib must be >= 0", "prompt_cache_gib")
         if self.ssd_cache_dir and self.prompt_cache_gib == 0:
             raise InvalidRequest("the SSD cache needs the RAM tier: --prompt-cache 0 with --ssd-cache", "prompt_cache_gib")
+        if self.distributed is not None:
+            self._check_distributed()
         return self
+
+    def _check_distributed(self) -> None:
+        from engine.errors import InvalidRequest
+
+        if self.distributed not in ("tensor", "pipeline"):
+            raise InvalidRequest(f"unknown distributed mode {self.distributed!r} (tensor or pipeline)", "distributed")
+        if self.backend != "mlx":
+            raise InvalidRequest("distributed serving needs the MLX backend, not the fake GPU", "distributed")
+        # a restored entry would be rank 0's shard only (engine.mlx_distributed)
+        if self.ssd_cache_dir:
+            raise InvalidRequest("the SSD cache tier is not supported in distributed mode (the RAM tier is)", "ssd_cache_dir")

@@ -13,7 +13,8 @@ into one record: no record, and so no listener call, can fall between them.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 

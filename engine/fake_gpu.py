@@ -141,8 +141,10 @@ class FakeKVCache:
     step = 256
 
     def __init__(self) -> None:
-        self.keys: np.ndarray | None = None
-        self.values: np.ndarray | None = None
+        # np.ndarray after the first update, None before: typed Any because the
+        # per-token paths index them unguarded once a layer is known to hold rows
+        self.keys: Any = None
+        self.values: Any = None
         self.offset = 0
 
     def update(self, keys: np.ndarray, values: np.ndarray) -> None:
@@ -192,7 +194,7 @@ class FakeKVCache:
         per_token = self.keys[..., :1, :].nbytes + self.values[..., :1, :].nbytes
         return per_token * self.offset
 
-    def copy(self) -> "FakeKVCache":
+    def copy(self) -> FakeKVCache:
         c = FakeKVCache()
         if self.keys is not None:
             c.keys = self.keys[..., : self.offset, :].copy()
@@ -526,9 +528,9 @@ def sample_token(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generato
     # ``rng.choice(p.size, p=p)`` without its argument checks (a third of a
     # sampled token's cost): the same cumsum, normalization, one ``random()``
     # draw and right-searchsorted, so the same token from the same stream.
-    cdf = p.cumsum()
-    cdf /= cdf[-1]
-    return int(cdf.searchsorted(rng.random(), side="right"))
+    cum = p.cumsum()
+    cum /= cum[-1]
+    return int(cum.searchsorted(rng.random(), side="right"))
 
 
 def expected_tokens(
@@ -702,9 +704,9 @@ class FakeBackend:
             self._rows[o.rid] = _Row(cache, o.sampling, seed)
         for rid, n in plan.trim:
             self.trim_cache(self._rows[rid].cache, n)
-        if self.cfg.oom_step_prob and (plan.prefill or plan.decode or plan.verify):
-            if self._fault_rng.random() < self.cfg.oom_step_prob:
-                raise MemoryError("fake GPU: out of memory")
+        busy = plan.prefill or plan.decode or plan.verify
+        if self.cfg.oom_step_prob and busy and self._fault_rng.random() < self.cfg.oom_step_prob:
+            raise MemoryError("fake GPU: out of memory")
         for c in plan.prefill:
             self._feed(self._rows[c.rid].cache, c.tokens)
         rows, feed = self._rows, self._feed_one

@@ -41,8 +41,9 @@ import hashlib
 import math
 import posixpath
 import struct
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 import msgspec
@@ -121,7 +122,18 @@ class FakeKVLayer(msgspec.Struct, kw_only=True, tag_field="kind", tag="FakeKVCac
     tensors: list[TensorSlot]
 
 
-Layer = KVLayer | RotatingLayer | QuantizedLayer | ArraysLayer | FakeKVLayer
+class ListLayer(msgspec.Struct, kw_only=True, tag_field="kind", tag="CacheList"):
+    """mlx-lm's ``CacheList`` (one layer holding several caches, e.g.
+    falcon_h1's SSM state + attention KV): its parts' headers, written with no
+    tensors of their own; this layer's tensors are theirs in order, ``counts``
+    of them each."""
+
+    parts: list[KVLayer | RotatingLayer | QuantizedLayer | ArraysLayer]
+    counts: list[int]
+    tensors: list[TensorSlot]
+
+
+Layer = KVLayer | RotatingLayer | QuantizedLayer | ArraysLayer | FakeKVLayer | ListLayer
 
 
 class KvMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -158,6 +170,8 @@ class KvHeader(msgspec.Struct, kw_only=True):
 
 
 def layer_trimmable(layer: Layer) -> bool:
+    if isinstance(layer, ListLayer):
+        return all(layer_trimmable(p) for p in layer.parts)
     if isinstance(layer, RotatingLayer):
         return layer.offset < layer.max_size  # a wrapped ring has lost the tokens a trim would expose
     return not isinstance(layer, ArraysLayer)  # SSM state cannot run backwards
@@ -232,14 +246,14 @@ def _mx_source(x: Any) -> TensorSource:
 
     def materialize() -> memoryview:
         # view, not astype: the raw bits travel (bf16 has no numpy dtype)
-        return memoryview(np.ascontiguousarray(np.asarray(x.view(carrier)))).cast("B")
+        return np.ascontiguousarray(np.asarray(x.view(carrier))).data.cast("B")
 
     return TensorSource(list(x.shape), _dtype_name(x.dtype), x.size * size, materialize)
 
 
 def _np_source(x: np.ndarray) -> TensorSource:
     return TensorSource(
-        list(x.shape), x.dtype.name, int(x.nbytes), lambda: memoryview(np.ascontiguousarray(x)).cast("B")
+        list(x.shape), x.dtype.name, int(x.nbytes), lambda: np.ascontiguousarray(x).data.cast("B")
     )
 
 
@@ -280,6 +294,21 @@ def encode_layer(layer: Any) -> tuple[Layer, list[TensorSource]]:
             if a is not None:
                 src.append(_mx_source(a))
         return ArraysLayer(slots=slots, tensors=_slots(src)), src
+    if kind is c.CacheList:
+        parts: list[Any] = []  # the part kinds ListLayer allows (a nested CacheList is refused below)
+        counts: list[int] = []
+        part_slots: list[TensorSlot] = []
+        src = []
+        for sub in layer.caches:
+            if type(sub) is c.CacheList:
+                raise UnsupportedCache("a CacheList inside a CacheList")
+            h, s = encode_layer(sub)
+            counts.append(len(h.tensors))
+            part_slots.extend(h.tensors)
+            h.tensors = []
+            parts.append(h)
+            src.extend(s)
+        return ListLayer(parts=parts, counts=counts, tensors=part_slots), src
     raise UnsupportedCache(f"cannot persist a {kind.__module__}.{kind.__name__}")
 
 
@@ -359,8 +388,18 @@ def decode_layer(header: Layer, bufs: list[Any]) -> Any:
             layer.keys, layer.values = arrays
         bufs.clear()
         return layer
-    mx = _mx()
     c = _mlx_cache_classes()
+    if isinstance(header, ListLayer):
+        if len(header.counts) != len(header.parts) or sum(header.counts) != len(header.tensors) or min(header.counts, default=0) < 0:
+            raise CorruptFile("a CacheList's parts do not add up to its tensors")
+        subs, at = [], 0
+        for part, n in zip(header.parts, header.counts):
+            part.tensors = header.tensors[at : at + n]  # this part's slots (shape, dtype)
+            subs.append(decode_layer(part, bufs[at : at + n]))
+            at += n
+        bufs.clear()
+        return c.CacheList(*subs)
+    mx = _mx()
     out: list[Any] = []
     for i, slot in enumerate(header.tensors):
         x = _mx_tensor(bufs[i], slot)
@@ -400,7 +439,7 @@ def decode_layer(header: Layer, bufs: list[Any]) -> Any:
 # Writing.
 
 
-def make_header(meta: KvMeta, tokens: Sequence[int], layers: list[Layer], created_at: float) -> KvHeader:
+def make_header(meta: KvMeta, tokens: Sequence[int] | np.ndarray, layers: list[Layer], created_at: float) -> KvHeader:
     return KvHeader(
         format_version=FORMAT_VERSION,
         created_at=float(created_at),
@@ -464,10 +503,10 @@ class KvWriter:
         if self._fh is None or self._next != len(self.slots):
             raise RuntimeError("commit before every tensor was written")
         if self._hash_at is not None:
-            body = self._body
+            patched = self._body
             for at, slot in zip(self._hash_at, self.slots):
-                body[at : at + len(_PLACEHOLDER)] = slot.hash.encode()
-            body = bytes(body)
+                patched[at : at + len(_PLACEHOLDER)] = slot.hash.encode()
+            body = bytes(patched)
         else:  # the placeholders could not be located: encode the patched header again
             body = _encode_header(self.header)
         if len(body) != self.header_len:

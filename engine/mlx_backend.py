@@ -35,7 +35,14 @@ Design:
   a different token, a row left out) the steps run ahead are undone:
   ``trim`` of the batch cache and the rows' PRNG keys put back. Rows that
   close just drop the tokens fed ahead (``extract`` then ``trim``). Only for
-  models whose caches are all plain ``KVCache`` (trimmable).
+  caches that can give a step back: plain or quantized KV, and sliding
+  windows until their ring wraps (``_ahead_fits``); not SSM state.
+* Cache kinds (docs/compat-matrix.md): rotating windows, SSM state and
+  ``CacheList`` prefill together through mlx-lm's batch caches
+  (``_prefill_merged``), quantized KV through ``engine.quantized_batch``;
+  a path a kind rules out is taken the plain way and counted in
+  ``fallbacks`` (/stats); rows of caches that may not trim back to their
+  prompt hand the Scheduler checkpoints (``StepPlan.checkpoint``).
 * Verify (``VerifyRow``): the window goes through the same batched forward;
   rows with shorter windows (decode rows: 1 token) are right-padded and the
   padding is rolled away, and every position's token is returned. Trims after
@@ -52,23 +59,33 @@ import copy
 import hashlib
 import json
 import pathlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    BatchRotatingKVCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 from engine.blas import blas_threads
-from engine.cpu_layout import pretranspose_linears, wants_pretranspose
 from engine.config import EngineConfig
+from engine.cpu_layout import pretranspose_linears, wants_pretranspose
 from engine.device import ThreadDevice
-from engine.mlx_device import MLXThread
-from engine.mlx_batch import DecodeBatch, merge_caches
 from engine.grammar import Grammars
 from engine.logits import RowLogits, apply_words, needs_processing, to_token_logprobs
+from engine.mlx_batch import DecodeBatch, merge_caches
+from engine.mlx_device import MLXThread
 from engine.mlx_sampling import RowSampler, row_seed
 from engine.mlx_tokenizer import MLXTokenizer
 from engine.ports import ModelInfo, StepPlan, StepResult
@@ -87,7 +104,7 @@ CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
 SINGLE_THREAD_ROWS = 5
 
 
-def load_mlx_backend(config: EngineConfig) -> tuple["MLXBackend", ThreadDevice]:
+def load_mlx_backend(config: EngineConfig) -> tuple[MLXBackend, ThreadDevice]:
     """Resolve ``config.model``, start the MLX thread and load the model on it."""
     from engine.models import resolve_model
 
@@ -160,13 +177,25 @@ class _Row:
     logits: RowLogits | None = None  # processors, grammar mask, logprobs (engine.logits)
 
 
+def _own_cache(row: _Row) -> list[Any]:
+    """The B=1 cache of a row not (yet) in the DecodeBatch."""
+    assert row.cache is not None, "a row outside the DecodeBatch holds its own cache"
+    return row.cache
+
+
+def _row_logits(row: _Row) -> RowLogits:
+    """The logits processing of a row known to have it."""
+    assert row.logits is not None, "a row with logits processing"
+    return row.logits
+
+
 @dataclass(slots=True)
 class _Ahead:
     """A decode step of the whole batch computed ahead (see the module docstring)."""
 
     tokens: mx.array  # [B] its sampled tokens, in batch order
     keys: list[tuple[_Row, mx.array]]  # the sampled rows' PRNG keys before it, to undo it
-    fed: list[_Row] = ()  # rows whose RowLogits were fed its inputs (undo: trim 1)
+    fed: Sequence[_Row] = ()  # rows whose RowLogits were fed its inputs (undo: trim 1)
     logprobs: dict[int, tuple[mx.array, ...]] | None = None  # lazy, by rid
 
 
@@ -201,12 +230,61 @@ def prefix_view(cache: list[Any], n: int) -> list[Any]:
                 view.keys, view.values, view.offset = c.keys[..., :n, :], c.values[..., :n, :], n
             out.append(view)
             continue
+        if type(c) is QuantizedKVCache:  # --kv-bits: the same lazy slices, of each quantized triple
+            out.append(_quantized_view(c, n))
+            continue
         c = copy.deepcopy(c)
         size = getattr(c, "offset", None)
-        if isinstance(size, int) and size != n:
-            if size < n or not c.is_trimmable() or c.trim(size - n) != size - n:
-                raise ValueError(f"a {type(c).__name__} holding {size} tokens cannot serve {n}")
+        if isinstance(size, int) and size != n and (size < n or not c.is_trimmable() or c.trim(size - n) != size - n):
+            raise ValueError(f"a {type(c).__name__} holding {size} tokens cannot serve {n}")
         out.append(c)
+    return out
+
+
+def _quantized_view(c: QuantizedKVCache, n: int) -> QuantizedKVCache:
+    view = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
+    if c.keys is not None and n > 0:
+        if n > c.offset:
+            raise ValueError(f"the cache holds {c.offset} tokens, not {n}")
+        view.keys = tuple(x[..., :n, :] for x in c.keys)
+        view.values = tuple(x[..., :n, :] for x in c.values)
+        view.offset = n
+    return view
+
+
+def _layer_nbytes(c: Any) -> int:
+    """Bytes of one layer's tokens in use. A rotating window holds at most its
+    buffer, however many tokens went through it (its ``offset``): counting
+    ``offset`` tokens overcounted sliding-window layers (1.46x on the tiny
+    gemma3, ~5x for a real one at 32k tokens)."""
+    if type(c) is CacheList:
+        return sum(_layer_nbytes(sub) for sub in c.caches)
+    keys, offset = getattr(c, "keys", None), getattr(c, "offset", None)
+    if type(c) is QuantizedKVCache and keys is not None:
+        return sum(x.nbytes // x.shape[2] for x in (*keys, *c.values)) * offset
+    if isinstance(keys, mx.array) and isinstance(offset, int) and keys.shape[2]:
+        values = c.values
+        held = min(offset, keys.shape[2])
+        return (keys.nbytes // keys.shape[2] + values.nbytes // values.shape[2]) * held
+    return c.nbytes
+
+
+def snapshot_cache(cache: list[Any]) -> list[Any]:
+    """A private copy of a row's cache as it stands, for a checkpoint entry:
+    plain KV layers as lazy slices of the tokens in use (nothing copied: the
+    row's next write makes its own buffer, see ``prefix_view``), every other
+    kind (rotating windows, SSM state, lists) a deep copy, which is bounded
+    by the window or the state size, not by the prompt."""
+    out: list[Any] = []
+    for c in cache:
+        if type(c) is KVCache and c.keys is not None:
+            view = KVCache()
+            view.keys, view.values, view.offset = c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset
+            out.append(view)
+        elif type(c) is QuantizedKVCache:
+            out.append(_quantized_view(c, c.offset))
+        else:
+            out.append(copy.deepcopy(c))
     return out
 
 
@@ -225,20 +303,41 @@ class MLXBackend:
         pipeline: bool = True,
         weights_digest: str = "",
         prefill_together: bool = True,
+        max_kv_size: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         self.model = model
         self.tokenizer = MLXTokenizer(tokenizer)
         self.blas = blas_threads()
         self.engine_seed = engine_seed
-        probe = make_prompt_cache(model)
-        self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
-        # rows prefilling together are split back into plain KVCaches
-        self.prefill_together = prefill_together and all(type(c) is KVCache for c in probe)
-        floats = (v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+        self.max_kv_size = max_kv_size
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        probe = self.make_cache()
+        # Running ahead needs a batch that can give a step back (``_undo``): plain or
+        # quantized KV always, a sliding window while it has not wrapped (``_ahead_fits``)
+        self.pipeline = pipeline and all(type(c) in (KVCache, RotatingKVCache) for c in probe)
+        # Rows prefilling together: plain KV caches through slices (``_prefill_together``),
+        # other kinds through batch caches (``_prefill_merged``) when every layer has
+        # one (a ChunkedKVCache has none: those rows prefill alone, counted).
+        self._plain_kv = all(type(c) is KVCache for c in probe) and not kv_bits
+        self.prefill_together = prefill_together and (self._plain_kv or all(hasattr(c, "merge") for c in probe))
+        self._prefill_kind_off = prefill_together and not self.prefill_together
+        # caches that may become impossible to trim back to a prompt's end (SSM
+        # state, a rotating window once it wraps, lists of those): the Scheduler
+        # asks for checkpoints of them (StepPlan.checkpoint)
+        self.needs_checkpoints = not all(type(c) in (KVCache, QuantizedKVCache) for c in probe)
+        params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))  # a list without destination=
+        floats = (v for _, v in params if mx.issubdtype(v.dtype, mx.floating))
         first = next(floats, None)
         kv_scheme = [type(c).__name__ for c in probe] + [str(first.dtype if first is not None else "")]
         if weights_digest:
             kv_scheme.append(f"weights:{weights_digest}")
+        if max_kv_size:
+            kv_scheme.append(f"max_kv_size:{max_kv_size}")
+        if kv_bits:
+            kv_scheme.append(f"kv_bits:{kv_bits}:{kv_group_size}")
         text_cfg = config.get("text_config") or {}
         vocab = config.get("vocab_size") or text_cfg.get("vocab_size") or len(self.tokenizer)
         self.info = ModelInfo(
@@ -264,9 +363,19 @@ class MLXBackend:
         self._ahead_error: Exception | None = None
         self.steps = 0
         self.counters = {"pipelined": 0, "undone": 0, "ahead_heads_windows": 0, "prefill_together": 0}
+        # Paths a cache kind ruled out, each time it did (/stats "fallbacks"):
+        # spec_untrimmable: a verify window cut to a plain decode (the cache cannot roll back);
+        # run_ahead_off: decode steps not run ahead (only all-KVCache batches can undo one);
+        # prefill_alone: prefill chunks that could have shared a forward but not this kind;
+        # keep_cache_failed: a finished row's cache could not be kept (a miss later, not an error).
+        # checkpoint_failed: a checkpoint could not be copied (a later miss, not an error).
+        self.fallbacks = {
+            "spec_untrimmable": 0, "run_ahead_off": 0, "prefill_alone": 0, "keep_cache_failed": 0, "checkpoint_failed": 0,
+        }
+        self._run_ahead_kind_off = pipeline and not self.pipeline
 
     @classmethod
-    def load(cls, path: pathlib.Path, config: EngineConfig) -> "MLXBackend":
+    def load(cls, path: pathlib.Path, config: EngineConfig) -> MLXBackend:
         from mlx_lm import load
 
         model, tokenizer, model_config = load(str(path), return_config=True)
@@ -282,25 +391,40 @@ class MLXBackend:
             engine_seed=config.seed,
             weights_digest=_weights_digest(path),
             prefill_together=config.batch_prefill,
+            max_kv_size=config.max_kv_size,
+            kv_bits=config.kv_bits,
+            kv_group_size=config.kv_group_size,
         )
         backend.counters["pretransposed_linears"] = pretransposed
         return backend
 
     # ---- caches --------------------------------------------------------------
     def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model)
+        """A fresh cache for one row: mlx-lm's (the model's own ``make_cache``, or
+        plain KV), with every plain KV layer a sliding window of ``max_kv_size``
+        tokens when that is set. That is mlx-lm's ``--max-kv-size`` with two
+        differences: no ``keep`` (mlx-lm's batch rotating cache has no attention
+        sinks, and a row must compute the same batched or alone), and it also
+        applies to models that make their own cache (mlx-lm 0.32 ignores it for
+        those, llama included)."""
+        cache = make_prompt_cache(self.model)
+        if self.max_kv_size:
+            cache = [RotatingKVCache(max_size=self.max_kv_size, keep=0) if type(c) is KVCache else c for c in cache]
+        return cache
+
+    def _quantize(self, cache: list[Any]) -> None:
+        """``--kv-bits``: plain KV layers become ``QuantizedKVCache`` once they hold
+        tokens, as ``mlx_lm.generate_step`` does after each forward with
+        ``quantized_kv_start=0`` (the first chunk attends to itself unquantized)."""
+        if not self.kv_bits:
+            return
+        for i, c in enumerate(cache):
+            if type(c) is KVCache and c.keys is not None:
+                cache[i] = c.to_quantized(group_size=self.kv_group_size, bits=self.kv_bits)
 
     def cache_nbytes(self, cache: list[Any]) -> int:
         """Bytes of the tokens in use; mlx-lm's ``nbytes`` counts the 256-step capacity."""
-        total = 0
-        for c in cache:
-            keys, offset = getattr(c, "keys", None), getattr(c, "offset", None)
-            if isinstance(keys, mx.array) and isinstance(offset, int) and keys.shape[2]:
-                values = c.values
-                total += (keys.nbytes // keys.shape[2] + values.nbytes // values.shape[2]) * offset
-            else:
-                total += c.nbytes
-        return total
+        return sum(_layer_nbytes(c) for c in cache)
 
     def prefix_view(self, cache: list[Any], n: int) -> CachePrefix:
         """Called on the event loop: checks the length, defers the slicing to ``_open``."""
@@ -365,6 +489,15 @@ class MLXBackend:
         self._open(plan, res)
         self._trim(plan, res)
         self._prefill(plan, res)
+        for rid in plan.checkpoint:
+            row = self._rows.get(rid)
+            if row is not None and row.cache is not None and rid not in res.errors:
+                try:
+                    res.checkpoints[rid] = snapshot_cache(row.cache)
+                except Exception as exc:  # noqa: BLE001 - no checkpoint is a later miss, never a failed row
+                    if isinstance(exc, MemoryError) or _is_oom(exc):
+                        raise
+                    self.fallbacks["checkpoint_failed"] += 1
 
         work: dict[int, list[int]] = {}
         for d in plan.decode:
@@ -374,7 +507,11 @@ class MLXBackend:
                 res.errors[v.rid] = "a row can decode or verify once per step, with a non-empty window"
                 work.pop(v.rid, None)
                 continue
-            work[v.rid] = list(v.tokens) if self._window_fits(v.rid, len(v.tokens)) else v.tokens[:1]
+            if self._window_fits(v.rid, len(v.tokens)):
+                work[v.rid] = list(v.tokens)
+            else:
+                work[v.rid] = v.tokens[:1]
+                self.fallbacks["spec_untrimmable"] += 1
         verify_rids = {v.rid for v in plan.verify}
         for rid in list(work):
             if rid not in self._rows:
@@ -406,10 +543,25 @@ class MLXBackend:
         if heads:  # before joiners enter the batch
             rest = self._verify_rest(work, verify_rids)
             self.counters["ahead_heads_windows"] += 1
+        merged = None
         if joiners:
+            for rid in joiners:
+                self._quantize(_own_cache(self._rows[rid]))  # a row with nothing to prefill
+            try:
+                merged = merge_caches([_own_cache(self._rows[rid]) for rid in joiners])
+            except Exception as exc:  # noqa: BLE001 - a kind that cannot be batched fails its rows, not the engine
+                if isinstance(exc, MemoryError) or _is_oom(exc):
+                    raise
+                for rid in joiners:
+                    res.errors[rid] = f"this model's cache cannot join the decode batch: {exc}"
+                    self._rows.pop(rid, None)
+                    work.pop(rid, None)
+                joiners = []
+        if joiners:
+            assert merged is not None  # merged whenever joiners are left
             inputs = [work[rid] for rid in joiners]
             group = DecodeBatch()
-            group.add(joiners, merge_caches([self._rows[rid].cache for rid in joiners]))
+            group.add(joiners, merged)
             logits = group.forward(self.model, inputs)
             outputs.append(self._sample(joiners, inputs, logits, step_tokens))
             batch.add(joiners, group.cache)
@@ -420,13 +572,16 @@ class MLXBackend:
 
         all_decoded = not verifying and len(batch) > 0 and len(work) == len(batch)
         ahead = None
-        if self.pipeline and all_decoded and len(step_tokens) == len(outputs):
+        fits = all_decoded and self.pipeline and self._ahead_fits()
+        if all_decoded and (self._run_ahead_kind_off or (self.pipeline and not fits)):
+            self.fallbacks["run_ahead_off"] += 1
+        if fits and len(step_tokens) == len(outputs):
             ahead = mx.concatenate(step_tokens) if len(step_tokens) > 1 else step_tokens[0]
         if ahead is None and queued:
             self._undo(queued)
             queued = []
-        for q, toks in zip(queued, queued_tokens):
-            q.tokens = toks  # without the rows that closed
+        for q, q_tokens in zip(queued, queued_tokens):
+            q.tokens = q_tokens  # without the rows that closed
 
         if ahead is not None:
             self._queued = queued
@@ -440,9 +595,10 @@ class MLXBackend:
                 self._build_ahead(pending=1)
         # Caches handed out are evaluated, so the prompt-cache tiers may copy them
         # from another thread (an unevaluated array is bound to this thread's stream).
+        kept = [*res.closed.values(), *res.checkpoints.values()]
         mx.eval(
             [(toks, list(lps.values())) for _, _, toks, lps in outputs],
-            [c.state for cache in res.closed.values() for c in cache],
+            [c.state for cache in kept for c in cache],
         )
         for rids, widths, toks, lps in outputs:
             self._collect(rids, widths, toks, lps, verify_rids, res)
@@ -471,10 +627,15 @@ class MLXBackend:
             return tokens
         gone = set(leaving)
         stay = [i for i, rid in enumerate(self._batch.rids) if rid not in gone]
-        kept = self._batch.remove(leaving, plan.keep_cache)
-        for cache in kept.values():
-            for c in cache:
-                c.trim(len(queued))  # tokens fed by steps run ahead were never confirmed
+        try:
+            kept = self._batch.remove(leaving, plan.keep_cache)
+        except Exception:  # noqa: BLE001 - a cache kind that cannot be extracted: a later miss, not an error
+            self.fallbacks["keep_cache_failed"] += len(gone & plan.keep_cache)
+            kept = self._batch.remove(leaving, set())
+        if queued:  # only all-KVCache batches run ahead; SSM state has no trim
+            for cache in kept.values():
+                for c in cache:
+                    c.trim(len(queued))  # tokens fed by steps run ahead were never confirmed
         res.closed.update(kept)
         index = mx.array(stay) if stay else None
         return [t[index] if index is not None else t[:0] for t in tokens]
@@ -579,14 +740,59 @@ class MLXBackend:
         for row, tokens in ready:
             key = row.fed if self.prefill_together else -1 - row.rid
             groups.setdefault(key, []).append((row, tokens))
+        if not self.prefill_together and self._prefill_kind_off:
+            shared: dict[int, int] = {}
+            for row, _ in ready:
+                shared[row.fed] = shared.get(row.fed, 0) + 1
+            self.fallbacks["prefill_alone"] += sum(n for n in shared.values() if n > 1)
         for group in groups.values():
             if len(group) == 1:
                 row, tokens = group[0]
-                self.model(mx.array(tokens)[None], cache=row.cache)
-                mx.eval([c.state for c in row.cache])
+                cache = _own_cache(row)
+                self.model(mx.array(tokens)[None], cache=cache)
+                self._quantize(cache)
+                mx.eval([c.state for c in cache])
                 row.fed += len(tokens)
-            else:
+            elif self._plain_kv:
                 self._prefill_together(group)
+            else:
+                try:
+                    self._prefill_merged(group)
+                except Exception as exc:  # noqa: BLE001 - a kind whose batch cache fails: prefill alone
+                    if isinstance(exc, MemoryError) or _is_oom(exc):
+                        raise
+                    self.fallbacks["prefill_alone"] += len(group)
+                    for row, tokens in group:  # untouched: the merged copy was never handed back
+                        own = _own_cache(row)
+                        self.model(mx.array(tokens)[None], cache=own)
+                        self._quantize(own)
+                        mx.eval([c.state for c in own])
+                        row.fed += len(tokens)
+
+    def _prefill_merged(self, group: list[tuple[_Row, list[int]]]) -> None:
+        """``_prefill_together`` for caches that are not all plain KV (rotating
+        windows, SSM state, lists of them), through mlx-lm's batch caches as
+        its ``BatchGenerator`` prefills: merge the rows' caches, right-pad the
+        shorter chunks (``prepare(lengths=)`` keeps padding out of windows and
+        recurrent state), ``finalize``, and ``extract`` each row's cache back."""
+        lengths = [len(t) for _, t in group]
+        width = max(lengths)
+        pad = [width - n for n in lengths]
+        cache = merge_caches([_own_cache(row) for row, _ in group])
+        if any(pad):
+            for c in cache:
+                c.prepare(right_padding=pad, lengths=lengths)
+        x = mx.array([t + [t[-1]] * (width - len(t)) for _, t in group])
+        self.counters["prefill_together"] += len(group)
+        self.model(x, cache=cache)
+        for c in cache:
+            c.finalize()
+        mx.eval([c.state for c in cache])
+        rows = [[c.extract(i) for c in cache] for i in range(len(group))]  # all, before any row changes
+        for (row, tokens), own in zip(group, rows):
+            row.cache = own
+            self._quantize(row.cache)
+            row.fed += len(tokens)
 
     def _prefill_together(self, group: list[tuple[_Row, list[int]]]) -> None:
         """One ``(B, L)`` forward for B rows at the same cache offset, shorter
@@ -602,21 +808,22 @@ class MLXBackend:
         for bit as mlx_lm.generate_step."""
         offset = group[0][0].fed
         width = max(len(t) for _, t in group)
-        batch = [KVCache() for _ in group[0][0].cache]
+        caches = [_own_cache(r) for r, _ in group]
+        batch = [KVCache() for _ in caches[0]]
         if offset:
             for layer, c in enumerate(batch):
                 c.state = (
-                    mx.concatenate([r.cache[layer].keys[..., :offset, :] for r, _ in group]),
-                    mx.concatenate([r.cache[layer].values[..., :offset, :] for r, _ in group]),
+                    mx.concatenate([rc[layer].keys[..., :offset, :] for rc in caches]),
+                    mx.concatenate([rc[layer].values[..., :offset, :] for rc in caches]),
                     offset,
                 )
         x = mx.array([t + [t[-1]] * (width - len(t)) for _, t in group])
         self.counters["prefill_together"] += len(group)
         self.model(x, cache=batch)
         mx.eval([c.state for c in batch])
-        for i, (row, tokens) in enumerate(group):
+        for i, ((row, tokens), own) in enumerate(zip(group, caches)):
             end = offset + len(tokens)
-            for layer, c in enumerate(row.cache):
+            for layer, c in enumerate(own):
                 c.state = (batch[layer].keys[i : i + 1, :, :end, :], batch[layer].values[i : i + 1, :, :end, :], end)
             row.fed = end
 
@@ -666,16 +873,17 @@ class MLXBackend:
             return mx.concatenate([r.sampler(lp[i : i + 1]) for i, r in enumerate(rows)])
         # Rows with logits processing (engine.logits), batched: processors per
         # row, then every row's grammar mask in one [B, V] op.
+        assert inputs is not None  # given whenever a row has processing
         for i in procs:
-            rows[i].logits.feed(inputs[i][0])
+            _row_logits(rows[i]).feed(inputs[i][0])
         x = raw
-        if any(rows[i].logits.processors for i in procs):
+        if any(_row_logits(rows[i]).processors for i in procs):
             x = mx.concatenate([r.logits.apply_processors(x[i : i + 1]) if r.logits else x[i : i + 1] for i, r in enumerate(rows)])
-        masked = [i for i in procs if rows[i].logits.matcher is not None]
+        masked = [i for i in procs if _row_logits(rows[i]).matcher is not None]
         if masked:
             words = np.full((len(rows), (self.info.vocab_size + 31) // 32), -1, np.int32)
             for i in masked:
-                rows[i].logits.mask_words(words[i])
+                _row_logits(rows[i]).mask_words(words[i])
             x = apply_words(x, words, self.info.vocab_size)
         plp = x - mx.logsumexp(x, axis=-1, keepdims=True)  # == lp for the rows without processing
         if all(r.sampler.greedy for r in rows):
@@ -683,8 +891,10 @@ class MLXBackend:
         else:
             toks = mx.concatenate([r.sampler(plp[i : i + 1]) for i, r in enumerate(rows)])
         for i in procs:
-            if rows[i].logits.logprobs is not None:
-                lps[rows[i].rid] = rows[i].logits.logprob_arrays(lp[i : i + 1], toks[i : i + 1])
+            row_logits = _row_logits(rows[i])
+            if row_logits.logprobs is not None:
+                assert lps is not None  # given whenever a row wants logprobs
+                lps[rows[i].rid] = row_logits.logprob_arrays(lp[i : i + 1], toks[i : i + 1])
         return toks
 
     def _has_logits(self) -> bool:
@@ -751,20 +961,34 @@ class MLXBackend:
         ``run_ahead``, or when a step reads it). ``pending``: tokens each row has
         sampled but not yet counted in ``emitted`` (the step being finished)."""
         batch, tokens = self._batch, self._due
+        assert tokens is not None  # called only with a step due
         rows = [self._rows[rid] for rid in batch.rids]
         depth = len(self._queued) + pending
+        if not self._ahead_fits():
+            self._due = None  # a window that would wrap could not give the step back
+            return
         if all(r.emitted + depth >= r.max_tokens for r in rows):
             self._due = None  # every row has all its tokens by then
             return
-        keys = [(r, r.sampler.key) for r in rows if not r.sampler.greedy]
-        inputs, lps = None, {}
+        keys = [(r, r.sampler.key) for r in rows if r.sampler.key is not None]  # the sampled (not greedy) rows
+        inputs: list[list[int]] | None = None
+        lps: dict[int, tuple[mx.array, ...]] = {}
         fed = [r for r in rows if r.logits is not None]
         if fed:  # masks and penalties need the inputs on the host
-            inputs = [[t] for t in tokens.tolist()]
+            inputs = [[t] for t in cast(list[int], tokens.tolist())]
         logits = batch.decode(self.model, tokens)
         nxt = self._sample_last(logits, rows, inputs, lps)
         self._queued.append(_Ahead(nxt, keys, fed, lps))
         self._due = self._built = nxt
+
+    def _ahead_fits(self) -> bool:
+        """Can the batch take one more decode step and give it back (``trim``)?
+        A sliding window can while its ring has not wrapped: up to then mlx-lm's
+        ``BatchRotatingKVCache`` is laid out, and trims, like a plain one."""
+        for c in self._batch.cache:
+            if type(c) is BatchRotatingKVCache and (c.rotated or c._idx >= c.max_size):
+                return False
+        return True
 
     def _queue_fits(self, plan: StepPlan) -> bool:
         """Does the plan decode exactly the batch's rows with the tokens the
@@ -836,7 +1060,7 @@ class MLXBackend:
             row.sampler.key = key
         for q in queued:
             for row in q.fed:
-                row.logits.trim(1)
+                _row_logits(row).trim(1)
         self.counters["undone"] += len(queued)
 
     # ---- introspection (tests, stats) ------------------------------------------
@@ -848,8 +1072,13 @@ class MLXBackend:
         i = self._batch.index(rid)
         cache = [c.extract(i) for c in self._batch.cache]
         for c in cache:
-            c.trim(c.offset - row.fed)  # steps run ahead are not the row's yet
+            extra = getattr(c, "offset", row.fed) - row.fed
+            if extra:
+                c.trim(extra)  # steps run ahead are not the row's yet
         return cache
 
     def stats(self) -> dict[str, Any]:
-        return {"rows": len(self._rows), "batch": len(self._batch), "pipeline": self.pipeline, **self.counters}
+        return {
+            "rows": len(self._rows), "batch": len(self._batch), "pipeline": self.pipeline, **self.counters,
+            "fallbacks": dict(self.fallbacks),
+        }

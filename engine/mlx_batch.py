@@ -18,13 +18,18 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, CacheList, QuantizedKVCache
+
+from engine.quantized_batch import BatchQuantizedKVCache
 
 
 def merge_caches(caches: list[list[Any]]) -> list[Any]:
     """Per-row layer caches → one batch cache per layer (each class's own ``merge``)."""
     out = []
     for layer in zip(*caches):
+        if type(layer[0]) is QuantizedKVCache:  # mlx-lm has no batch cache for it
+            out.append(BatchQuantizedKVCache.merge(list(layer)))
+            continue
         if not hasattr(layer[0], "merge"):
             raise TypeError(f"{type(layer[0]).__name__} cannot be batched (no merge)")
         out.append(layer[0].merge(list(layer)))
@@ -101,11 +106,7 @@ class DecodeBatch:
     def _roll_right(self, pad: list[int]) -> None:
         self._aligned = None
         for c in self.cache:
-            if type(c) is BatchKVCache:
-                shift_rows_right(c, pad)
-            else:
-                c.prepare(right_padding=pad)
-                c.finalize()
+            _roll_layer(c, pad)
 
     def forward(self, model: Any, inputs: list[list[int]]) -> mx.array:
         """One forward over every row, row i fed ``inputs[i]`` (possibly empty);
@@ -116,14 +117,23 @@ class DecodeBatch:
         if any(pad):
             # Padding sits after each row's real tokens, so the causal mask keeps it
             # out of their attention; afterwards it is rolled into the left padding.
+            # mlx-lm's rotating (and SSM) batch caches also need each row's real
+            # length, so that padding neither evicts a window's valid tokens nor
+            # enters a recurrent state; their ``finalize`` then does the roll.
+            lengths = [len(x) for x in inputs]
             for c in self.cache:
                 if type(c) is not BatchKVCache:
-                    c.prepare(right_padding=pad)
+                    c.prepare(right_padding=pad, lengths=lengths)
         if not any(pad) and width == 1:
             return self.decode(model, x[:, 0])
         logits = model(x, cache=self.cache)
         if any(pad):
-            self._roll_right(pad)
+            self._aligned = None
+            for c in self.cache:
+                if type(c) is BatchKVCache:
+                    shift_rows_right(c, pad)
+                else:
+                    c.finalize()
         return logits
 
     def decode(self, model: Any, tokens: mx.array) -> mx.array:
@@ -142,6 +152,25 @@ class DecodeBatch:
         finally:
             for c in self.cache:
                 del c.make_mask
+
+
+def _roll_layer(c: Any, pad: list[int]) -> None:
+    """Move row i's last ``pad[i]`` positions into its left padding (a per-row trim)."""
+    if type(c) is BatchKVCache:
+        shift_rows_right(c, pad)
+    elif type(c) is BatchRotatingKVCache:
+        # its ``finalize`` rolls each row by ``offset - _lengths``; only reached
+        # while the ring has not wrapped (speculation's guard), as for a plain cache
+        c._lengths = c.offset - mx.array(pad)
+        c.finalize()
+    elif type(c) is BatchQuantizedKVCache:
+        c.prepare(right_padding=pad)
+        c.finalize()
+    elif type(c) is CacheList:
+        for sub in c.caches:
+            _roll_layer(sub, pad)
+    else:
+        raise TypeError(f"a {type(c).__name__} cannot be trimmed per row")
 
 
 def shift_rows_right(c: BatchKVCache, pad: list[int]) -> None:

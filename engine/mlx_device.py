@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
-import queue
 import logging
+import queue
 import sys
 import threading
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from engine.device import ThreadDevice
 

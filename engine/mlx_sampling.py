@@ -16,7 +16,7 @@ followed by ``mlx_lm.stream_generate(..., sampler=make_sampler(...))``
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -61,5 +61,6 @@ class RowSampler:
             return mx.argmax(logprobs, axis=-1)
         for f in self._filters:
             logprobs = f(logprobs)
+        assert self.key is not None  # set whenever not greedy
         self.key, sub = mx.random.split(self.key)
         return mx.random.categorical(logprobs * self._inv_temp, key=sub)

@@ -6,8 +6,9 @@ Nothing here touches MLX arrays, so these methods are safe on the event loop
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from engine.errors import InvalidRequest
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from asyncio import _get_running_loop
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -56,9 +57,9 @@ class Tokenizer(Protocol):
 
     def decode(self, tokens: list[int]) -> str: ...
 
-    def detokenizer(self) -> "Detokenizer": ...
+    def detokenizer(self) -> Detokenizer: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]: ...
 
 
 class Detokenizer(Protocol):
@@ -133,6 +134,10 @@ class StepPlan:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[DecodeRow] = field(default_factory=list)
     verify: list[VerifyRow] = field(default_factory=list)
+    # rows whose cache, as it stands after this step's prefill (before any
+    # decode), comes back in ``StepResult.checkpoints``: a prefix entry for
+    # caches that cannot be trimmed back to it later (SSM state, a wrapped window)
+    checkpoint: set[int] = field(default_factory=set)
 
     def is_empty(self) -> bool:
         return not (self.close or self.open or self.trim or self.prefill or self.decode or self.verify)
@@ -153,13 +158,16 @@ class StepResult:
     closed: dict[int, Any] = field(default_factory=dict)  # rid -> cache (when kept)
     errors: dict[int, str] = field(default_factory=dict)  # rid -> per-row failure
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # rid -> its token's, when asked for
+    checkpoints: dict[int, Any] = field(default_factory=dict)  # rid -> a private copy of its cache (plan.checkpoint)
 
 
 class Backend(Protocol):
     """The GPU/model port. Every method runs on the ``Device``, never on the loop."""
 
     info: ModelInfo
-    tokenizer: Tokenizer
+
+    @property  # read-only, so a backend may hold a more specific tokenizer
+    def tokenizer(self) -> Tokenizer: ...
 
     def step(self, plan: StepPlan) -> StepResult: ...
 

@@ -66,8 +66,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -368,7 +369,7 @@ class GammaPolicy:
             return 0
         best = max(range(len(rates)), key=lambda g: (rates[g], -g))
         nxt = best + 1
-        if 0 < best and nxt < len(rates) and not self.measured(round(drafts) + nxt):
+        if best > 0 and nxt < len(rates) and not self.measured(round(drafts) + nxt):
             return nxt  # measure the next γ; it may be cheaper than estimated
         return best
 

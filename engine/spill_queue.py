@@ -20,8 +20,9 @@ dropped, or discarded at shutdown.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 GIB = 1 << 30
 

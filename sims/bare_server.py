@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import threading
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from starlette.applications import Starlette

@@ -74,7 +74,7 @@ class Server:
 
     def start(self, timeout_s: float = 180.0) -> float:
         t0 = time.perf_counter()
-        self.log = open(self.log_path, "ab")
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 -- the server's stdout for its lifetime; stop() closes it
         self.proc = subprocess.Popen(self.argv, env={**server_env(), **self.env}, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -272,7 +272,9 @@ async def run(args: argparse.Namespace) -> Results:
     if "bare" in legs:
         # The bare loop behind the thinnest streaming server, measured with the same
         # client: what the HTTP hop and a client on the same cores cost any server.
-        bare_cmd = lambda port: [sys.executable, "-m", "sims.bare_server", "--model", str(model_dir), "--port", str(port)]  # noqa: E731
+        def bare_cmd(port: int) -> list[str]:
+            return [sys.executable, "-m", "sims.bare_server", "--model", str(model_dir), "--port", str(port)]
+
         extra.append(Server("bare-http", bare_cmd(p := free_port()), p, work / "bare-http.log"))
         extra.append(Server("bare-http-1", bare_cmd(p := free_port()), p, work / "bare-http-1.log", env={"OPENBLAS_NUM_THREADS": "1"}))
     servers = [ember, mlxlm, *extra]
@@ -345,8 +347,8 @@ async def run(args: argparse.Namespace) -> Results:
                     spec_m = next(s for s in extra if s.name == "mlx-lm-spec")
                     for srv, who in ((ember, "ember-plain"), (spec_e, "ember-spec"), (mlxlm, "mlx-lm-plain"), (spec_m, "mlx-lm-spec")):
                         progress(f"round {rnd + 1}: spec {who}")
-                        s = await stream_completion(client, srv.url, prompts.of(200, offset=60000 + rnd), 128)
-                        res.add("spec_decode", who, s.decode_tps)
+                        sample = await stream_completion(client, srv.url, prompts.of(200, offset=60000 + rnd), 128)
+                        res.add("spec_decode", who, sample.decode_tps)
                 if "bare" in legs:
                     progress(f"round {rnd + 1}: bare mlx_lm loop")
                     res.add("bare", "mlx_lm.stream_generate", bare_loop_tps(model_dir, prompts.of(64, offset=5000 + rnd), 128))
@@ -412,8 +414,9 @@ def report(res: Results, args: argparse.Namespace) -> str:
             f"- mlx_lm.server: restart TTFT {fmt(res.med('restart', 'mlx-lm'), ' ms')} = {fmt((res.med('restart_vs_cold', 'mlx-lm') or 0) * 100, '%')} of its cold TTFT; "
             f"cached tokens after restart {fmt(res.med('restart_cached_tokens', 'mlx-lm'))}.",
         ]
-        if res.med("restart", "ember") and res.med("restart", "mlx-lm"):
-            ratios["restart"] = res.med("restart", "ember") / res.med("restart", "mlx-lm")
+        restart_e, restart_m = res.med("restart", "ember"), res.med("restart", "mlx-lm")
+        if restart_e and restart_m:
+            ratios["restart"] = restart_e / restart_m
     if res.rows.get("tier_decode"):
         on, off = res.med("tier_decode", "on"), res.med("tier_decode", "off")
         pairs = [a / b for a, b in zip(res.rows["tier_decode"].get("on", []), res.rows["tier_decode"].get("off", [])) if b]
@@ -456,11 +459,16 @@ def report(res: Results, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def chart(ratios: dict[str, float], path: Path) -> None:
-    import matplotlib
+def chart(ratios: dict[str, float], path: Path) -> bool:
+    """Write the ratio chart to ``path``; False (and a line on stderr) without matplotlib."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('[bench] no chart: matplotlib is not installed (pip install -e ".[bench]")', file=sys.stderr)
+        return False
 
     fig, ax = plt.subplots(figsize=(8, 4))
     names = list(ratios)
@@ -472,6 +480,7 @@ def chart(ratios: dict[str, float], path: Path) -> None:
         ax.text(ratios[n], i, f" {ratios[n]:.2f}×", va="center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -490,10 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
-    chart(ratios, png)
-    out.write_text(text + f"\n![ratios]({png.name})\n")
+    charted = chart(ratios, png)
+    out.write_text(text + (f"\n![ratios]({png.name})\n" if charted else ""))
     print(text)
-    print(f"[bench] wrote {out} and {png}", file=sys.stderr)
+    print(f"[bench] wrote {out}" + (f" and {png}" if charted else ""), file=sys.stderr)
     return 0
 
 

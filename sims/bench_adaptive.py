@@ -53,6 +53,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 from sims.bench_spec import Config, common_args, run_workload, workload_prompts
 
@@ -90,10 +91,10 @@ FIXED_TARGET = 1.5  # issue #6: prompt lookup on the input-grounded workload
 
 
 def report(
-    configs: list[Config], workloads: list[str], args: argparse.Namespace, elapsed_s: float, fixed: list[Config] = ()
+    configs: list[Config], workloads: list[str], args: argparse.Namespace, elapsed_s: float, fixed: Sequence[Config] = ()
 ) -> str:
     off, control, *arms = configs
-    pairs = [(control, off, "noise floor")]  # (arm, its baseline, label)
+    pairs: list[tuple[Config, Config, str | None]] = [(control, off, "noise floor")]  # (arm, its baseline, label)
     for plain, adaptive in zip(arms[::2], arms[1::2]):
         pairs += [(plain, off, "engine vs engine"), (adaptive, plain, None), (adaptive, off, "engine vs engine")]
     load = os.getloadavg()
@@ -166,7 +167,7 @@ async def main_async(args: argparse.Namespace) -> str:
         prompts = workload_prompts(tok, args.prompts)
         workloads = [w for w in args.workloads.split(",") if w in prompts]
         params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-        plain = SamplingParams(max_tokens=args.tokens, ignore_eos=True, speculate=False)
+        no_spec = SamplingParams(max_tokens=args.tokens, ignore_eos=True, speculate=False)
         warm = SamplingParams(max_tokens=8, ignore_eos=True)
         for c in configs:
             await c.engine.acomplete(prompts["free"][0], warm)
@@ -181,7 +182,7 @@ async def main_async(args: argparse.Namespace) -> str:
                             p = SamplingParams(max_tokens=args.tokens, ignore_eos=True, num_draft_tokens=c.gamma)
                             await run_workload(c, w, prompts[w], p)
                         continue
-                    await run_workload(c, w, prompts[w], plain if c.drafter and c.gamma == 0 else params)
+                    await run_workload(c, w, prompts[w], no_spec if c.drafter and c.gamma == 0 else params)
             print(f"[bench_adaptive] round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         return report(configs, workloads, args, time.perf_counter() - t0, fixed)
 

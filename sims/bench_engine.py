@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from engine.blas import OPT_OUT, maybe_reexec_with_openblas
 
@@ -70,7 +70,7 @@ def machine() -> dict[str, Any]:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "python": platform.python_version(),
-        "mlx": mx.__version__,
+        "mlx": mx.__version__,  # type: ignore[attr-defined]  # set at runtime, absent from mlx's stubs
         "mlx_lm": mlx_lm.__version__,
         "device": str(mx.default_device()),
         "blas": os.environ.get("LD_PRELOAD", "") or "reference (no preload)",
@@ -253,7 +253,7 @@ def logprob_drift(model: Any, tok: Any, batch: int, n: int) -> float:
     merged = [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
     together = decode(merged, mx.array([p[-1] for p in prompts]))
     return max(
-        mx.abs(alone[r][t][0] - together[t][r]).max().item() for r in range(batch) for t in range(n)
+        cast(float, mx.abs(alone[r][t][0] - together[t][r]).max().item()) for r in range(batch) for t in range(n)
     )
 
 
@@ -320,7 +320,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             top = max(args.concurrency)
             out["agreement"] = {"requests": top, "tokens": args.agg_tokens,
                                 "same": await batch_agreement(engine, top, args.agg_tokens)}
-        out["backend"] = engine.backend.stats()
+        out["backend"] = engine.backend.stats()  # type: ignore[attr-defined]  # MLXBackend's, not the port's
     out["prefill_tps"] = med([bare_prefill(model, tok, 1024) for _ in range(3)])
     if not args.single_only:
         out["drift"] = {b: logprob_drift(model, tok, b, 64) for b in (4, 16)}
@@ -390,6 +390,7 @@ async def timeline(engine: Any, n: int) -> dict[str, float]:
 
     def traced_ahead() -> None:
         t = time.perf_counter()
+        assert ahead is not None  # installed only then
         ahead()
         spans["run_ahead"].append(time.perf_counter() - t)
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -49,7 +50,7 @@ def width_leg(model: Any, ids: list[int], rounds: int, steps: int = 100) -> dict
             x = mx.array(ids[300 : 300 + n])[None]
             ts = []
             for _ in range(steps):
-                ts.append(_timed(lambda: mx.eval(mx.argmax(model(x, cache=cache)[0], axis=-1))))
+                ts.append(_timed(lambda: mx.eval(mx.argmax(model(x, cache=cache)[0], axis=-1))))  # noqa: B023 -- called here
                 for c in cache:
                     c.trim(n)
             out[n].append(1000 * statistics.median(ts))
@@ -113,7 +114,8 @@ def prefill_leg(model: Any, ids: list[int], rounds: int) -> dict[str, float]:
         model(mx.array(rows), cache=c)
         mx.eval([x.state for x in c])
 
-    alone(), together()
+    alone()  # warm-up
+    together()
     a, b = [], []
     for _ in range(rounds):
         a.append(1000 * _timed(alone))
@@ -222,11 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     if "layout" in legs:
         blas_threads().use(1)
         lay = layout_leg(args.model, ids, args.rounds)
-        (na, a), (nb, b) = lay.items()
+        (na, la), (nb, lb) = lay.items()
         print(f"forwards on a warm cache, 1 OpenBLAS thread (median ms): {na} | {nb} | ratio")
-        for shape in a:
-            print(f"  {shape:11s} {a[shape]:6.2f} | {b[shape]:6.2f} | {b[shape] / a[shape]:.2f}x")
-        print(f"  verify window n=4 over n=1: {a['n=4'] / a['n=1']:.2f}x | {b['n=4'] / b['n=1']:.2f}x")
+        for shape in la:
+            print(f"  {shape:11s} {la[shape]:6.2f} | {lb[shape]:6.2f} | {lb[shape] / la[shape]:.2f}x")
+        print(f"  verify window n=4 over n=1: {la['n=4'] / la['n=1']:.2f}x | {lb['n=4'] / lb['n=1']:.2f}x")
 
 
 if __name__ == "__main__":

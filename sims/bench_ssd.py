@@ -125,7 +125,11 @@ async def _decode_arm(args: argparse.Namespace, tier_on: bool, r: int) -> tuple[
 
 
 async def decode_overhead(args: argparse.Namespace) -> dict[str, Any]:
-    on, off, on_cpu, off_cpu, writes = [], [], [], [], []
+    on: list[float] = []
+    off: list[float] = []
+    on_cpu: list[float] = []
+    off_cpu: list[float] = []
+    writes = []
     for r in range(args.decode_repeats):
         for tier_on in ((True, False) if r % 2 == 0 else (False, True)):  # alternate to cancel drift
             tps, cpu_ms, during = await _decode_arm(args, tier_on, r)

@@ -79,6 +79,7 @@ async def one_round(arm: str, model: str, ssd: Path, rng: random.Random, prefix_
                 flush_task = asyncio.ensure_future(engine.aflush())  # forces the snapshot mid-decode
             if arm != "off" and len(times) == decode_tokens // 2:
                 pending_during = engine.stats()["ssd_cache"]["pending_spill_bytes"]
+        assert flush_task is not None  # every arm started one
         report = await flush_task if arm != "off" else None
         if flush_task is not None and report is None:
             await flush_task

@@ -55,10 +55,10 @@ def thread_cpu(pid: int) -> dict[str, float]:
         named.append((int(tid), name, (int(fields[11]) + int(fields[12])) / TICK))  # utime + stime
     mlx = min((tid for tid, name, _ in named if name == "ember-mlx"), default=None)
     out = {"main": 0.0, "ember-mlx": 0.0}
-    for tid, _, cpu in named:
-        if tid == pid:
+    for thread, _, cpu in named:
+        if thread == pid:
             out["main"] += cpu
-        elif tid == mlx:
+        elif thread == mlx:
             out["ember-mlx"] += cpu
     # The rest from the process's total, which keeps the time of threads that
     # have ended (the bare server starts a generation thread per request).
@@ -69,6 +69,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
 
 
 async def one_round(client: httpx.AsyncClient, srv: Server, prompts: Prompts, streams: int, tokens: int, offset: int):
+    assert srv.proc is not None, "the server is started"
     pid = srv.proc.pid
     before, c0, t0 = thread_cpu(pid), time.process_time(), time.perf_counter()
     samples = await asyncio.gather(

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 # ---------------------------------------------------------------------------
 # A server process.
 
@@ -80,9 +79,8 @@ def start_server(ssd_dir: str | Path | None, log: Path, *, model: str = "fake", 
     full_env = {**os.environ, **(env or {})}
     if model == "fake":
         full_env.setdefault("EMBER_NO_OPENBLAS", "1")  # no MLX in play: skip the BLAS re-exec
-    out = open(log, "wb")
-    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env, stdin=subprocess.DEVNULL)
-    out.close()
+    with open(log, "wb") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace")

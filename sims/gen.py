@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from sims.trace import Event, Flush, Header, Request, Restart, Sampling, Trace, validate
 

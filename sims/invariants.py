@@ -43,7 +43,7 @@ class SimView(Protocol):
     """What checkers may look at in the running simulation."""
 
     @property
-    def engine(self) -> "Engine | None": ...
+    def engine(self) -> Engine | None: ...
 
     @property
     def healed_at(self) -> float | None: ...
@@ -208,9 +208,9 @@ class AdmissionNeverWaits(Checker):
         elif kind == "admit":
             key = (self.gen, f["rid"])
             self.admit_t[key] = t
-            d = self.deadline.pop(key, "missing")
-            if d == "missing":
+            if key not in self.deadline:
                 return  # not submitted yet as the caller sees it (same instant), or not ours
+            d = self.deadline.pop(key)
             self.checked += 1
             if d is not None and t > d + 1e-9:
                 self.fail(t, f"request rid={f['rid']} admitted at {t:.6f}, later than {d:.6f}")
@@ -235,6 +235,8 @@ def _waiting_senders(ref: Any) -> Any:
     statistics after each of ~500 k events was a tenth of the checkers' cost.
     None if the inbox is of another kind (then ``statistics()`` is used)."""
     waiting = getattr(getattr(getattr(ref, "_send", None), "_state", None), "waiting_senders", None)
+    if waiting is None:
+        return None
     try:
         return waiting if len(waiting) == ref.statistics().tasks_waiting_send else None
     except TypeError:
@@ -331,7 +333,7 @@ class TokensMatchColdPrefill(Checker):
 # 6. The spill queue never holds more than its cap plus one item.
 
 
-def find_spill_queue(engine: "Engine") -> Any:
+def find_spill_queue(engine: Engine) -> Any:
     """The engine's SpillQueue, wherever the durability actor keeps it."""
     from engine.spill_queue import SpillQueue
 

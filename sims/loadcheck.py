@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -155,7 +156,7 @@ async def client_loop(i: int, client: httpx.AsyncClient, args: argparse.Namespac
         budget[0] -= 1
         try:
             await asyncio.wait_for(one_request(client, rng, args, res), timeout=args.request_timeout)
-        except (httpx.HTTPError, asyncio.TimeoutError, json.JSONDecodeError, KeyError) as exc:
+        except (TimeoutError, httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
             res.errors.append(f"{type(exc).__name__}: {exc}")
 
 
@@ -174,7 +175,7 @@ async def sample_memory(client: httpx.AsyncClient, pid: int, samples: list[tuple
             samples.append((time.perf_counter() - t0, mib, cache))
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.record:
         # append a run to an existing report, or start one
-        fresh = not os.path.exists(args.record) or not open(args.record).read().startswith(HEADER[:12])
+        fresh = not os.path.exists(args.record) or not Path(args.record).read_text().startswith(HEADER[:12])
         with open(args.record, "w" if fresh else "a") as f:
             f.write((HEADER if fresh else "\n") + text)
     return 0 if not res.errors and rss_ok and rc == 0 else 1

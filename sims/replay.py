@@ -13,7 +13,9 @@ without it they are only marked on the plot.
 
 Writes a Markdown report (TTFT p50/p95/p99, inter-token latency, throughput,
 cached-token ratio, errors) and a PNG of TTFT over the run with restarts
-marked, to ``--out`` (default ``replay-out/``), and prints the report.
+marked, to ``--out`` (default ``replay-out/``), and prints the report. The PNG
+needs matplotlib (``pip install -e ".[bench]"``; the test extra has it too);
+without it the report is written without the plot and says so.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import anyio
 import httpx
@@ -90,11 +93,12 @@ class ServerProcess:
         self.starts = 0
 
     async def start(self) -> None:
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 -- closed below
         try:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            out = log if log is not None else subprocess.DEVNULL
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         finally:
-            if log is not subprocess.DEVNULL:
+            if log is not None:
                 log.close()
         self.starts += 1
         deadline = time.monotonic() + self.start_timeout_s
@@ -418,18 +422,24 @@ def report_markdown(url: str, trace: Trace, scale: float, samples: list[Sample],
     return "\n".join(lines) + "\n"
 
 
-def plot(samples: list[Sample], marks: list[Mark], path: str, title: str) -> None:
-    import matplotlib
+def plot(samples: list[Sample], marks: list[Mark], path: str, title: str) -> bool:
+    """Write the TTFT plot to ``path``; False (and a line on stderr) without matplotlib."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('sims.replay: no ttft.png: matplotlib is not installed (pip install -e ".[bench]")', file=sys.stderr)
+        return False
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    hit = [s for s in samples if s.ok and s.ttft_s is not None and (s.cached_tokens or 0) > 0]
-    miss = [s for s in samples if s.ok and s.ttft_s is not None and not (s.cached_tokens or 0) > 0]
+    timed = [(s, s.ttft_s) for s in samples if s.ok and s.ttft_s is not None]
+    hit = [(s, ttft) for s, ttft in timed if (s.cached_tokens or 0) > 0]
+    miss = [(s, ttft) for s, ttft in timed if not (s.cached_tokens or 0) > 0]
     failed = [s for s in samples if not s.ok]
-    ax.scatter([s.start for s in miss], [s.ttft_s * 1000 for s in miss], s=10, c="tab:blue", label="no cached prefix")
-    ax.scatter([s.start for s in hit], [s.ttft_s * 1000 for s in hit], s=10, c="tab:green", label="cached prefix")
+    ax.scatter([s.start for s, _ in miss], [t * 1000 for _, t in miss], s=10, c="tab:blue", label="no cached prefix")
+    ax.scatter([s.start for s, _ in hit], [t * 1000 for _, t in hit], s=10, c="tab:green", label="cached prefix")
     if failed:
         ax.scatter([s.start for s in failed], [1.0] * len(failed), s=14, c="black", marker="x", label="failed")
     colors = {"crash": "tab:red", "graceful": "tab:orange", "flush": "tab:purple"}
@@ -445,6 +455,7 @@ def plot(samples: list[Sample], marks: list[Mark], path: str, title: str) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def _tokenizer(spec: str | None) -> Callable[[str], list[int]] | None:
@@ -492,15 +503,15 @@ def main(argv: list[str] | None = None) -> int:
     anyio.run(replayer.run)
     samples = sorted(replayer.samples.values(), key=lambda s: s.id)
     os.makedirs(args.out, exist_ok=True)
-    plot(samples, replayer.marks, os.path.join(args.out, "ttft.png"), f"TTFT, {trace.header.kind} trace, {url}")
-    text = report_markdown(url, trace, args.time_scale, samples, replayer.marks, "ttft.png")
+    png = "ttft.png" if plot(samples, replayer.marks, os.path.join(args.out, "ttft.png"), f"TTFT, {trace.header.kind} trace, {url}") else None
+    text = report_markdown(url, trace, args.time_scale, samples, replayer.marks, png)
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "samples.ndjson"), "w") as f:
         for s in samples:
             f.write(json.dumps(asdict(s)) + "\n")
     print(text, end="")
-    print(f"(written to {args.out}/report.md, ttft.png, samples.ndjson)")
+    print(f"(written to {args.out}/report.md, {png + ', ' if png else ''}samples.ndjson)")
     return 0 if all(s.ok for s in samples) else 1
 
 

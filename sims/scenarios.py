@@ -7,8 +7,9 @@ is eventually answered with exactly the tokens a cold prefill gives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.fake_gpu import FakeGPUConfig
@@ -79,7 +80,7 @@ class Scenario:
 
 
 def _config(**kw) -> EngineConfig:
-    base = dict(
+    base: dict[str, Any] = dict(
         backend="fake",
         fake=FakeGPUConfig(),
         max_batch=8,

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import IO, Callable, Iterable, Iterator
+from typing import IO
 
 import msgspec
 

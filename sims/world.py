@@ -74,7 +74,7 @@ def _fast_select(sel: Any) -> Any:
     general = sel.select
     fds = sel._fd_to_key  # selectors' fd -> key map: registering fills it
     clock = sel.clock
-    max_timeout = asyncio.base_events.MAXIMUM_SELECT_TIMEOUT
+    max_timeout = asyncio.base_events.MAXIMUM_SELECT_TIMEOUT  # type: ignore[attr-defined]  # private, not in typeshed
 
     def select(timeout: float | None = None) -> list[Any]:
         if fds or sel._closed:
@@ -192,7 +192,7 @@ class Host:
     """Runs the engine; restarts it when the trace says so, when the
     simulator pulls the plug, or when it died on its own (a hung GPU step)."""
 
-    def __init__(self, sim: "Simulation"):
+    def __init__(self, sim: Simulation):
         self.sim = sim
         self.engine: Engine | None = None
         self.gen = 0

@@ -32,3 +32,12 @@ def pytest_configure(config):
 @pytest.fixture
 def anyio_backend():
     return ("asyncio", {"loop_factory": async_solipsism.EventLoop})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    # A real pretrained model takes seconds to load and run: keep such tests out
+    # of the fast lane (`pytest -m "not slow"`) without a second marker on each.
+    for item in items:
+        if item.get_closest_marker("real_model") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)

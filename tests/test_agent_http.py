@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from test_http import FAKE, TOK, expected_text, serving
+from tests.test_http import FAKE, TOK, expected_text, serving
 
 pytestmark = pytest.mark.anyio
 

@@ -39,6 +39,7 @@ needs_openblas = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # subprocesses
 @needs_openblas
 @pytest.mark.parametrize("argv", ["None", "sys.argv"])
 def test_reexecs_once_with_openblas_preloaded(tmp_path, argv):
@@ -50,6 +51,7 @@ def test_reexecs_once_with_openblas_preloaded(tmp_path, argv):
     assert lines[-1] == f"preload {blas.openblas_path()}"
 
 
+@pytest.mark.slow  # subprocesses
 @needs_openblas
 def test_opt_out_and_existing_preload_do_not_reexec(tmp_path):
     lines = _run(tmp_path, {blas.OPT_OUT: "1"})

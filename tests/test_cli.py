@@ -51,6 +51,7 @@ def test_bad_flag_exit_code_from_the_command():
     assert b"Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # subprocess that imports MLX
 def test_a_model_directory_that_does_not_load_exits_2(tmp_path):
     (tmp_path / "config.json").write_text("{ not json")
     r = ember("serve", "--model", str(tmp_path), "--port", "0", "--log-level", "error", openblas=True)

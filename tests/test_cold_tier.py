@@ -18,7 +18,18 @@ import pytest
 from anyio import wait_all_tasks_blocked
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
-from actors.cold_tier import ColdStore, ColdTier, Demoted, Restore, Spill, Store, entry_id, ns_folder, run_inline, ungated
+from actors.cold_tier import (
+    ColdStore,
+    ColdTier,
+    Demoted,
+    Restore,
+    Spill,
+    Store,
+    entry_id,
+    ns_folder,
+    run_inline,
+    ungated,
+)
 from actors.events import EngineBusy, EngineIdle
 from actors.runtime import ActorRef, inbox
 from actors.scheduler import Demote, Restored

@@ -14,13 +14,16 @@ import asyncio
 import json
 import math
 import os
+import threading
 
 import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
 jsonschema = pytest.importorskip("jsonschema")
-llguidance = pytest.importorskip("llguidance")
+pytest.importorskip("llguidance")
+
+import llguidance  # noqa: E402
 import llguidance.hf  # noqa: E402
 import llguidance.numpy  # noqa: E402
 
@@ -155,6 +158,18 @@ def test_forbidden_draft_is_rejected_and_rolled_back():
 
 async def test_bad_constraints_are_refused_naming_the_parameter():
     async with Engine.open(_cfg()) as engine:
+        grammars = engine.backend.grammars
+        compile_, threads = grammars.compile, []
+
+        def watched(c):
+            threads.append(threading.get_ident())
+            return compile_(c)
+
+        grammars.compile = watched
+        ok = await engine.acomplete("x", SamplingParams(max_tokens=4, constraint=Constraint(kind="regex", source="[ab]+")))
+        assert set(ok.text) <= {"a", "b"}
+        # compiled on a worker thread, never on the event loop's
+        assert threads and threading.get_ident() not in threads
         for c in [
             Constraint(kind="json_schema", source='{"type": "foo"}'),
             Constraint(kind="json_schema", source="{not json"),
@@ -245,3 +260,26 @@ async def test_constraint_keeps_the_distribution_over_allowed_tokens():
     # and the unconstrained distribution is clearly different (the test can fail)
     p_obs = counts / n
     assert np.abs(p_obs - p).sum() > 0.2
+
+
+async def test_n_choices_open_and_prefill_together():
+    """``n`` rows of one request are admitted concurrently, so they open in the
+    same step and their prompt goes through one batched prefill forward."""
+    from transport.choices import submit_choices
+
+    async with Engine.open(_cfg()) as engine:
+        prompt = engine.encode("import os\nimport sys\n" * 20)
+        before = engine.backend.counters["prefill_together"]
+        params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s) for s in (1, 2, 3)]
+        stream = await submit_choices(engine, prompt, params, {})
+        texts = {rid: "" for rid in stream.rids}
+        async with stream:
+            async for d in stream:
+                texts[d.rid] += d.text
+        assert engine.backend.counters["prefill_together"] - before == 3
+        assert len(set(texts.values())) > 1  # three seed streams
+        bad = [SamplingParams(constraint=Constraint(kind="regex", source="[a-"))] * 3
+        with pytest.raises(InvalidRequest) as e:
+            await submit_choices(engine, prompt, bad, {"constraint": "response_format"})
+        assert e.value.param == "response_format"
+        assert engine.gateway.stats()["in_flight"] == 0  # nothing left behind

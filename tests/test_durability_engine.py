@@ -85,6 +85,7 @@ async def seeded_workload(tmp_path, seed: int, *, writebehind: bool, n: int = 40
     return log, got, waits
 
 
+@pytest.mark.slow  # a long write-behind run
 async def test_no_tensor_write_step_overlaps_a_gpu_step(tmp_path):
     for seed in (1, 2):
         log, got, _ = await seeded_workload(tmp_path / str(seed), seed, writebehind=True)

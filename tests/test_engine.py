@@ -372,9 +372,9 @@ def test_fake_sampling_memo_gives_the_draws_of_a_fresh_computation():
 
 async def test_a_reader_that_waits_for_the_end_is_woken_once_with_every_delta_queued():
     from actors.gateway import delta_stream
+    from actors.runtime import Failure
     from engine.api import Delta
     from engine.errors import RequestFailed
-    from actors.runtime import Failure
 
     woke = []
 

@@ -5,7 +5,8 @@ unknown fields and raw garbage, against one long-lived app on the fake GPU."""
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -108,6 +109,7 @@ def client() -> Iterator[TestClient]:
         yield c
 
 
+@pytest.mark.slow  # 150 examples
 @settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(req=requests())
 def test_no_body_gets_a_5xx(client, req):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-
 import sys
 
 import pytest
@@ -18,7 +17,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402

@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import numpy as np

@@ -7,7 +7,6 @@ the KV a fresh prefill of the served prefix produces.
 
 from __future__ import annotations
 
-
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,7 +38,7 @@ class FrozenKV(FakeKVCache):
     def is_trimmable(self) -> bool:
         return False
 
-    def copy(self) -> "FrozenKV":
+    def copy(self) -> FrozenKV:
         c = FrozenKV()
         c.keys, c.values, c.offset = self.keys.copy(), self.values.copy(), self.offset
         return c

@@ -124,12 +124,11 @@ async def test_stop_fails_asks_still_queued():
         except EngineDead:
             outcomes.append("dead")
 
-    async with anyio.create_task_group() as callers:
-        async with anyio.create_task_group() as tg:
-            await tg.start(a.run)
-            callers.start_soon(asker, 1)
-            await anyio.wait_all_tasks_blocked()
-            callers.start_soon(asker, 2)
-            await anyio.wait_all_tasks_blocked()
-            tg.cancel_scope.cancel()  # stop the actor while ask 1 is mid-handle and ask 2 queued
+    async with anyio.create_task_group() as callers, anyio.create_task_group() as tg:
+        await tg.start(a.run)
+        callers.start_soon(asker, 1)
+        await anyio.wait_all_tasks_blocked()
+        callers.start_soon(asker, 2)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()  # stop the actor while ask 1 is mid-handle and ask 2 queued
     assert sorted(map(str, outcomes)) == ["dead", "dead"]

@@ -23,7 +23,7 @@ from sims.run import Simulation, run_scenario
 from sims.scenarios import SCENARIOS, DiskFaults
 
 
-def small(name: str, requests: int = 20, **kw) -> "simrun.Scenario":
+def small(name: str, requests: int = 20, **kw) -> simrun.Scenario:
     base = SCENARIOS[name]
     make = {"agent": gen.agent, "chat": gen.chat}.get(name)
     if name in ("crash",):
@@ -73,6 +73,7 @@ def test_same_seed_same_digest_other_seed_other_digest():
     assert c.digest != a.digest
 
 
+@pytest.mark.slow  # subprocesses
 def test_digest_does_not_depend_on_the_process_hash_seed():
     cmd = [sys.executable, "-m", "sims.run", "--scenario", "agent", "--seed", "3", "--trace", "agent-small"]
     digests = []
@@ -231,6 +232,7 @@ def test_recording_disk_folds_a_run_of_calls_into_one_record_the_write_checker_r
     assert [f.message.split(" ")[0] for f in c.findings] == ["disk_write", "disk_fsync"] and c.checked == 2
 
 
+@pytest.mark.slow  # a long scenario
 def test_slow_disk_overlaps_in_flight_write_steps_without_stalling_admission():
     # 50 ms per I/O call: write steps are still in flight when turns arrive, the
     # GPU steps start anyway (admission on time) and no new write step begins.
@@ -300,6 +302,7 @@ def test_oracle_matches_expected_tokens_and_seeded_sampling_is_reproducible():
 # The command line.
 
 
+@pytest.mark.slow  # whole scenarios
 def test_list_and_violation_exit_code(monkeypatch, capsys):
     assert simrun.main(["--list"]) == 0
     listed = capsys.readouterr().out
@@ -325,6 +328,7 @@ def test_list_and_violation_exit_code(monkeypatch, capsys):
     assert "trace: chat (40 requests, " in out[0]
 
 
+@pytest.mark.slow  # many simulations
 def test_sweep_seed_ranges_and_one_run(capsys):
     assert sweep.parse_seeds("0-3,7,9-10") == [0, 1, 2, 3, 7, 9, 10]
     with pytest.raises(Exception, match="bad seed range"):
@@ -337,6 +341,16 @@ def test_sweep_seed_ranges_and_one_run(capsys):
 # Live replay against `ember serve --fake-gpu` (127.0.0.1, a few seconds).
 
 
+def test_replay_report_without_matplotlib_says_so_and_writes_no_png(tmp_path, capsys, monkeypatch):
+    from sims import replay
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert replay.plot([], [], str(tmp_path / "ttft.png"), "t") is False
+    assert not (tmp_path / "ttft.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a live server, restarted
 def test_replay_against_ember_serve_with_a_crash_and_a_flush(tmp_path, capsys):
     from sims import replay
     from sims.trace import Flush, Header, Request, Restart, Trace

@@ -18,7 +18,8 @@ counts it: ``input_tokens + cache_read_input_tokens`` is the whole prompt.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request

@@ -162,7 +162,7 @@ class MessagesRequest(_Prompt, kw_only=True):
     metadata: Metadata | None = None
     service_tier: str | None = None
 
-    def check(self) -> "MessagesRequest":
+    def check(self) -> MessagesRequest:
         super().check()
         stops = self.stop_sequences or []
         if len(stops) > MAX_STOP_STRINGS:

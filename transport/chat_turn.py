@@ -36,7 +36,7 @@ class Prompt(list):
     text: str | None = None
 
 
-_MEMORIES: "weakref.WeakKeyDictionary[Any, OutputMemory]" = weakref.WeakKeyDictionary()
+_MEMORIES: weakref.WeakKeyDictionary[Any, OutputMemory] = weakref.WeakKeyDictionary()
 
 
 def output_memory(engine: Any) -> OutputMemory:

@@ -14,30 +14,50 @@ from typing import Any
 
 import anyio
 
-from engine.api import Completion, RequestStream
+from engine.api import RequestStream
 from engine.errors import EngineError, InvalidRequest
 from engine.types import Delta, SamplingParams, Usage
+from transport.openai_schema import rename_param
 
 
 async def submit_choices(engine: Any, prompt: list[int], params: list[SamplingParams], rename: dict[str, str]) -> Any:
     """Admit one row per choice; a single ``RequestStream`` when n == 1.
     ``rename``: engine parameter names reported under the request's own
     (``constraint`` -> ``response_format``)."""
-    streams: list[RequestStream] = []
+    got: dict[int, RequestStream] = {}
+
+    async def one(i: int, p: SamplingParams) -> None:
+        got[i] = await engine.asubmit(prompt, p)
+
     try:
-        for p in params:
-            streams.append(await engine.asubmit(prompt, p))
-    except InvalidRequest as exc:
-        for s in streams:
+        if len(params) == 1:
+            await one(0, params[0])
+        else:
+            # Submitted concurrently, the Gateway queues every Admit before the
+            # Scheduler's next step, so the n rows open (and prefill) together;
+            # one after another, the first would often open alone.
+            async with anyio.create_task_group() as tg:
+                for i, p in enumerate(params):
+                    tg.start_soon(one, i, p)
+    except BaseException as exc:
+        for s in got.values():
             await s.aclose()
-        if exc.param in rename:
-            exc.param = rename[exc.param]
-        raise
-    except BaseException:
-        for s in streams:
-            await s.aclose()
-        raise
+        if isinstance(exc, BaseExceptionGroup):  # the first engine error, as a lone request raises it
+            engine_errors = [e for e in _leaves(exc) if isinstance(e, EngineError)]
+            if engine_errors:
+                exc = engine_errors[0]
+        if isinstance(exc, InvalidRequest) and exc.param in rename:
+            rename_param(exc, rename[exc.param], exc.param)
+        raise exc
+    streams = [got[i] for i in range(len(params))]
     return streams[0] if len(streams) == 1 else ChoiceStream(streams)
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
 
 
 class ChoiceStream:
@@ -82,7 +102,7 @@ class ChoiceStream:
                     tg.start_soon(one, s)
         return ready
 
-    def __aiter__(self) -> "ChoiceStream":
+    def __aiter__(self) -> ChoiceStream:
         return self
 
     async def __anext__(self) -> Delta:
@@ -98,7 +118,7 @@ class ChoiceStream:
         for s in self.streams:
             await s.aclose()
 
-    async def __aenter__(self) -> "ChoiceStream":
+    async def __aenter__(self) -> ChoiceStream:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -118,18 +138,3 @@ def merge_usage(usages: list[Usage | None]) -> Usage | None:
         speculation=first.speculation,
     )
 
-
-async def collect_all(stream: Any, on_delta: Any) -> list[Completion]:
-    """Every choice's whole output (``on_delta`` sees each delta as it comes)."""
-    rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
-    out = {rid: Completion() for rid in rids}
-    failed: EngineError | None = None
-    try:
-        async for d in stream:
-            on_delta(d)
-            out[d.rid].add(d)
-    except EngineError as exc:
-        failed = exc
-    if failed is not None:
-        raise failed
-    return [out[rid] for rid in rids]

@@ -32,6 +32,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="speculative decoding drafter: a model directory, tiny-draft, or ngram")
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
     p.add_argument("--fake-gpu", action="store_true", help="serve the deterministic fake GPU instead of a model")
+    p.add_argument("--max-kv-size", type=int, metavar="TOKENS", help="plain KV layers keep a sliding window of this many tokens")
+    p.add_argument("--kv-bits", type=int, help="quantize the KV cache to this many bits (as mlx-lm's --kv-bits)")
+    p.add_argument("--kv-group-size", type=int, help="group size of the KV quantization (default 64)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--spill-queue", type=float, metavar="GIB", help="cap of caches waiting to be written to SSD (default 2)")
     s.add_argument("--ssd-demote-idle", type=float, metavar="SECONDS", help="demote RAM entries idle this long to SSD")
+    s.add_argument(
+        "--distributed",
+        choices=["tensor", "pipeline"],
+        help="one model across the ranks of `mlx.launch -n N -- ember serve ...`: rank 0 serves HTTP (docs/distributed.md)",
+    )
     s.add_argument("--min-cached-prefix", type=int, metavar="TOKENS", help="shortest cached prefix worth reusing (default 16)")
+    s.add_argument(
+        "--trust-gateway",
+        action="store_true",
+        help="accept the SGLang Model Gateway's extension fields (no_stop_trim, ...) in requests (docs/distributed.md)",
+    )
     s.add_argument(
         "--api-key", default=os.environ.get("EMBER_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on every route but /health (default: $EMBER_API_KEY)",
@@ -93,6 +106,9 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "draft_model": "draft_model",
         "num_draft_tokens": "num_draft_tokens",
         "served_model_name": "model_name",
+        "max_kv_size": "max_kv_size",
+        "kv_bits": "kv_bits",
+        "kv_group_size": "kv_group_size",
     }
     fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": args.model}
     for flag, field in mapping.items():
@@ -101,6 +117,11 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             fields[field] = value
     if getattr(args, "ssd_cache_verify", None) is not None:
         fields["ssd_cache_verify"] = args.ssd_cache_verify
+    if getattr(args, "distributed", None):
+        from engine.mlx_distributed import DEFAULT_STEP_TIMEOUT_S
+
+        fields["distributed"] = args.distributed
+        fields["step_timeout_s"] = DEFAULT_STEP_TIMEOUT_S  # a hung rank ends as engine_dead, not a hang
     try:
         config = EngineConfig(**fields).validate()
     except InvalidRequest as exc:
@@ -143,20 +164,28 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from transport.http import build_app
 
     config = engine_config(args, parser)
+    if config.distributed:
+        from engine.mlx_distributed import rank, run_follower
+
+        if rank() != 0:  # the other ranks execute rank 0's step plans; no HTTP
+            logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+            return run_follower(config)
     try:
         sock = _bind(args.host, args.port)
     except OSError as exc:
         parser.error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     _import_mlx_on_main_thread(config)
-    from transport.security import is_loopback
-
     from transport.conn_guard import header_deadline_protocol
+    from transport.security import is_loopback
 
     for flag in ("header_timeout", "idle_timeout", "send_timeout"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be a positive number of seconds")
-    app = build_app(config, api_key=args.api_key, loopback_only=is_loopback(args.host), send_timeout_s=args.send_timeout)
+    app = build_app(
+        config, trust_gateway=args.trust_gateway, api_key=args.api_key, loopback_only=is_loopback(args.host),
+        send_timeout_s=args.send_timeout,
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app,

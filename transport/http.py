@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 import msgspec
@@ -33,10 +34,12 @@ from engine.errors import EngineError, InvalidRequest
 from engine.eventlog import EventLog
 from engine.ports import LoopClock
 from transport import chat_turn
-from transport.errors import ApiError, error_body, from_engine_error
-from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
 from transport.choices import ChoiceStream, submit_choices
-from transport.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, decode_request
+from transport.errors import ApiError, error_body, from_engine_error
+from transport.gateway_compat import ExtensionCounter, request_type
+from transport.gateway_compat import routes as gateway_routes
+from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
+from transport.openai_schema import ModelCard, ModelList, decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.security import SecurityMiddleware
 from transport.sse import Disconnect, EventStream
@@ -67,9 +70,12 @@ class ServerState:
         keepalive_s: float,
         default_max_tokens: int,
         max_body_bytes: int,
+        trust_gateway: bool = False,
         send_timeout_s: float | None = None,
     ):
         self.config = config
+        self.trust_gateway = trust_gateway  # accept the SGLang gateway's extension fields (transport/gateway_compat.py)
+        self.extensions = ExtensionCounter()
         self.send_timeout_s = send_timeout_s
         self.engine_kw = engine_kw
         self.keepalive_s = keepalive_s
@@ -80,6 +86,7 @@ class ServerState:
         self.error: BaseException | None = None
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.metrics.registry.register(self.extensions)
         self.settled: anyio.Event | None = None  # set once ready or failed (made on the serving loop)
         self._stop: anyio.Event | None = None
         self._tokenize_limiter: anyio.CapacityLimiter | None = None
@@ -254,30 +261,30 @@ async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: Tok
     out = Completion()
     disconnect = Disconnect(receive)
     failed: EngineError | None = None
-    async with stream:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
-            try:
-                async for d in stream:
-                    timer.tokens(len(d.token_ids))
-                    (outs[d.rid] if outs is not None else out).add(d)
-            except EngineError as exc:
-                failed = exc
-            tg.cancel_scope.cancel()
+    async with stream, anyio.create_task_group() as tg:
+        tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
+        try:
+            async for d in stream:
+                timer.tokens(len(d.token_ids))
+                (outs[d.rid] if outs is not None else out).add(d)
+        except EngineError as exc:
+            failed = exc
+        tg.cancel_scope.cancel()
     if failed is not None:
         raise failed
     if disconnect.happened:
         return None
     timer.done()
-    return [outs[rid] for rid in rids] if outs is not None else out
+    return [outs[rid] for rid in rids] if outs is not None and rids else out
 
 
 async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
     engine = host.require_engine()
     timer = TokenTimer(host.metrics, engine.clock.now)
     body = await read_body(request, host.max_body_bytes)
-    req = decode_request(body, ChatCompletionRequest if chat else CompletionRequest)
+    req = host.extensions.check(decode_request(body, request_type(chat, host.trust_gateway)))
     model = host.check_model(req.model)
+    prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
         tools = req.tool_setup()
         prompt = await host.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
@@ -301,15 +308,16 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
             model, req.include_usage, rids=rids, token_bytes=engine.token_bytes, splitter=lambda: chat_turn.splitter(engine, tools)
         )
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
-    renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
+    completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
     if req.stream:
         return EventStream(
-            stream, renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done, send_timeout_s=host.send_timeout_s
+            stream, completion_renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done,
+            send_timeout_s=host.send_timeout_s,
         )
     completion = await collect(stream, request.receive, timer)
     if completion is None:
         return Response(status_code=400)  # the client left; nothing is sent
-    return Response(renderer.body(completion), media_type="application/json")
+    return Response(completion_renderer.body(completion), media_type="application/json")
 
 
 async def chat_completions(request: Request, host: ServerState) -> Response:
@@ -387,6 +395,7 @@ def build_app(
     keepalive_s: float = 5.0,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     max_body_bytes: int = MAX_BODY_BYTES,
+    trust_gateway: bool = False,
     api_key: str | None = None,
     loopback_only: bool = False,
     send_timeout_s: float | None = SEND_TIMEOUT_S,
@@ -399,7 +408,12 @@ def build_app(
     route, including ones added later."""
     config = config.validate()  # a bad combination fails here, before anything listens
     host = ServerState(
-        config, engine_kw, keepalive_s=keepalive_s, default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes,
+        config,
+        engine_kw,
+        keepalive_s=keepalive_s,
+        default_max_tokens=default_max_tokens,
+        max_body_bytes=max_body_bytes,
+        trust_gateway=trust_gateway,
         send_timeout_s=send_timeout_s,
     )
 
@@ -421,6 +435,7 @@ def build_app(
         Route("/stats", _endpoint("stats", stats), methods=["GET"]),
         Route("/metrics", _endpoint("metrics", metrics), methods=["GET"]),
         Route("/admin/cache/flush", _endpoint("cache_flush", cache_flush), methods=["POST"]),
+        *gateway_routes(),  # what the SGLang Model Gateway probes
     ]
     routes += agent_routes()
     app = Starlette(

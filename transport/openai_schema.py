@@ -287,7 +287,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    def check(self) -> "ChatCompletionRequest":
+    def check(self) -> ChatCompletionRequest:
         self._check_common()
         if not self.messages:
             raise InvalidRequest("messages must not be empty", "messages")
@@ -355,7 +355,7 @@ class CompletionRequest(_Common, kw_only=True):
     best_of: int | None = None
     suffix: str | None = None
 
-    def check(self) -> "CompletionRequest":
+    def check(self) -> CompletionRequest:
         self._check_common()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
@@ -375,7 +375,7 @@ _AT_PATH = re.compile(r" - at `\$\.?(.*)`$")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
-def decode_request(body: bytes, kind: type[ChatCompletionRequest] | type[CompletionRequest]) -> Any:
+def decode_request(body: bytes, kind: type[Any]) -> Any:  # any request Struct (OpenAI, Anthropic, Responses)
     """Decode and check a request body; any problem is an ``InvalidRequest``."""
     try:
         req = msgspec.json.decode(body, type=kind)
@@ -408,7 +408,7 @@ class UsageBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     speculation: dict[str, Any] | None = None  # Ember's extension, only when a drafter ran
 
     @classmethod
-    def of(cls, u: Usage) -> "UsageBody":
+    def of(cls, u: Usage) -> UsageBody:
         return cls(
             prompt_tokens=u.prompt_tokens,
             completion_tokens=u.completion_tokens,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
-
-from typing import Any, Callable
 
 from engine.api import Completion
 from engine.errors import EngineError

@@ -115,7 +115,7 @@ class ResponsesRequest(_Strict, kw_only=True, dict=True):
     service_tier: str | None = None
     truncation: Literal["disabled"] | None = None
 
-    def check(self) -> "ResponsesRequest":
+    def check(self) -> ResponsesRequest:
         if self.previous_response_id is not None:
             raise InvalidRequest(
                 "previous_response_id is not supported: this server keeps no responses (store is always false); "

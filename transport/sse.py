@@ -11,7 +11,8 @@ scope, and leaving ``async with stream`` is what cancels the request, at once.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import anyio
 from starlette.responses import Response

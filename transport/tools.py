@@ -182,7 +182,7 @@ class ToolSetup(msgspec.Struct, frozen=True, kw_only=True):
     param_choice: str = "tool_choice"
 
     @classmethod
-    def of(cls, tools: list[Tool], choice: ToolChoice, parallel: bool | None, param_choice: str) -> "ToolSetup":
+    def of(cls, tools: list[Tool], choice: ToolChoice, parallel: bool | None, param_choice: str) -> ToolSetup:
         check_tools(tools, choice, param_choice)
         return cls(tools=tools, choice=choice, parallel=parallel is not False, param_choice=param_choice)
 

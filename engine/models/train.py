@@ -40,6 +40,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -144,13 +145,22 @@ def collect_corpus(root: Path | None = None, max_files: int | None = None):
     return train, heldout
 
 
+def _transformers():
+    """The ``train`` extra's transformers, or a clear exit without it."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise SystemExit('engine.models.train needs transformers: pip install -e ".[train]"') from exc
+    return transformers
+
+
 def build_tokenizer(texts, vocab_size: int, out_dir: Path):
     """Train a byte-level BPE on ``texts`` and save it HF-style in out_dir.
 
     Returns the ``transformers`` fast tokenizer.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast = _transformers().PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -199,10 +209,16 @@ def make_model(config: dict):
     return Model(ModelArgs.from_dict(config))
 
 
+def _value(a: Any) -> Any:
+    """A 0-d mlx array's Python number (mlx's stubs type ``item()`` as int | float | complex)."""
+    return a.item()
+
+
 def count_params(model) -> int:
     from mlx.utils import tree_flatten
 
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
+    params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))  # a list without destination=
+    return sum(v.size for _, v in params)
 
 
 def save_model_dir(model, config: dict, tok_dir: Path, out_dir: Path, eos_id: int):
@@ -254,7 +270,7 @@ def top1_agreement(a, b, windows: np.ndarray, batch: int = 16) -> float:
     for i in range(0, len(windows), batch):
         x = mx.array(windows[i : i + batch, :-1])
         h = (mx.argmax(a(x), axis=-1) == mx.argmax(b(x), axis=-1)).sum()
-        hit += h.item()
+        hit += _value(h)
         n += x.size
     return hit / n
 
@@ -294,7 +310,7 @@ def copy_top1(model, windows: np.ndarray, batch: int = 16) -> float:
         pred = mx.argmax(model(x)[:, half:], axis=-1)
         h = (pred == y[:, half:]).sum()
         mx.eval(h)
-        hit += h.item()
+        hit += _value(h)
         n += pred.size
     return hit / n
 
@@ -339,8 +355,8 @@ def evaluate(model, windows: np.ndarray, batch: int = 16):
         loss = nn.losses.cross_entropy(logits, y, reduction="sum")
         hit = (mx.argmax(logits, axis=-1) == y).sum()
         mx.eval(loss, hit)
-        tot_loss += loss.item()
-        tot_hit += hit.item()
+        tot_loss += _value(loss)
+        tot_hit += _value(hit)
         tot_n += y.size
     return tot_loss / tot_n, tot_hit / tot_n
 
@@ -486,7 +502,7 @@ def train_model(
     budget_s = minutes * 60.0 if minutes is not None else None
     train_time = 0.0  # excludes evaluation
     t_timed, n_timed = 0.0, 0  # step timing after the compile warmup
-    smooth = None
+    smooth: float | None = None
     step = 0
     while step < total:
         optimizer.learning_rate = lr_at(step, total, warmup, lr, 0.1)
@@ -513,13 +529,14 @@ def train_model(
             # schedule (which only starts now) ends at the time budget.
             per_step = t_timed / max(1, n_timed)
             # evaluation costs roughly 3% of the budget
+            assert budget_s is not None  # without steps, the time budget sets them
             remaining = budget_s * 0.97 - train_time
             total = max(warmup + 1, warmup + int(remaining / per_step))
             log(f"[{name}] {per_step * 1000:.0f} ms/step -> total {total} steps")
         if step % 50 == 0 or step == total:
             log(
                 f"[{name}] step {step}/{total} loss {lv:.3f} (ema {smooth:.3f}) "
-                f"gnorm {gnorm.item():.2f} lr {float(optimizer.learning_rate.item()):.2e} "
+                f"gnorm {float(gnorm):.2f} lr {float(optimizer.learning_rate):.2e} "
                 f"{train_time:.0f}s"
             )
         if step % eval_every == 0 or step == total:
@@ -619,7 +636,7 @@ def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray,
     target, tok = load(str(target_dir))
     draft, dtok = load(str(draft_dir))
     assert tok.vocab_size == dtok.vocab_size
-    res = {"demos": []}
+    res: dict[str, Any] = {"demos": []}
 
     tl, ta = evaluate(target, heldout_wins)
     dl, da = evaluate(draft, heldout_wins)
@@ -769,7 +786,7 @@ def main(argv=None):
 
     train_files, heldout_files = collect_corpus(max_files=max_files)
     if args.measure_only:
-        from transformers import AutoTokenizer
+        AutoTokenizer = _transformers().AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(str(out / "tiny"))
         heldout_tokens = encode_files(hf, heldout_files)
@@ -842,7 +859,7 @@ def run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_token
     return {
         "command": "python -m engine.models.train " + " ".join(sys.argv[1:] if argv is None else argv),
         "python": sys.version.split()[0],
-        "mlx": mx.__version__,
+        "mlx": mx.__version__,  # type: ignore[attr-defined]  # set at runtime, absent from mlx's stubs
         "seed": args.seed,
         "train_files": len(train_files),
         "heldout_files": len(heldout_files),
@@ -857,7 +874,7 @@ def shipped_tokenizer_data(args, train_files, heldout_files, eval_n: int, heldou
     """The corpus encoded with the tokenizer already in ``--out/tiny`` (a run
     that keeps the shipped tokenizer): ``(eos_id, train_tokens,
     heldout_tokens, eval_windows, heldout_windows)``."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = _transformers().AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(args.out / "tiny"))
     train_tokens = encode_files(hf, train_files)
