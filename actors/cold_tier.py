@@ -51,7 +51,7 @@ from actors.scheduler import Demote, Restored
 from engine import kvfile
 from engine.disk import Disk, FileStat, NotRegularFile
 from engine.errors import EngineDead
-from engine.kvfile import KvFileError, KvHeader, KvMeta, KvReader, KvWriter
+from engine.kvfile import KvHeader, KvMeta, KvReader, KvWriter
 from engine.ports import Backend, Clock, Device
 from engine.prompt_cache import PrefixIndex, as_tokens, token_bytes, usable_prefix
 

@@ -745,9 +745,8 @@ def validate_header(
                         raise bad(f"layer {i}: ring geometry out of range")
                 elif slot.shape[-2] != layer.offset:
                     raise bad(f"layer {i}: tensor of {slot.shape[-2]} positions for an offset of {layer.offset}")
-        elif isinstance(layer, ArraysLayer):
-            if any(not -1 <= t < len(slots) for t in layer.slots):
-                raise bad(f"layer {i}: state slot out of range")
+        elif isinstance(layer, ArraysLayer) and any(not -1 <= t < len(slots) for t in layer.slots):
+            raise bad(f"layer {i}: state slot out of range")
 
 
 def load(disk: Disk, path: str, *, expect: KvMeta | None = None, verify: bool = True) -> tuple[KvHeader, list[Any]]:

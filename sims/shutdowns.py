@@ -25,6 +25,7 @@ import urllib.request
 
 
 def _read_url(proc: subprocess.Popen, timeout_s: float) -> str | None:
+    assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout_s
@@ -77,7 +78,7 @@ def one(i: int, args: argparse.Namespace) -> tuple[int, int | None, str]:
                 os.kill(pid, signal.SIGTERM)
                 rc = proc.wait(timeout=120)
                 if args.gdb:  # gdb reports the inferior's end on its stdout
-                    out = proc.stdout.read()
+                    out = proc.stdout.read() if proc.stdout is not None else ""
                     with open(err_path, "a") as f:
                         f.write(out)
                     rc = 0 if "exited normally" in out else (-6 if "SIGABRT" in out else 1)
@@ -85,7 +86,8 @@ def one(i: int, args: argparse.Namespace) -> tuple[int, int | None, str]:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-                proc.stdout.close()
+                if proc.stdout is not None:
+                    proc.stdout.close()
         return i, rc, _tail(err_path, 12000)
 
 

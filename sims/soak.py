@@ -22,7 +22,6 @@ exits 1 if the bound or the plateau fails.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import selectors
@@ -53,6 +52,7 @@ def rss_bytes(pid: int) -> int:
 
 
 def _read_url(proc: subprocess.Popen, timeout_s: float = 300) -> str:
+    assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout_s
@@ -140,7 +140,6 @@ def main() -> int:
             url = _read_url(proc)
             pid = _server_pid(proc)
             with httpx.Client(base_url=url, timeout=300) as c:
-                stats = c.get("/stats").json()
                 # warm-up: one long request, so the ready RSS includes compiled kernels and buffers
                 c.post("/v1/completions", json={"prompt": list(range(3, 2003)), "max_tokens": 8})
             kv_per_token = _kv_bytes_per_token(url, d)
@@ -196,11 +195,11 @@ def main() -> int:
     rows = [(samples[i][0], samples[i][1]) for i in range(0, n, step)] + [samples[-1]]
     if args.markdown:
         print("\n| t (s) | RSS (MiB) |\n|---|---|")
-        for t, r in rows:
-            print(f"| {t:.0f} | {r / MIB:.0f} |")
+        for at, r in rows:
+            print(f"| {at:.0f} | {r / MIB:.0f} |")
     else:
-        for t, r in rows:
-            print(f"  t={t:6.0f} s  RSS {r / MIB:7.0f} MiB")
+        for at, r in rows:
+            print(f"  t={at:6.0f} s  RSS {r / MIB:7.0f} MiB")
     print(f"peak {peak / MIB:.0f} MiB, bound {bound / MIB:.0f} MiB; mean middle third {statistics.mean(mid) / MIB:.0f} MiB, "
           f"last third {statistics.mean(last) / MIB:.0f} MiB (growth {growth / MIB:+.0f} MiB): "
           f"{'PLATEAU' if plateau else 'STILL GROWING'}, {'within' if peak <= bound else 'OVER'} the bound")

@@ -104,7 +104,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> float | None:
             data = sock.recv(4096)
             if not data:
                 return time.monotonic() - t0
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return None
     except ConnectionResetError:
         return time.monotonic() - t0

@@ -22,7 +22,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     header_timeout_s = 10.0
     _head_timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._arm_head_timer()
 

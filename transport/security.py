@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from transport.errors import ApiError, error_body
 
@@ -88,15 +89,14 @@ class SecurityMiddleware:
                         param="Host",
                         code="invalid_host",
                     )
-        if self.api_key is not None and scope.get("path") not in PUBLIC_PATHS:
-            if not self._authorized(headers):
-                return ApiError(
-                    401,
-                    "a valid API key is required: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
-                    param="Authorization",
-                    code="invalid_api_key",
-                    headers={"www-authenticate": "Bearer"},
-                )
+        if self.api_key is not None and scope.get("path") not in PUBLIC_PATHS and not self._authorized(headers):
+            return ApiError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                param="Authorization",
+                code="invalid_api_key",
+                headers={"www-authenticate": "Bearer"},
+            )
         if scope.get("method") in BODY_METHODS:
             ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
             if ctype != b"application/json":
