@@ -31,7 +31,9 @@ from sims.bench_ssd import _prompt, _settled, _ttft
 
 
 def _cfg(args: argparse.Namespace, d: str, verify: bool) -> EngineConfig:
-    return EngineConfig(backend="mlx", model=args.model, ssd_cache_dir=d, prefill_chunk=512, max_batch=4, ssd_cache_verify=verify)
+    return EngineConfig(
+        backend="mlx", model=args.model, ssd_cache_dir=d, prefill_chunk=512, max_batch=4, ssd_cache_verify=verify
+    )
 
 
 def _hash_rates(d: str) -> dict[str, float]:
@@ -40,7 +42,10 @@ def _hash_rates(d: str) -> dict[str, float]:
     bufs = [b for i in range(len(reader.header.layers)) for b in reader.read_layer(i)]
     total = sum(len(b) for b in bufs)
     out = {"entry_mib": total / 2**20}
-    for name, fn in (("xxh3-64", xxhash.xxh3_64_hexdigest), ("blake2b-8", lambda b: hashlib.blake2b(b, digest_size=8).hexdigest())):
+    for name, fn in (
+        ("xxh3-64", xxhash.xxh3_64_hexdigest),
+        ("blake2b-8", lambda b: hashlib.blake2b(b, digest_size=8).hexdigest()),
+    ):
         ts = []
         for _ in range(5):
             t0 = time.perf_counter()
@@ -61,7 +66,7 @@ async def main(args: argparse.Namespace) -> None:
         rates = _hash_rates(d)
         ttft: dict[bool, list[float]] = {True: [], False: []}
         for r in range(args.repeats):
-            for verify in ((True, False) if r % 2 == 0 else (False, True)):
+            for verify in (True, False) if r % 2 == 0 else (False, True):
                 async with Engine.open(_cfg(args, d, verify)) as engine:
                     t, cached = await _ttft(engine, prompt)
                     assert cached == len(prompt) - 1, f"expected a restore, cached={cached}"
@@ -70,8 +75,12 @@ async def main(args: argparse.Namespace) -> None:
     on, off = statistics.median(ttft[True]), statistics.median(ttft[False])
     ratios = statistics.median(a / b for a, b in zip(ttft[True], ttft[False]))
     print(f"prompt {args.prompt_tokens} tokens, entry {rates['entry_mib']:.1f} MiB, cold TTFT {cold * 1000:.0f} ms")
-    print(f"restore TTFT median: verify on {on * 1000:.1f} ms, off {off * 1000:.1f} ms, paired on/off ratio {ratios:.3f}")
-    print(f"checksum alone over the entry: xxh3-64 {rates['xxh3-64_ms']:.1f} ms, blake2b-8 {rates['blake2b-8_ms']:.1f} ms")
+    print(
+        f"restore TTFT median: verify on {on * 1000:.1f} ms, off {off * 1000:.1f} ms, paired on/off ratio {ratios:.3f}"
+    )
+    print(
+        f"checksum alone over the entry: xxh3-64 {rates['xxh3-64_ms']:.1f} ms, blake2b-8 {rates['blake2b-8_ms']:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -51,18 +51,50 @@ def _post(url: str, body: dict) -> None:
 
 def one(i: int, args: argparse.Namespace) -> tuple[int, int | None, str]:
     with tempfile.TemporaryDirectory(prefix="ember-shutdown-") as d:
-        cmd = [sys.executable, "-m", "transport.cli", "serve", "--model", args.model, "--port", "0", "--log-level", "info"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "serve",
+            "--model",
+            args.model,
+            "--port",
+            "0",
+            "--log-level",
+            "info",
+        ]
         if args.ssd:
             cmd += ["--ssd-cache", d]
         if args.gdb:  # a backtrace of every thread if the process aborts
-            cmd = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "handle SIGTERM nostop noprint pass",
-                   "-ex", "handle SIGPIPE nostop noprint pass", "-ex", "run", "-ex", "thread apply all bt 30", "--args", *cmd]
+            cmd = [
+                "gdb",
+                "-q",
+                "-batch",
+                "-ex",
+                "set pagination off",
+                "-ex",
+                "handle SIGTERM nostop noprint pass",
+                "-ex",
+                "handle SIGPIPE nostop noprint pass",
+                "-ex",
+                "run",
+                "-ex",
+                "thread apply all bt 30",
+                "--args",
+                *cmd,
+            ]
             env_extra = {"EMBER_NO_OPENBLAS": "1"}  # no re-exec: gdb must hold the serving process itself
         else:
             env_extra = {}
         err_path = os.path.join(d, "stderr")
         with open(err_path, "w") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **env_extra})
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env_extra},
+            )
             try:
                 url = _read_url(proc, args.start_timeout)
                 if url is None:

@@ -91,9 +91,17 @@ class Traffic:
             while not self.stop.is_set():
                 long = rng.random() < 0.35
                 prefix = rng.choice(self.prefixes)
-                tail = [rng.randrange(3, self.vocab) for _ in range(rng.randrange(1000, 2000) if long else rng.randrange(4, 64))]
+                tail = [
+                    rng.randrange(3, self.vocab)
+                    for _ in range(rng.randrange(1000, 2000) if long else rng.randrange(4, 64))
+                ]
                 prompt = (prefix + tail)[: self.args.max_prompt]
-                body = {"prompt": prompt, "max_tokens": rng.choice((8, 16, 48)), "temperature": rng.choice((0.0, 0.8)), "ignore_eos": True}
+                body = {
+                    "prompt": prompt,
+                    "max_tokens": rng.choice((8, 16, 48)),
+                    "temperature": rng.choice((0.0, 0.8)),
+                    "ignore_eos": True,
+                }
                 drop = rng.random() < 0.2
                 try:
                     if drop or rng.random() < 0.5:
@@ -129,10 +137,28 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="ember-soak-") as d:
         cmd = [
-            sys.executable, "-m", "transport.cli", "serve", "--model", args.model, "--port", "0", "--log-level", "warning",
-            "--batch", str(args.batch), "--prompt-cache", str(args.prompt_cache_gib),
-            "--ssd-cache", d, "--ssd-cache-max", str(args.ssd_cache_max_gib), "--ssd-demote-idle", "2",
-            "--spill-queue", str(args.spill_queue_gib),
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "serve",
+            "--model",
+            args.model,
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            "--batch",
+            str(args.batch),
+            "--prompt-cache",
+            str(args.prompt_cache_gib),
+            "--ssd-cache",
+            d,
+            "--ssd-cache-max",
+            str(args.ssd_cache_max_gib),
+            "--ssd-demote-idle",
+            "2",
+            "--spill-queue",
+            str(args.spill_queue_gib),
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -183,13 +209,17 @@ def main() -> int:
     growth = statistics.mean(last) - statistics.mean(mid)
     plateau = growth <= max(0.10 * statistics.mean(mid), 64 * MIB)
 
-    cmdline = (f"python -m sims.soak --minutes {args.minutes:g} --model {args.model} --clients {args.clients} "
-               f"--prompt-cache-gib {args.prompt_cache_gib:g} --spill-queue-gib {args.spill_queue_gib:g}")
+    cmdline = (
+        f"python -m sims.soak --minutes {args.minutes:g} --model {args.model} --clients {args.clients} "
+        f"--prompt-cache-gib {args.prompt_cache_gib:g} --spill-queue-gib {args.spill_queue_gib:g}"
+    )
     print(f"# {cmdline}")
     print(f"traffic: {traffic.counts}; server exit code {rc}")
     ps, ss = final_stats.get("prompt_cache", {}), final_stats.get("ssd_cache", {})
-    print(f"prompt cache: entries {ps.get('entries')}, bytes {ps.get('bytes')}, evictions {ps.get('evictions')}; "
-          f"ssd: entries {ss.get('entries')}, spills {ss.get('spills')}, restores {ss.get('restores')}, evictions {ss.get('evictions')}")
+    print(
+        f"prompt cache: entries {ps.get('entries')}, bytes {ps.get('bytes')}, evictions {ps.get('evictions')}; "
+        f"ssd: entries {ss.get('entries')}, spills {ss.get('spills')}, restores {ss.get('restores')}, evictions {ss.get('evictions')}"
+    )
     print("bound terms: " + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in terms.items()) + f" = {bound / MIB:.0f} MiB")
     step = max(1, n // 12)
     rows = [(samples[i][0], samples[i][1]) for i in range(0, n, step)] + [samples[-1]]
@@ -200,9 +230,11 @@ def main() -> int:
     else:
         for at, r in rows:
             print(f"  t={at:6.0f} s  RSS {r / MIB:7.0f} MiB")
-    print(f"peak {peak / MIB:.0f} MiB, bound {bound / MIB:.0f} MiB; mean middle third {statistics.mean(mid) / MIB:.0f} MiB, "
-          f"last third {statistics.mean(last) / MIB:.0f} MiB (growth {growth / MIB:+.0f} MiB): "
-          f"{'PLATEAU' if plateau else 'STILL GROWING'}, {'within' if peak <= bound else 'OVER'} the bound")
+    print(
+        f"peak {peak / MIB:.0f} MiB, bound {bound / MIB:.0f} MiB; mean middle third {statistics.mean(mid) / MIB:.0f} MiB, "
+        f"last third {statistics.mean(last) / MIB:.0f} MiB (growth {growth / MIB:+.0f} MiB): "
+        f"{'PLATEAU' if plateau else 'STILL GROWING'}, {'within' if peak <= bound else 'OVER'} the bound"
+    )
     return 0 if peak <= bound and plateau and rc == 0 else 1
 
 
@@ -212,7 +244,9 @@ def _kv_bytes_per_token(url: str, ssd_dir: str) -> int:
     from engine import kvfile
     from engine.disk import RealDisk
 
-    req = urllib.request.Request(url + "/admin/cache/flush", data=b"{}", headers={"content-type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        url + "/admin/cache/flush", data=b"{}", headers={"content-type": "application/json"}, method="POST"
+    )
     try:
         urllib.request.urlopen(req, timeout=120).read()
     except Exception:  # noqa: BLE001 - a failed flush leaves no entry: the term is then 0

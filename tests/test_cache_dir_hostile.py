@@ -36,8 +36,13 @@ def feed(tokens: list[int]) -> list:
 
 def store(root: str, **kw) -> ColdStore:
     return ColdStore(
-        RealDisk(), root, model_id=INFO.model_id, config_fingerprint=INFO.config_fingerprint,
-        tokenizer_hash=INFO.tokenizer_hash, max_bytes=kw.pop("max_bytes", 1 << 30), **kw,
+        RealDisk(),
+        root,
+        model_id=INFO.model_id,
+        config_fingerprint=INFO.config_fingerprint,
+        tokenizer_hash=INFO.tokenizer_hash,
+        max_bytes=kw.pop("max_bytes", 1 << 30),
+        **kw,
     )
 
 
@@ -78,7 +83,15 @@ def ns_dir(root: str, ns: str = "") -> str:
 
 def good_entry(root: str, tokens=A) -> str:
     path = os.path.join(ns_dir(root), entry_id(np.asarray(tokens), "") + ".kv")
-    kvfile.save(RealDisk(), path, kvfile.KvMeta(model_id=INFO.model_id, config_fingerprint=INFO.config_fingerprint, tokenizer_hash=INFO.tokenizer_hash), tokens, feed(tokens))
+    kvfile.save(
+        RealDisk(),
+        path,
+        kvfile.KvMeta(
+            model_id=INFO.model_id, config_fingerprint=INFO.config_fingerprint, tokenizer_hash=INFO.tokenizer_hash
+        ),
+        tokens,
+        feed(tokens),
+    )
     return path
 
 
@@ -86,7 +99,9 @@ def forged(path: str, body: bytes, *, header_len: int | None = None, size: int |
     """A file whose preamble is valid for ``body`` (magic, version, hash):
     only what the header says is hostile."""
     n = len(body) if header_len is None else header_len
-    pre = kvfile.PREAMBLE.pack(kvfile.MAGIC, kvfile.FORMAT_VERSION, 0, n, kvfile.align_up(kvfile.PREAMBLE.size + n), kvfile._u64_hash(body))
+    pre = kvfile.PREAMBLE.pack(
+        kvfile.MAGIC, kvfile.FORMAT_VERSION, 0, n, kvfile.align_up(kvfile.PREAMBLE.size + n), kvfile._u64_hash(body)
+    )
     with open(path, "wb") as f:
         f.write(pre + body)
         if size is not None:
@@ -173,7 +188,10 @@ def test_a_kv_symlink_to_a_valid_entry_elsewhere_is_not_served(tmp_path):
         pytest.param(b"this is not JSON, but its hash is valid", id="not-json"),
         pytest.param(b'{"format_version":1,"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}", id="100k-deep"),
         pytest.param(b'{"a":' * 100_000 + b"1" + b"}" * 100_000, id="100k-deep-objects"),
-        pytest.param(b'{"format_version":1,"created_at":0,"model_id":"m","config_fingerprint":"f","ns":"","tokenizer_hash":"t","tokens":[99999999999999999999],"layers":[]}', id="token-overflow"),
+        pytest.param(
+            b'{"format_version":1,"created_at":0,"model_id":"m","config_fingerprint":"f","ns":"","tokenizer_hash":"t","tokens":[99999999999999999999],"layers":[]}',
+            id="token-overflow",
+        ),
     ],
 )
 def test_a_hash_valid_header_that_does_not_decode_is_deleted_and_startup_goes_on(tmp_path, body):
@@ -230,15 +248,30 @@ def test_huge_declared_sizes_in_a_sparse_file_allocate_nothing(tmp_path):
     forged(big_header, b"{}", header_len=512 << 20, size=600 << 20)
     # valid header hash, tensor slot declaring 1 GiB with a matching shape
     huge_tensor = os.path.join(d, "e" * 24 + ".kv")
-    slot = {"off": 0, "bytes": 1 << 30, "shape": [1, 1, len(A), (1 << 30) // (4 * len(A))], "dtype": "float32", "hash": "0" * 16}
+    slot = {
+        "off": 0,
+        "bytes": 1 << 30,
+        "shape": [1, 1, len(A), (1 << 30) // (4 * len(A))],
+        "dtype": "float32",
+        "hash": "0" * 16,
+    }
     slot["bytes"] = int(np.prod(slot["shape"])) * 4
     header = {
-        "format_version": 1, "created_at": 0.0, "model_id": INFO.model_id, "config_fingerprint": INFO.config_fingerprint,
-        "ns": "", "tokenizer_hash": INFO.tokenizer_hash, "tokens": A,
-        "layers": [{"kind": "FakeKVCache", "offset": len(A), "tensors": [slot, dict(slot, off=kvfile.align_up(slot["bytes"]))]}],
+        "format_version": 1,
+        "created_at": 0.0,
+        "model_id": INFO.model_id,
+        "config_fingerprint": INFO.config_fingerprint,
+        "ns": "",
+        "tokenizer_hash": INFO.tokenizer_hash,
+        "tokens": A,
+        "layers": [
+            {"kind": "FakeKVCache", "offset": len(A), "tensors": [slot, dict(slot, off=kvfile.align_up(slot["bytes"]))]}
+        ],
     }
     body = msgspec.json.encode(header)
-    forged(huge_tensor, body, size=kvfile.align_up(kvfile.PREAMBLE.size + len(body)) + 2 * kvfile.align_up(slot["bytes"]))
+    forged(
+        huge_tensor, body, size=kvfile.align_up(kvfile.PREAMBLE.size + len(body)) + 2 * kvfile.align_up(slot["bytes"])
+    )
     s = store(root, max_bytes=256 << 20)
     tracemalloc.start()
     try:

@@ -38,9 +38,18 @@ async def test_a_client_that_stops_reading_is_aborted_after_the_send_timeout():
         await host.settled.wait()
         body = b'{"prompt": "never read", "max_tokens": 32000, "stream": true, "ignore_eos": true}'
         scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-            "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-            "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
         }
         sent_body = False
 
@@ -113,8 +122,23 @@ def _closed_within(sock: socket.socket, seconds: float) -> float | None:
 @pytest.mark.slow
 def test_slowloris_and_silent_connections_are_closed_after_the_header_timeout():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transport.cli", "serve", "--fake-gpu", "--port", "0", "--header-timeout", "1", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "serve",
+            "--fake-gpu",
+            "--port",
+            "0",
+            "--header-timeout",
+            "1",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
         url = _read_url(proc)

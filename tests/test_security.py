@@ -46,18 +46,30 @@ HOSTS = {
     "rebound-ip-lookalike": ("127.0.0.1.nip.io", False),
     "lan": ("192.168.1.5:8000", False),
 }
-KEYS = {"none": {}, "wrong": {"authorization": "Bearer nope"}, "bearer": {"authorization": f"Bearer {KEY}"}, "x-api-key": {"x-api-key": KEY}}
+KEYS = {
+    "none": {},
+    "wrong": {"authorization": "Bearer nope"},
+    "bearer": {"authorization": f"Bearer {KEY}"},
+    "x-api-key": {"x-api-key": KEY},
+}
 ROUTES = [
     ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}', 200),
     ("POST", "/admin/cache/flush", b"", 200),  # privileged: no SSD tier here, an empty durable report
-    ("POST", "/v1/messages", b"{}", 400),  # Anthropic Messages: past the guard, the route's own 400 for a body without messages
+    (
+        "POST",
+        "/v1/messages",
+        b"{}",
+        400,
+    ),  # Anthropic Messages: past the guard, the route's own 400 for a body without messages
     ("POST", "/v1/route-added-later", b"{}", 404),  # the guard runs before routing: it covers routes added later
     ("GET", "/v1/models", None, 200),
     ("GET", "/health", None, 200),
 ]
 
 
-def expected(method: str, path: str, ok: int, ctype: str | None, host_ok: bool, key: str, *, with_key: bool, loopback: bool) -> int:
+def expected(
+    method: str, path: str, ok: int, ctype: str | None, host_ok: bool, key: str, *, with_key: bool, loopback: bool
+) -> int:
     if loopback and not host_ok:
         return 421
     if with_key and path != "/health" and key not in ("bearer", "x-api-key"):
@@ -88,7 +100,9 @@ async def test_content_type_host_and_api_key_matrix(with_key, loopback):
                 assert r.status_code == want, (method, path, cname, hname, kname, r.text)
                 if want in (401, 415, 421):
                     err = r.json()["error"]
-                    assert err["code"] in ("invalid_api_key", "unsupported_media_type", "invalid_host") and err["message"]
+                    assert (
+                        err["code"] in ("invalid_api_key", "unsupported_media_type", "invalid_host") and err["message"]
+                    )
                     if want == 401:
                         assert r.headers["www-authenticate"] == "Bearer"
                 cells += 1
@@ -96,9 +110,16 @@ async def test_content_type_host_and_api_key_matrix(with_key, loopback):
 
 
 def test_loopback_names():
-    assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]", "LOCALHOST", "a.localhost"))
+    assert all(
+        is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]", "LOCALHOST", "a.localhost")
+    )
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "attacker.example", "127.0.0.1.nip.io", "10.0.0.1", ""))
-    assert [host_name(v) for v in ("[::1]:80", "localhost:8000", "127.0.0.1", "[::1]")] == ["[::1]", "localhost", "127.0.0.1", "[::1]"]
+    assert [host_name(v) for v in ("[::1]:80", "localhost:8000", "127.0.0.1", "[::1]")] == [
+        "[::1]",
+        "localhost",
+        "127.0.0.1",
+        "[::1]",
+    ]
 
 
 def _read_url(proc: subprocess.Popen[str], timeout_s: float = 60) -> str:
@@ -123,7 +144,10 @@ def test_ember_serve_takes_the_key_from_the_flag_or_the_environment():
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "EMBER_API_KEY": KEY}
     proc = subprocess.Popen(
         [sys.executable, "-m", "transport.cli", "serve", "--fake-gpu", "--port", "0", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         url = _read_url(proc)
@@ -131,7 +155,11 @@ def test_ember_serve_takes_the_key_from_the_flag_or_the_environment():
             assert c.get("/health").status_code == 200
             assert c.get("/v1/models").status_code == 401
             assert c.get("/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
-            r = c.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', headers={"authorization": f"Bearer {KEY}", "content-type": "text/plain"})
+            r = c.post(
+                "/v1/completions",
+                content=b'{"prompt": "hi", "max_tokens": 2}',
+                headers={"authorization": f"Bearer {KEY}", "content-type": "text/plain"},
+            )
             assert r.status_code == 415
             assert c.get("/health", headers={"host": "attacker.example"}).status_code == 421
     finally:
