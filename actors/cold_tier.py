@@ -21,8 +21,11 @@ they can run on a worker thread); ``ColdTier`` is the thin actor around it:
   the engine stays idle.
 
 The byte cap counts every file under our fingerprint folder and is enforced
-at write time by evicting the least recently used entries first. ENOSPC drops
-that one write, warns once, and the tier keeps serving.
+at write time by evicting the least recently used entries first. ENOSPC (the
+disk filled below the cap) evicts the least recently used entries holding as
+many bytes as the write and retries it once; if that cannot help (no entries
+left) the write is dropped, a warning is logged once, and the tier keeps
+serving.
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ from actors.events import EngineBusy, EngineIdle
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
 from actors.scheduler import Demote, Restored
 from engine import kvfile
-from engine.disk import Disk
+from engine.disk import Disk, FileStat, NotRegularFile
 from engine.errors import EngineDead
-from engine.kvfile import KvFileError, KvHeader, KvMeta, KvReader, KvWriter
+from engine.kvfile import KvHeader, KvMeta, KvReader, KvWriter
 from engine.ports import Backend, Clock, Device
 from engine.prompt_cache import PrefixIndex, as_tokens, token_bytes, usable_prefix
 
@@ -136,6 +139,7 @@ class ScanResult:
     reaped_tmp: int = 0
     corrupt_deleted: int = 0
     mismatch_deleted: int = 0
+    skipped: int = 0  # names that are neither a regular file nor a folder (symlinks, FIFOs, devices)
 
 
 def ns_folder(ns: str) -> str:
@@ -167,7 +171,8 @@ class ColdStore:
         config_fingerprint: str,
         tokenizer_hash: str,
         max_bytes: int,
-        verify: bool = False,
+        verify: bool = True,
+        max_tokens: int | None = None,
     ):
         self.disk = disk
         self.root = root
@@ -175,6 +180,7 @@ class ColdStore:
         self.meta = KvMeta(model_id=model_id, config_fingerprint=config_fingerprint, tokenizer_hash=tokenizer_hash)
         self.max_bytes = int(max_bytes)
         self.verify = verify
+        self.max_tokens = max_tokens  # the model's context: no entry can hold more
         self._by_ns: dict[str, dict[str, ColdEntry]] = {}
         self._paths: dict[str, ColdEntry] = {}  # in ``seq`` order: least recently used first
         self._index = PrefixIndex()
@@ -193,11 +199,13 @@ class ColdStore:
             "demotions": 0,
             "corrupt_deleted": 0,
             "mismatch_deleted": 0,
+            "skipped": 0,
             "tmp_reaped": 0,
             "evictions": 0,
             "superseded": 0,
             "refused": 0,
             "enospc": 0,
+            "enospc_evictions": 0,  # entries evicted to recover from a full disk
             "write_failures": 0,
             "misses": 0,
         }
@@ -213,12 +221,28 @@ class ColdStore:
     # ---- I/O (no index state) ------------------------------------------------
     def scan_files(self) -> ScanResult:
         """Header-only scan of our fingerprint folder (never another's):
-        reap ``*.tmp``, delete corrupt or foreign-identity files."""
+        reap ``*.tmp``, delete corrupt or foreign-identity files.
+
+        The folder is untrusted input: every name is ``lstat``ed, only regular
+        files are opened (``O_NOFOLLOW | O_NONBLOCK``: a FIFO or a device
+        cannot block the scan), only real folders are entered (a symlinked
+        folder is never followed out of the tier), and only regular files are
+        ever deleted. Anything else is skipped, counted and left alone. No
+        file's contents can stop the scan: every failure to read or decode one
+        is "corrupt → delete"."""
         disk, res = self.disk, ScanResult()
         disk.makedirs(self.dir)
+        top = disk.stat(self.dir)
+        if not top.is_dir:  # e.g. a symlink where our folder should be
+            log.warning("[cold_tier] %s is not a plain folder: the SSD tier starts empty and does not read it", self.dir)
+            res.skipped += 1
+            return res
         for name in disk.listdir(self.dir):
             sub = posixpath.join(self.dir, name)
-            st = disk.stat(sub)
+            st = self._lstat(sub)
+            if st is None or not (st.is_dir or st.is_file):
+                self._skip(sub, res)
+                continue
             if not st.is_dir:
                 if name.endswith(".tmp"):
                     self._quiet_unlink(sub)
@@ -228,8 +252,10 @@ class ColdStore:
                 continue
             for fname in disk.listdir(sub):
                 path = posixpath.join(sub, fname)
-                fst = disk.stat(path)
-                if fst.is_dir:
+                fst = self._lstat(path)
+                if fst is None or not fst.is_file:
+                    if fst is None or not fst.is_dir:
+                        self._skip(path, res)
                     continue
                 if fname.endswith(".tmp"):  # a write that never committed
                     self._quiet_unlink(path)
@@ -239,13 +265,13 @@ class ColdStore:
                     res.other_bytes += fst.size
                     continue
                 try:
-                    reader = KvReader(disk, path)
-                    header = reader.header
-                    slots = [s for layer in header.layers for s in layer.tensors]
-                    end = max((reader.data_start + s.off + s.bytes for s in slots), default=0)
-                    if fst.size < end:
-                        raise kvfile.CorruptFile(f"{path}: {fst.size} bytes, tensors end at {end}")
-                except (KvFileError, OSError) as exc:
+                    if fst.size > self.max_bytes:
+                        raise kvfile.CorruptFile(f"{path}: {fst.size} bytes, over the cap of {self.max_bytes}")
+                    header = KvReader(disk, path, max_tokens=self.max_tokens, entry=True).header
+                except NotRegularFile as exc:  # swapped for a FIFO or a device since the lstat
+                    self._skip(path, res, exc)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - whatever the bytes do, it is a corrupt file
                     log.warning("[cold_tier] scan deletes %s: %s", path, exc)
                     self._quiet_unlink(path)
                     res.corrupt_deleted += 1
@@ -258,6 +284,17 @@ class ColdStore:
                 res.found.append((path, header, fst.size, fst.mtime))
         return res
 
+    def _lstat(self, path: str) -> FileStat | None:
+        try:
+            return self.disk.stat(path)
+        except OSError:
+            return None  # gone meanwhile, or unreadable
+
+    @staticmethod
+    def _skip(path: str, res: ScanResult, why: Any = "not a regular file or folder") -> None:
+        log.warning("[cold_tier] scan skips %s: %s (left alone, not served)", path, why)
+        res.skipped += 1
+
     def delete_files(self, paths: Sequence[str]) -> None:
         for p in paths:
             self._quiet_unlink(p)
@@ -269,7 +306,12 @@ class ColdStore:
             pass
 
     def _quiet_unlink(self, path: str) -> None:
+        """Delete ``path`` if it is a regular file: a symlink, FIFO or folder
+        that took its name is left alone (never an unlink across a link)."""
         try:
+            if not self.disk.stat(path).is_file:
+                log.warning("[cold_tier] not deleting %s: not a regular file", path)
+                return
             self.disk.unlink(path)
         except FileNotFoundError:
             pass
@@ -290,6 +332,7 @@ class ColdStore:
         self.counters["tmp_reaped"] += scan.reaped_tmp
         self.counters["corrupt_deleted"] += scan.corrupt_deleted
         self.counters["mismatch_deleted"] += scan.mismatch_deleted
+        self.counters["skipped"] += scan.skipped
         for path, header, size, _ in sorted(scan.found, key=lambda f: (f[3], f[0])):  # oldest use first
             self._add(ColdEntry(path, header.ns, as_tokens(header.tokens), size, header.trimmable(), self._next_seq()))
         victims: list[ColdEntry] = []
@@ -413,6 +456,24 @@ class ColdStore:
             self._remove_path(e.path)
         self.counters["evictions"] += len(victims)
         self.reserved += nbytes
+        return victims
+
+    def evict_bytes(self, nbytes: int, *, keep: str = "") -> list[ColdEntry]:
+        """The least recently used entries holding at least ``nbytes`` (all of
+        them if fewer), out of the index; their files are to be deleted. For a
+        disk that filled below the cap (ENOSPC)."""
+        victims: list[ColdEntry] = []
+        freed = 0
+        for e in self._paths.values():  # least recently used first
+            if freed >= nbytes:
+                break
+            if e.path != keep:
+                victims.append(e)
+                freed += e.nbytes
+        for e in victims:
+            self._remove_path(e.path)
+        self.counters["evictions"] += len(victims)
+        self.counters["enospc_evictions"] += len(victims)
         return victims
 
     def release(self, nbytes: int) -> None:
@@ -740,10 +801,27 @@ class ColdTier(Actor[Inbox]):
             if victims:
                 await self.io(store.delete_files, [v.path for v in victims])
             await self.io(store.disk.makedirs, posixpath.dirname(path))
-            await kvfile.write_streamed(writer, sources, wait_turn=gate, device_run=self.device.run, io_run=self.io)
+            for attempt in (0, 1):
+                try:
+                    await kvfile.write_streamed(writer, sources, wait_turn=gate, device_run=self.device.run, io_run=self.io)
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    store.counters["enospc"] += 1
+                    # The disk filled below our cap (other data, a smaller
+                    # volume): free the least recently used entries, as many
+                    # bytes as this file, and try once more, so a full disk
+                    # recovers instead of failing every flush until an
+                    # operator frees space.
+                    freed = store.evict_bytes(writer.file_bytes, keep=path) if attempt == 0 else []
+                    if not freed:
+                        raise
+                    log.warning("[cold_tier] disk full: evicted %d entries to make room, retrying", len(freed))
+                    await self.io(store.delete_files, [v.path for v in freed])
+                    writer = KvWriter(store.disk, path, header)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                store.counters["enospc"] += 1
                 if not self._warned_enospc:
                     self._warned_enospc = True
                     log.warning("[cold_tier] disk full: dropping writes until space frees (%s)", exc)
@@ -787,7 +865,7 @@ class ColdTier(Actor[Inbox]):
             return None, 0
         t0 = self.clock.now()
         try:
-            reader = await self.io(lambda: KvReader(store.disk, entry.path, verify=store.verify))
+            reader = await self.io(lambda: KvReader(store.disk, entry.path, verify=store.verify, max_tokens=store.max_tokens, entry=True))
             header = reader.header
             if not header.matches(store.meta_for(ns)) or not np.array_equal(as_tokens(header.tokens), entry.tokens):
                 raise kvfile.IncompatibleFile(f"{entry.path}: header does not match the index")

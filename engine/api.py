@@ -242,6 +242,7 @@ class Engine:
             tokenizer_hash=self.info.tokenizer_hash,
             max_bytes=int(cfg.ssd_cache_max_gib * (1 << 30)),
             verify=cfg.ssd_cache_verify,
+            max_tokens=self.info.context_length,
         )
         cold = ColdTier(
             store,

@@ -23,6 +23,7 @@ import functools
 import os
 import posixpath
 import random
+import stat as stat_mod
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,9 +33,19 @@ Buffer = bytes | bytearray | memoryview
 
 @dataclass(frozen=True, slots=True)
 class FileStat:
+    """What ``stat`` says of a name, not of what a link points to: a symlink,
+    FIFO or device is neither ``is_dir`` nor ``is_file``."""
+
     size: int
     mtime: float
     is_dir: bool = False
+    is_file: bool = True
+
+
+class NotRegularFile(OSError):
+    """``open`` reached something other than a regular file (a FIFO, a device,
+    a directory): the cache folder is untrusted input, and only regular files
+    are ever read, written or deleted."""
 
 
 class Disk(Protocol):
@@ -50,6 +61,10 @@ class Disk(Protocol):
         """Up to ``n`` bytes at ``offset`` (fewer at end of file)."""
         ...
 
+    def fstat(self, fh: int) -> FileStat:
+        """The open file's own size and time (no race with a rename or a swap)."""
+        ...
+
     def fsync(self, fh: int) -> None: ...
 
     def rename(self, src: str, dst: str) -> None:
@@ -62,7 +77,9 @@ class Disk(Protocol):
 
     def unlink(self, path: str) -> None: ...
 
-    def stat(self, path: str) -> FileStat: ...
+    def stat(self, path: str) -> FileStat:
+        """Of the name itself: a symlink is reported as what it is, never followed."""
+        ...
 
     def makedirs(self, path: str) -> None: ...
 
@@ -78,8 +95,19 @@ class RealDisk:
     """The operating system's file system."""
 
     def open(self, path: str, *, write: bool = False) -> int:
+        # O_NOFOLLOW: a symlink planted in the folder is never followed (ELOOP);
+        # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a
+        # writer forever; the fstat then refuses anything but a regular file.
         flags = (os.O_RDWR | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
-        return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+        flags |= getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(path, flags, 0o644)
+        try:
+            if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+                raise NotRegularFile(errno.EINVAL, "not a regular file", path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def close(self, fh: int) -> None:
         os.close(fh)
@@ -101,6 +129,10 @@ class RealDisk:
             offset += len(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def fstat(self, fh: int) -> FileStat:
+        st = os.fstat(fh)
+        return FileStat(size=st.st_size, mtime=st.st_mtime, is_dir=False, is_file=stat_mod.S_ISREG(st.st_mode))
+
     def fsync(self, fh: int) -> None:
         _full_fsync(fh)
 
@@ -121,8 +153,10 @@ class RealDisk:
         os.unlink(path)
 
     def stat(self, path: str) -> FileStat:
-        st = os.stat(path)
-        return FileStat(size=st.st_size, mtime=st.st_mtime, is_dir=os.path.isdir(path))
+        st = os.lstat(path)
+        return FileStat(
+            size=st.st_size, mtime=st.st_mtime, is_dir=stat_mod.S_ISDIR(st.st_mode), is_file=stat_mod.S_ISREG(st.st_mode)
+        )
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
@@ -325,6 +359,10 @@ class FaultyDisk:
         self.counters["reads"] += 1
         return bytes(out)
 
+    def fstat(self, fh: int) -> FileStat:
+        node = self._inodes[self._handle(fh).ino]
+        return FileStat(size=len(node.data), mtime=node.mtime)
+
     def fsync(self, fh: int) -> None:
         node = self._inodes[self._handle(fh).ino]
         node.durable = node.data  # shared until the next write (``write`` copies)
@@ -373,7 +411,7 @@ class FaultyDisk:
     def stat(self, path: str) -> FileStat:
         p = self._norm(path)
         if p in self._dirs:
-            return FileStat(size=0, mtime=0.0, is_dir=True)
+            return FileStat(size=0, mtime=0.0, is_dir=True, is_file=False)
         node = self._inode_at(p)
         return FileStat(size=len(node.data), mtime=node.mtime)
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from engine.mlx_tokenizer import ToolMarkup
 from engine.ports import ModelInfo, StepPlan, StepResult
-from engine.types import SamplingParams
+from engine.types import GREEDY_TEMPERATURE, SamplingParams
 
 HASH_MOD = 16_777_213  # prime below 2**24: a running hash stays exact in float32
 HASH_MUL = 1_000_003
@@ -500,7 +500,7 @@ def _full_nucleus(p: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray, 
 
 def sample_token(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> int:
     """Greedy at temperature 0; else temperature, top-k, top-p, min-p, then a draw."""
-    if sp.temperature <= 0:
+    if sp.temperature < GREEDY_TEMPERATURE:
         return int(logits.argmax())
     if not (sp.top_k and sp.top_k > 0) and not sp.min_p > 0:
         # temperature and top-p only (the common case)
@@ -671,7 +671,7 @@ class FakeBackend:
 
     def _next(self, row: _Row, h: int) -> int:
         sp = row.sampling
-        if sp.temperature <= 0:  # greedy (``sample_token``'s first case): the sampler is not needed
+        if sp.temperature < GREEDY_TEMPERATURE:  # greedy (``sample_token``'s first case): the sampler is not needed
             return greedy_token(self.cfg.seed, h, ByteTokenizer.vocab_size, self.cfg.eos_bias)
         logits = fake_logits(self.cfg.seed, h, ByteTokenizer.vocab_size, self.cfg.eos_bias)
         return sample_token(logits, sp, row.rng)

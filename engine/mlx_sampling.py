@@ -21,7 +21,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from engine.types import SamplingParams
+from engine.types import GREEDY_TEMPERATURE, SamplingParams
 
 U64 = (1 << 64) - 1
 
@@ -40,7 +40,7 @@ class RowSampler:
     __slots__ = ("greedy", "key", "_inv_temp", "_filters")
 
     def __init__(self, sp: SamplingParams, seed: int, vocab_size: int):
-        self.greedy = sp.temperature <= 0
+        self.greedy = sp.temperature < GREEDY_TEMPERATURE
         self.key: mx.array | None = None
         self._inv_temp = 0.0
         self._filters: list[Callable[[mx.array], mx.array]] = []

@@ -26,8 +26,14 @@ class TokenLogprob(msgspec.Struct, kw_only=True):
     top: list[tuple[int, float]] = []
 
 
+# A temperature below this is greedy: 1/T overflows float32 near 1e-38 (and
+# the logits' scale makes sampling at T < 1e-5 indistinguishable from argmax
+# anyway), which turned temperature 1e-39 into random text (issue #23).
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Per-request generation settings (greedy when ``temperature == 0``)."""
+    """Per-request generation settings (greedy when ``temperature < GREEDY_TEMPERATURE``)."""
 
     max_tokens: int = 256
     temperature: float = 0.0

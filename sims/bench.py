@@ -313,7 +313,7 @@ async def run(args: argparse.Namespace) -> Results:
                         if "restart" in legs:
                             progress(f"{tag}: restart")
                             if srv is ember:
-                                flush = httpx.post(srv.url + "/admin/cache/flush", timeout=600)
+                                flush = httpx.post(srv.url + "/admin/cache/flush", json={}, timeout=600)
                                 evidence = flush.json() if flush.headers.get("content-type", "").startswith("application/json") else {}
                                 res.add("restart_flush_durable", who, 1.0 if flush.status_code == 200 and evidence.get("durable") else 0.0)
                                 rc = srv.stop(signal.SIGTERM)

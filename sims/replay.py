@@ -328,7 +328,7 @@ class Replayer:
         note = ""
         for attempt in range(3):  # a pooled connection may be stale after a restart
             try:
-                r = await client.post(self.url + "/admin/cache/flush")
+                r = await client.post(self.url + "/admin/cache/flush", json={})
             except httpx.HTTPError as exc:
                 note = f"{type(exc).__name__}"
                 await anyio.sleep(0.5 * (attempt + 1))

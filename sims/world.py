@@ -145,6 +145,9 @@ class RecordingDisk:
     def read(self, fh: int, offset: int, n: int) -> bytes:
         return self.inner.read(fh, offset, n)
 
+    def fstat(self, fh: int) -> Any:
+        return self.inner.fstat(fh)
+
     def fsync(self, fh: int) -> None:
         self._rec("fsync", self.paths.get(fh, "?"))
         self.inner.fsync(fh)

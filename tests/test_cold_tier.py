@@ -323,19 +323,37 @@ async def test_untrimmable_longer_entry_is_skipped_by_find_even_after_restart(di
 
 
 @pytest.mark.anyio
-async def test_disk_full_drops_the_write_warns_once_and_keeps_serving(caplog):
+async def test_disk_full_evicts_the_oldest_entries_and_the_write_succeeds():
+    """A disk smaller than the cap: ENOSPC frees the least recently used
+    entries and the write is retried, so flushes recover without an operator."""
     size = entry_size()
-    disk = FaultyDisk(capacity_bytes=int(1.5 * size))
+    disk = FaultyDisk(capacity_bytes=int(2.5 * size))
     t = scanned(tier(disk, "/ssd"))
-    assert await t.store_entry([1] + A[1:], "", feed([1] + A[1:]))
+    for k in (1, 2, 3, 4):
+        assert await t.store_entry([k] + A[1:], "", feed([k] + A[1:]))
+    s = t.stats()
+    assert s["enospc"] == 2 and s["enospc_evictions"] == 2 and s["entries"] == 2
+    assert not any(f.endswith(".tmp") for f in files(disk, "/ssd"))
+    assert await t.restore([1] + A[1:] + [0], "") == (None, 0)  # the oldest went
+    cache, n = await t.restore([4] + A[1:] + [0], "")
+    assert n == 40 and same_kv(cache, feed([4] + A[1:]))
+
+
+@pytest.mark.anyio
+async def test_disk_full_of_other_data_drops_the_write_warns_once_and_keeps_serving(caplog):
+    size = entry_size()
+    disk = FaultyDisk(capacity_bytes=int(2.5 * size))
+    fh = disk.open("/other-data", write=True)  # someone else's file: less than an entry is left
+    disk.write(fh, 0, b"x" * int(1.6 * size))
+    disk.close(fh)
+    t = scanned(tier(disk, "/ssd"))
     with caplog.at_level(logging.WARNING, logger="ember.cold_tier"):
         assert not await t.store_entry([2] + A[1:], "", feed([2] + A[1:]))
         assert not await t.store_entry([3] + A[1:], "", feed([3] + A[1:]))
-    assert t.stats()["enospc"] == 2
-    assert sum("disk full" in r.getMessage() for r in caplog.records) == 1
+    assert t.stats()["enospc"] == 2 and t.stats()["entries"] == 0  # nothing of ours to evict
+    assert await t.restore([2] + A[1:], "") == (None, 0)
+    assert sum("dropping writes" in r.getMessage() for r in caplog.records) == 1
     assert not any(f.endswith(".tmp") for f in files(disk, "/ssd"))
-    cache, n = await t.restore([1] + A[1:] + [0], "")
-    assert n == 40 and same_kv(cache, feed([1] + A[1:]))
 
 
 # ---------------------------------------------------------------------------

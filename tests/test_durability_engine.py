@@ -245,7 +245,7 @@ async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypa
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ember") as client:
             r = await client.post("/v1/completions", json={"prompt": "persist me please " * 4, "max_tokens": 3})
             assert r.status_code == 200
-            r = await client.post("/admin/cache/flush")
+            r = await client.post("/admin/cache/flush", json={})
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["durable"] is True and body["flushed"] == 1 and body["entries"] == 1
@@ -260,7 +260,7 @@ async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypa
 
             monkeypatch.setattr(ColdTierPort, "store", refuse)
             await client.post("/v1/completions", json={"prompt": "this one will not land " * 4, "max_tokens": 3})
-            r = await client.post("/admin/cache/flush")
+            r = await client.post("/admin/cache/flush", json={})
             assert r.status_code == 503
             body = r.json()
             assert body["durable"] is False and body["pending_snapshots"] == 1 and body["failed_spills"] == 1

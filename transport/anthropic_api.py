@@ -225,7 +225,7 @@ async def messages(request: Request, host: Any) -> Response:
     req: MessagesRequest = decode_request(await read_body(request, host.max_body_bytes), MessagesRequest)
     model = host.check_model(req.model)
     setup = req.tool_setup()
-    prompt = chat_turn.chat_prompt(engine, req.template_messages(), setup)
+    prompt = await host.chat_prompt(engine, req.template_messages(), setup)
     params = chat_turn.tool_params(engine, req.sampling_params(engine.info.vocab_size), setup)
     stream = await chat_turn.submit(engine, prompt, params, "tool_choice")
     renderer = MessagesRenderer(model, len(prompt), chat_turn.splitter(engine, setup, "toolu_"), engine.tokenizer, params.stop)
@@ -239,7 +239,7 @@ async def count_tokens(request: Request, host: Any) -> Response:
     req: CountTokensRequest = decode_request(await read_body(request, host.max_body_bytes), CountTokensRequest)
     host.check_model(req.model)
     setup = req.tool_setup()
-    prompt = chat_turn.chat_prompt(engine, req.template_messages(), setup)
+    prompt = await host.chat_prompt(engine, req.template_messages(), setup)
     return Response(_encode({"input_tokens": len(prompt)}), media_type="application/json")
 
 

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -55,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-cache", type=float, metavar="GIB", help="RAM prompt-cache cap (0 disables)")
     s.add_argument("--ssd-cache", metavar="DIR", help="directory of the SSD prompt-cache tier")
     s.add_argument("--ssd-cache-max", type=float, metavar="GIB", help="byte cap of the SSD tier")
-    s.add_argument("--ssd-cache-verify", action="store_true", help="checksum tensors when restoring from SSD")
+    s.add_argument(
+        "--ssd-cache-verify", action=argparse.BooleanOptionalAction, default=None,
+        help="checksum every tensor restored from SSD (default: on; --no-ssd-cache-verify skips it)",
+    )
+    s.add_argument("--spill-queue", type=float, metavar="GIB", help="cap of caches waiting to be written to SSD (default 2)")
     s.add_argument("--ssd-demote-idle", type=float, metavar="SECONDS", help="demote RAM entries idle this long to SSD")
     s.add_argument(
         "--distributed",
@@ -68,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accept the SGLang Model Gateway's extension fields (no_stop_trim, ...) in requests (docs/distributed.md)",
     )
+    s.add_argument(
+        "--api-key", default=os.environ.get("EMBER_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $EMBER_API_KEY)",
+    )
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request head is not complete this long after it opened or after its last response")
+    s.add_argument("--idle-timeout", type=float, default=5.0, metavar="SECONDS", help="close a keep-alive connection idle this long")
+    s.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="abort a stream whose client reads nothing for this long (it would hold its slot)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=serve, parser=s)
 
@@ -99,6 +113,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "ssd_cache": "ssd_cache_dir",
         "ssd_cache_max": "ssd_cache_max_gib",
         "ssd_demote_idle": "ssd_demote_idle_s",
+        "spill_queue": "spill_queue_gib",
         "min_cached_prefix": "min_cached_prefix",
         "draft_model": "draft_model",
         "num_draft_tokens": "num_draft_tokens",
@@ -112,8 +127,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         value = getattr(args, flag, None)
         if value is not None:
             fields[field] = value
-    if getattr(args, "ssd_cache_verify", False):
-        fields["ssd_cache_verify"] = True
+    if getattr(args, "ssd_cache_verify", None) is not None:
+        fields["ssd_cache_verify"] = args.ssd_cache_verify
     if getattr(args, "distributed", None):
         from engine.mlx_distributed import DEFAULT_STEP_TIMEOUT_S
 
@@ -166,6 +181,10 @@ def _import_mlx_on_main_thread(config: Any) -> None:
     if config.backend == "mlx":
         import mlx_lm  # noqa: F401
 
+        # and the engine's MLX modules: `serve` loads the model on a worker
+        # thread, and whatever their import runs must not run first there
+        import engine.mlx_backend  # noqa: F401
+
 
 # ---------------------------------------------------------------------------
 # serve
@@ -190,10 +209,21 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     _import_mlx_on_main_thread(config)
-    app = build_app(config, trust_gateway=args.trust_gateway)
+    from transport.conn_guard import header_deadline_protocol
+    from transport.security import is_loopback
+
+    for flag in ("header_timeout", "idle_timeout", "send_timeout"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be a positive number of seconds")
+    app = build_app(
+        config, trust_gateway=args.trust_gateway, api_key=args.api_key, loopback_only=is_loopback(args.host),
+        send_timeout_s=args.send_timeout,
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app,
+            http=header_deadline_protocol(args.header_timeout),
+            timeout_keep_alive=args.idle_timeout,
             lifespan="on",
             log_level=args.log_level,
             timeout_graceful_shutdown=math.ceil(settings_from(config).shutdown_timeout_s),
@@ -208,7 +238,36 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Plain asyncio, not uvloop: under uvloop a SIGTERM reached the drain only
     # after requests already in the socket were answered (/health said 200 right
     # after the signal; tests/test_durability_engine.py).
-    return asyncio.run(_serve(server, sock, app.state.ember, url))
+    rc = asyncio.run(_serve(server, sock, app.state.ember, url))
+    _exit_now(rc)
+    return rc  # not reached
+
+
+def _exit_now(rc: int) -> None:
+    """End the process once serving is over: the engine has drained, the SSD
+    flush is durable (fsynced) and the MLX thread is joined; flush logs and
+    stdio, then ``os._exit``. Interpreter finalization is skipped on purpose:
+    4 of 71 graceful shutdowns in issue #23 ended in SIGABRT ("terminate
+    called without an active exception") after "Finished server process",
+    i.e. during that finalization (native threads torn down while a daemon
+    thread or a C++ static still held one), which turned a clean shutdown
+    into exit -6 for supervisors. Not reproduced here in 62 runs, so its
+    root is not pinned down: EMBER_FINALIZE=1 keeps the normal exit for
+    debugging it (sims/shutdowns.py --gdb prints every thread's stack)."""
+    if os.environ.get("EMBER_FINALIZE") == "1":
+        return
+    import threading
+
+    alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if alive:
+        log.debug("[cli] threads alive at exit: %s", alive)
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe must not change the exit code
+            pass
+    os._exit(rc)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -23,13 +23,14 @@ import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.api import Completion, Engine, RequestStream, build_backend
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidRequest
 from engine.eventlog import EventLog
 from engine.ports import LoopClock
 from transport import chat_turn
@@ -40,12 +41,22 @@ from transport.gateway_compat import routes as gateway_routes
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
 from transport.openai_schema import ModelCard, ModelList, decode_request
 from transport.render import ChatRenderer, CompletionRenderer
+from transport.security import SecurityMiddleware
 from transport.sse import Disconnect, EventStream
 
 log = logging.getLogger("ember.http")
 
 DEFAULT_MAX_TOKENS = 512  # when a request sets none (mlx_lm.server's default), clamped to the context left
 MAX_BODY_BYTES = 8 << 20
+# A prompt longer than ``context_length × PROMPT_BYTES_PER_TOKEN`` UTF-8 bytes
+# cannot fit the context: no tokenizer in use averages anywhere near 64 bytes
+# a token (English text is ~4), so it is a 400 before any tokenizing. What
+# passes is tokenized and templated off the event loop (``ServerState.off_loop``).
+PROMPT_BYTES_PER_TOKEN = 64
+# A streaming client whose socket accepts nothing for this long is aborted
+# (it would otherwise hold its admission slot until max_tokens).
+SEND_TIMEOUT_S = 30.0
+TOKENIZE_THREADS = 2  # hostile long prompts queue here, not on the event loop or on every CPU
 
 
 class ServerState:
@@ -60,10 +71,12 @@ class ServerState:
         default_max_tokens: int,
         max_body_bytes: int,
         trust_gateway: bool = False,
+        send_timeout_s: float | None = None,
     ):
         self.config = config
         self.trust_gateway = trust_gateway  # accept the SGLang gateway's extension fields (transport/gateway_compat.py)
         self.extensions = ExtensionCounter()
+        self.send_timeout_s = send_timeout_s
         self.engine_kw = engine_kw
         self.keepalive_s = keepalive_s
         self.default_max_tokens = default_max_tokens
@@ -76,6 +89,7 @@ class ServerState:
         self.metrics.registry.register(self.extensions)
         self.settled: anyio.Event | None = None  # set once ready or failed (made on the serving loop)
         self._stop: anyio.Event | None = None
+        self._tokenize_limiter: anyio.CapacityLimiter | None = None
 
     # ---- lifecycle -------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -116,6 +130,41 @@ class ServerState:
             self._stop.set()
 
     # ---- what routes need ------------------------------------------------
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run CPU work a request brings (tokenizing, chat templates) on a
+        worker thread, so /health and other streams keep their latency; inline
+        when the engine runs in virtual time (its device is inline: no threads)."""
+        from engine.ports import InlineDevice
+
+        if self.engine is None or isinstance(getattr(self.engine, "device", None), InlineDevice):
+            return fn(*args)
+        if self._tokenize_limiter is None:
+            self._tokenize_limiter = anyio.CapacityLimiter(TOKENIZE_THREADS)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._tokenize_limiter)
+
+    def check_prompt_bytes(self, texts: list[str], param: str) -> None:
+        """The byte bound, checked before tokenizing (see PROMPT_BYTES_PER_TOKEN)."""
+        engine = self.engine
+        assert engine is not None
+        cap = engine.info.context_length * PROMPT_BYTES_PER_TOKEN
+        n = 0
+        for t in texts:
+            n += len(t) if t.isascii() else len(t.encode("utf-8", "surrogatepass"))
+            if n > cap:
+                # InvalidRequest, not ApiError: every API maps it to its own 400 shape
+                raise InvalidRequest(
+                    f"the prompt is longer than the context can hold: over {cap} bytes of text "
+                    f"({engine.info.context_length} tokens × {PROMPT_BYTES_PER_TOKEN} bytes, a bound no tokenizer reaches)",
+                    param,
+                )
+
+    async def chat_prompt(self, engine: Engine, messages: list[dict[str, Any]], setup: Any, param: str = "messages") -> Any:
+        """``chat_turn.chat_prompt`` behind the byte bound and off the event
+        loop: what every chat-shaped route (chat completions, Messages,
+        Responses) renders its prompt with."""
+        self.check_prompt_bytes(message_texts(messages), param)
+        return await self.off_loop(chat_turn.chat_prompt, engine, messages, setup, param)
+
     def health(self) -> tuple[str, int]:
         if self.phase == "ready" and self.engine is not None:
             status = self.engine.status
@@ -175,6 +224,22 @@ def _endpoint(route: str, handler: Handler) -> Callable[[Request], Awaitable[Res
     return endpoint
 
 
+def message_texts(messages: list[Any]) -> list[str]:
+    """Every string in chat messages (contents, names, tool arguments…), for
+    the byte bound checked before templating."""
+    out: list[str] = []
+    stack: list[Any] = list(messages)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
+
+
 async def read_body(request: Request, cap: int) -> bytes:
     too_large = ApiError(413, f"the request body is larger than {cap} bytes", code="request_too_large")
     length = request.headers.get("content-length", "")
@@ -222,9 +287,13 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
         tools = req.tool_setup()
-        prompt = chat_turn.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
+        prompt = await host.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
     else:
-        prompt = engine.encode(req.prompt)
+        if isinstance(req.prompt, str):
+            host.check_prompt_bytes([req.prompt], "prompt")
+            prompt = await host.off_loop(engine.encode, req.prompt)
+        else:
+            prompt = engine.encode(req.prompt)
     room = engine.info.context_length - len(prompt)
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
     rename = {"constraint": "response_format"}
@@ -241,7 +310,10 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
     completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
     if req.stream:
-        return EventStream(stream, completion_renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
+        return EventStream(
+            stream, completion_renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done,
+            send_timeout_s=host.send_timeout_s,
+        )
     completion = await collect(stream, request.receive, timer)
     if completion is None:
         return Response(status_code=400)  # the client left; nothing is sent
@@ -324,9 +396,16 @@ def build_app(
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     max_body_bytes: int = MAX_BODY_BYTES,
     trust_gateway: bool = False,
+    api_key: str | None = None,
+    loopback_only: bool = False,
+    send_timeout_s: float | None = SEND_TIMEOUT_S,
     **engine_kw: Any,
 ) -> Starlette:
-    """The app serving one engine; ``engine_kw`` goes to ``Engine.open`` (backend, clock, events…)."""
+    """The app serving one engine; ``engine_kw`` goes to ``Engine.open`` (backend, clock, events…).
+
+    ``api_key`` and ``loopback_only`` (the CLI sets it when bound to a
+    loopback address) configure ``transport.security``, which guards every
+    route, including ones added later."""
     config = config.validate()  # a bad combination fails here, before anything listens
     host = ServerState(
         config,
@@ -335,6 +414,7 @@ def build_app(
         default_max_tokens=default_max_tokens,
         max_body_bytes=max_body_bytes,
         trust_gateway=trust_gateway,
+        send_timeout_s=send_timeout_s,
     )
 
     @asynccontextmanager
@@ -360,6 +440,7 @@ def build_app(
     routes += agent_routes()
     app = Starlette(
         routes=routes,
+        middleware=[Middleware(SecurityMiddleware, api_key=api_key, loopback_only=loopback_only)],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )

@@ -21,6 +21,7 @@ its longer successor is kept; the whole memory is capped in characters.
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections import OrderedDict
 from typing import Any
@@ -33,26 +34,35 @@ class OutputMemory:
         self._chars = 0
         self.hits = 0
         self.reused_tokens = 0
+        # prompts are rendered and tokenized on worker threads (transport.http
+        # ServerState.chat_prompt) while answers are remembered on the loop
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def tokenize(self, text: str, encode: Any) -> tuple[list[int], str | None]:
         """``text``'s ids, reusing the longest kept key it starts with; and that key."""
-        best = None
-        for key in self._entries:
-            if (best is None or len(key) > len(best)) and text.startswith(key):
-                best = key
+        with self._lock:
+            best = None
+            for key in self._entries:
+                if (best is None or len(key) > len(best)) and text.startswith(key):
+                    best = key
+            if best is not None:
+                self._entries.move_to_end(best)
+                ids = self._entries[best].tolist()
+                self.hits += 1
+                self.reused_tokens += len(ids)
         if best is None:
             return encode(text), None
-        self._entries.move_to_end(best)
-        ids = self._entries[best].tolist()
-        self.hits += 1
-        self.reused_tokens += len(ids)
         rest = text[len(best) :]
         return ids + (encode(rest) if rest else []), best
 
     def remember(self, text: str, ids: list[int], replaces: str | None = None) -> None:
+        with self._lock:
+            self._remember(text, ids, replaces)
+
+    def _remember(self, text: str, ids: list[int], replaces: str | None = None) -> None:
         if replaces is not None and replaces in self._entries:
             self._chars -= len(replaces)
             del self._entries[replaces]

@@ -199,7 +199,7 @@ async def responses(request: Request, host: Any) -> Response:
     req: ResponsesRequest = decode_request(await read_body(request, host.max_body_bytes), ResponsesRequest)
     model = host.check_model(req.model)
     setup = req.tool_setup()
-    prompt = chat_turn.chat_prompt(engine, req.template_messages(), setup, param="input")
+    prompt = await host.chat_prompt(engine, req.template_messages(), setup, param="input")
     room = engine.info.context_length - len(prompt)
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
     params = chat_turn.with_constraint(engine, params, req.constraint(), "text.format")

@@ -67,8 +67,10 @@ class EventStream(Response):
         keepalive_s: float,
         on_tokens: Callable[[int], Any] = lambda n: None,
         on_end: Callable[[], Any] = lambda: None,
+        send_timeout_s: float | None = None,
     ):
         self.stream = stream
+        self.send_timeout_s = send_timeout_s
         self.renderer = renderer
         self.keepalive_s = keepalive_s
         self.on_tokens = on_tokens
@@ -78,6 +80,7 @@ class EventStream(Response):
         # no-cache and no proxy buffering, or a proxy holds the tokens back
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
         self.disconnected = False
+        self.stalled = False  # the client stopped reading: aborted after ``send_timeout_s``
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnect = Disconnect(receive)
@@ -85,16 +88,25 @@ class EventStream(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
                 tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
-                await self._write(send)
+                try:
+                    await self._write(send)
+                except TimeoutError:
+                    # A client that stops reading must not hold its admission
+                    # slot until max_tokens: leaving ``async with stream``
+                    # aborts the request; the unfinished response makes the
+                    # server close the connection.
+                    self.stalled = True
                 tg.cancel_scope.cancel()
         self.disconnected = disconnect.happened
-        if not self.disconnected:
+        if not self.disconnected and not self.stalled:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _write(self, send: Send) -> None:
         async def body(chunks: list[bytes]) -> None:
             if chunks:
-                await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
+                # a write waits while the socket's buffer is full (flow control): bounded
+                with anyio.fail_after(self.send_timeout_s):
+                    await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
 
         await body(self.renderer.start())
         while True:
