@@ -21,6 +21,7 @@ the cache holds ``feed + d1..d_{k-1}`` (``d_k`` was never fed).
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 from typing import Any, Protocol
 
@@ -119,20 +120,41 @@ def _uniform(seed: int, h: int) -> float:
 # ---------------------------------------------------------------------------
 
 
+def vocab_digest(vocab: dict[str, int]) -> str:
+    """sha256 of a tokenizer's vocabulary (token → id, added tokens included):
+    how a drafter shipped without its own tokenizer names the one it shares."""
+    blob = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
 class MlxDraftModel:
-    """An mlx-lm model used only to draft. Construct it on the device thread."""
+    """An mlx-lm model used only to draft. Construct it on the device thread.
+
+    A drafter directory may leave its tokenizer out (``smollm2-draft``: the
+    target's tokenizer.json alone is 3.5 MB): drafting runs on token ids, and
+    ``config.json`` then names the tokenizer it shares by ``ember_vocab_sha256``
+    (``vocab_digest``), which ``engine.spec_build`` checks against the target's."""
 
     prefill_chunk = 512
 
     def __init__(self, path: str | pathlib.Path):
         import mlx.core as mx
-        from mlx_lm import load
         from mlx_lm.generate import generation_stream
 
         self._mx = mx
         self._stream = generation_stream  # the target's stream on this thread: one queue of work
         self.path = pathlib.Path(path)
-        self.model, self.tokenizer = load(str(self.path))
+        self.vocab_sha256: str | None = None
+        if (self.path / "tokenizer.json").exists() or (self.path / "tokenizer_config.json").exists():
+            from mlx_lm import load
+
+            self.model, self.tokenizer = load(str(self.path))
+        else:
+            from mlx_lm.utils import load_model
+
+            self.model, config = load_model(self.path)
+            self.tokenizer = None
+            self.vocab_sha256 = config.get("ember_vocab_sha256")
         self.vocab_size = int(self.model.args.vocab_size) if hasattr(self.model, "args") else None
 
     def new_cache(self) -> list[Any]:

@@ -159,6 +159,32 @@ async def test_the_drafter_is_a_separate_smaller_model():
         assert seen == {engine.device.thread_ident}
 
 
+async def test_a_drafter_without_a_tokenizer_is_checked_by_vocabulary_digest(tmp_path):
+    """A drafter may ship without tokenizer files (smollm2-draft): config.json
+    names the target's vocabulary by digest. The right digest drafts with the
+    same output as without speculation; a wrong or missing one is refused."""
+    from engine.draft_model import vocab_digest
+    from engine.spec_build import _vocab
+
+    model, draft = _paths()
+    bare = tmp_path / "bare-draft"
+    bare.mkdir()
+    shutil.copy(draft / "model.safetensors", bare / "model.safetensors")
+    cfg = json.loads((draft / "config.json").read_text())
+    async with Engine.open(_base()) as plain:
+        want = (await plain.acomplete(TEXT[1], SamplingParams(max_tokens=24, ignore_eos=True))).token_ids
+        digest = vocab_digest(_vocab(plain.tokenizer))
+    for wrong in (None, "0" * 64):
+        (bare / "config.json").write_text(json.dumps({**cfg, **({"ember_vocab_sha256": wrong} if wrong else {})}))
+        with pytest.raises(InvalidRequest, match="share the target's tokenizer"):
+            async with Engine.open(_base(draft_model=str(bare))):
+                pass
+    (bare / "config.json").write_text(json.dumps({**cfg, "ember_vocab_sha256": digest}))
+    async with Engine.open(_base(draft_model=str(bare), num_draft_tokens=2)) as engine:
+        c = await engine.acomplete(TEXT[1], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert c.token_ids == want and c.usage.speculation.drafted > 0
+
+
 async def test_sliding_window_target_falls_back_before_its_ring_wraps(tmp_path):
     model, _ = _paths()
     swa = tmp_path / "swa"
