@@ -499,14 +499,24 @@ async def paired_async(args: argparse.Namespace) -> str:
                                     arm.tokens[key] = arm.tokens.get(key, 0) + len(o)
                     print(f"[bench_spec] round {r + 1}/{args.rounds} {w} batch {b} done "
                           f"({(time.perf_counter() - t_start) / 60:.1f} min)", file=sys.stderr, flush=True)
+            if args.out:  # what is measured so far survives an interrupted run
+                partial = {d: engines[d].stats().get("speculation", {}) for d in drafters}
+                args.out.write_text(paired_report(args, drafters, workloads, batches, arms, off_tps, partial, {}, {}, [],
+                                                  time.perf_counter() - t_start) + f"\n\n(after round {r + 1})\n")
         if args.anatomy:
             anat = await paired_anatomy(engines, workloads, args, base)
         stats = {d: engines[d].stats().get("speculation", {}) for d in drafters}
-    elapsed = time.perf_counter() - t_start
     width_ms, draft_ms = {}, {}
     if args.widths:
         for d in drafters:
             width_ms, draft_ms[d] = verify_width_cost(args.model, d, 1, steps=args.width_steps, widths=max(gammas) + 1)
+    return paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat,
+                         time.perf_counter() - t_start)
+
+
+def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat, elapsed) -> str:
+    from sims.bench_adaptive import paired_interval
+
     lines = [
         f"Command: `python -m sims.bench_spec {' '.join(sys.argv[1:])}`",
         "",
