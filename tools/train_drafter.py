@@ -14,11 +14,13 @@ Three stages, each skipped when its output already exists in ``--work``:
    * local text (this Python's stdlib sources and the repo's docs), cut in
      ``--window``-token windows and labelled by one teacher-forced target
      forward per window (a prefill: ~20× cheaper per token than generating).
-2. ``train``: a narrow llama (hidden ``--hidden``, ``--layers`` layers, tied
-   embedding and head) whose embedding starts as the target's projected on
-   its top principal directions, trained with cross-entropy on the target's
-   argmax labels (hard distillation: the acceptance rule only ever asks
-   whether the drafter's argmax equals the target's).
+2. ``train``: a narrow llama (hidden ``--hidden``, ``--layers`` layers) with
+   its own small head over the ``--head-vocab`` target ids the labels use
+   most (``engine.draft_model.small_head_drafter``), whose embedding starts
+   as the target's projected on its top principal directions, trained with
+   cross-entropy on the target's argmax labels (hard distillation: the
+   acceptance rule only ever asks whether the drafter's argmax equals the
+   target's), for ``--steps`` or ``--train-minutes``, whichever ends first.
 3. ``export``: the weights quantized to ``--bits`` (mlx-lm's affine
    quantization) into an mlx-lm directory without a tokenizer (the drafter
    borrows the target's; ``config.json`` records a digest of the target's
@@ -191,7 +193,7 @@ def examples(args: argparse.Namespace) -> tuple[list, list, list, list]:
 # Stage 2: train.
 
 
-def drafter_config(args: argparse.Namespace, target_cfg: dict) -> dict:
+def drafter_config(args: argparse.Namespace, target_cfg: dict, head_vocab: int) -> dict:
     heads = max(1, args.hidden // 64)
     return {
         "model_type": "llama",
@@ -204,7 +206,8 @@ def drafter_config(args: argparse.Namespace, target_cfg: dict) -> dict:
         "rope_theta": target_cfg.get("rope_theta", 100000.0),
         "vocab_size": target_cfg["vocab_size"],
         "max_position_embeddings": target_cfg.get("max_position_embeddings", 8192),
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
+        "ember_head_vocab": head_vocab,
     }
 
 
@@ -219,15 +222,28 @@ def pad_batch(rows: list[tuple], length: int) -> tuple[np.ndarray, np.ndarray, n
 
 
 def agreement(model, rows: list[tuple], length: int) -> dict:
+    """Teacher-forced: at each labelled position, does the drafter's argmax
+    (mapped to the target's ids) equal the target's greedy token?"""
     import mlx.core as mx
 
     hit = tot = 0
     for i in range(0, len(rows), 8):
         x, y, m = pad_batch(rows[i : i + 8], length)
-        pred = np.array(mx.argmax(model(mx.array(x)), axis=-1))
+        pred = np.array(model.to_target_ids(mx.argmax(model(mx.array(x)), axis=-1)))
         hit += float(((pred == y) * m).sum())
         tot += float(m.sum())
     return {"agreement": round(hit / max(1.0, tot), 4), "positions": int(tot)}
+
+
+def head_ids_for(rows: list[tuple], k: int) -> np.ndarray:
+    """The ``k`` target tokens the labels use most (ties by id), as the head's vocabulary."""
+    counts: dict[int, int] = {}
+    for _, y, m in rows:
+        for t, w in zip(y, m):
+            if w:
+                counts[t] = counts.get(t, 0) + 1
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:k]
+    return np.array(sorted(ranked), np.int32)
 
 
 def stage_train(args: argparse.Namespace) -> dict:
@@ -235,13 +251,20 @@ def stage_train(args: argparse.Namespace) -> dict:
     import mlx.nn as nn
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
+
+    from engine.draft_model import small_head_drafter
 
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
     target_cfg = json.loads((args.target / "config.json").read_text())
-    cfg = drafter_config(args, target_cfg)
-    model = Model(ModelArgs.from_dict(cfg))
+    chat, local, chat_eval, local_eval = examples(args)
+    train = chat * args.chat_repeat + local
+    ids = head_ids_for(train, args.head_vocab)
+    cfg = drafter_config(args, target_cfg, len(ids))
+    model = small_head_drafter(cfg)
+    model.head_ids = mx.array(ids)
+    full_to_small = np.full(target_cfg["vocab_size"], -1, np.int64)
+    full_to_small[ids] = np.arange(len(ids))
     # Embedding from the target's, projected on its top principal directions:
     # the drafter starts knowing which tokens are alike.
     emb = np.array(mx.load(str(args.target / "model.safetensors"))["model.embed_tokens.weight"])
@@ -250,41 +273,47 @@ def stage_train(args: argparse.Namespace) -> dict:
     proj = centred @ vt[: args.hidden].T
     proj *= 0.02 / proj.std()
     model.model.embed_tokens.weight = mx.array(proj.astype(np.float32))
+    model.head.weight = mx.array((proj[ids] / 0.02 * 0.05).astype(np.float32))  # the same directions, to start
+    model.freeze(keys=["head_ids"])
     mx.eval(model.parameters())
-
-    chat, local, chat_eval, local_eval = examples(args)
-    train = chat * args.chat_repeat + local
-    print(f"[train] {len(chat)} chat rows ×{args.chat_repeat} + {len(local)} local windows; "
-          f"params {sum(v.size for _, v in tree_flatten(model.parameters())) / 1e6:.2f}M", file=sys.stderr, flush=True)
+    covered = sum(int(full_to_small[t] >= 0) for _, y, m in local_eval + chat_eval for t, w in zip(y, m) if w)
+    total = sum(int(w) for _, _, m in local_eval + chat_eval for w in m)
+    print(f"[train] {len(chat)} chat rows ×{args.chat_repeat} + {len(local)} local windows; head {len(ids)} ids "
+          f"cover {covered / max(1, total):.1%} of held-out labels; "
+          f"params {sum(v.size for _, v in tree_flatten(model.trainable_parameters())) / 1e6:.2f}M", file=sys.stderr, flush=True)
 
     def loss_fn(model, x, y, m):
         logits = model(x)
         ce = nn.losses.cross_entropy(logits, y, reduction="none")
         return (ce * m).sum() / mx.maximum(m.sum(), 1.0)
 
+    warm = min(50, max(1, args.steps // 10))
     sched = optim.cosine_decay(args.lr, args.steps, end=args.lr * 0.05)
-    opt = optim.AdamW(learning_rate=optim.join_schedules([optim.linear_schedule(1e-5, args.lr, 50), sched], [50]),
+    opt = optim.AdamW(learning_rate=optim.join_schedules([optim.linear_schedule(1e-5, args.lr, warm), sched], [warm]),
                       weight_decay=0.01)
     step_fn = nn.value_and_grad(model, loss_fn)
     t0 = time.time()
     curve = []
+    step = 0
     for step in range(args.steps):
         if args.train_minutes and time.time() - t0 > args.train_minutes * 60:
             print(f"[train] time budget reached at step {step}", file=sys.stderr, flush=True)
             break
         idx = rng.integers(0, len(train), args.batch)
         x, y, m = pad_batch([train[i] for i in idx], args.window)
-        loss, grads = step_fn(model, mx.array(x), mx.array(y), mx.array(m))
+        small = full_to_small[y]
+        m = m * (small >= 0)  # a label outside the head cannot be learnt: the drafter will miss it
+        loss, grads = step_fn(model, mx.array(x), mx.array(np.maximum(small, 0).astype(np.int32)), mx.array(m))
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state, loss)
-        if step % 50 == 0 or step == args.steps - 1:
+        if step % 25 == 0 or step == args.steps - 1:
             curve.append((step, round(float(loss), 4), round(time.time() - t0, 1)))
             print(f"[train] step {step} loss {float(loss):.3f} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-    steps_done = step + 1
     model.save_weights(str(args.work / "drafter.safetensors"))
     (args.work / "drafter_config.json").write_text(json.dumps(cfg))
-    return {"steps": steps_done, "seconds": round(time.time() - t0, 1), "loss_curve": curve,
-            "train_rows": {"chat": len(chat), "local": len(local)}}
+    return {"steps": step + 1, "seconds": round(time.time() - t0, 1), "loss_curve": curve,
+            "train_rows": {"chat": len(chat), "local": len(local)},
+            "head_covers_heldout_labels": round(covered / max(1, total), 4)}
 
 
 # ---------------------------------------------------------------------------
@@ -303,13 +332,15 @@ def target_vocab_digest(target: Path) -> str:
 def stage_export(args: argparse.Namespace, train_log: dict) -> dict:
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx_lm.models.llama import Model, ModelArgs
+
+    from engine.draft_model import small_head_drafter
 
     cfg = json.loads((args.work / "drafter_config.json").read_text())
-    model = Model(ModelArgs.from_dict(cfg))
+    model = small_head_drafter(cfg)
     model.load_weights(str(args.work / "drafter.safetensors"))
     _, _, chat_eval, local_eval = examples(args)
     measured = {"fp32": {"chat": agreement(model, chat_eval, 512), "local": agreement(model, local_eval, args.window)}}
+    print(f"[export] fp32 agreement {measured['fp32']}", file=sys.stderr, flush=True)
     if args.bits:
         nn.quantize(model, group_size=64, bits=args.bits)
         cfg["quantization"] = {"group_size": 64, "bits": args.bits}
@@ -341,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--tf-windows", type=int, default=400)
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--head-vocab", type=int, default=8192, help="the drafter's own head: this many target ids")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=16)
