@@ -51,6 +51,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import pathlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -61,7 +62,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from engine.blas import blas_threads
-from engine.cpu_layout import pretranspose_linears, wants_pretranspose
+from engine.cpu_layout import PretransposedLinear, calibrate, wants_pretranspose
 from engine.config import EngineConfig
 from engine.device import ThreadDevice
 from engine.mlx_device import MLXThread
@@ -69,6 +70,8 @@ from engine.mlx_batch import DecodeBatch, merge_caches
 from engine.mlx_sampling import RowSampler, row_seed
 from engine.mlx_tokenizer import MLXTokenizer
 from engine.ports import ModelInfo, StepPlan, StepResult
+
+log = logging.getLogger("ember.mlx")
 
 # config.json keys that describe the checkpoint, not the computation graph.
 _METADATA_KEYS = frozenset(
@@ -81,7 +84,7 @@ CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
 # a 1-row decode, and a batch-1 verify window up to γ = 4 (switching the count
 # between a plain step and a verify step cost more than 2 threads gained on a
 # 5-row window: sims.bench_spec, docs/bench-spec.md).
-SINGLE_THREAD_ROWS = 5
+SINGLE_THREAD_ROWS = 5  # their thread count: MLXBackend.small_threads, measured at load
 
 
 def load_mlx_backend(config: EngineConfig) -> tuple["MLXBackend", ThreadDevice]:
@@ -223,6 +226,8 @@ class MLXBackend:
         self.model = model
         self.tokenizer = MLXTokenizer(tokenizer)
         self.blas = blas_threads()
+        self.small_threads = 1  # OpenBLAS threads for small forwards; measured per model at load (cpu_layout.calibrate)
+        self.cpu_choice: dict[str, Any] = {}
         self.engine_seed = engine_seed
         probe = make_prompt_cache(model)
         self.pipeline = pipeline and all(type(c) is KVCache for c in probe)
@@ -262,9 +267,10 @@ class MLXBackend:
         from mlx_lm import load
 
         model, tokenizer, model_config = load(str(path), return_config=True)
-        pretransposed = 0
-        if config.cpu_pretranspose and wants_pretranspose():
-            pretransposed = pretranspose_linears(model)
+        choice = None
+        if wants_pretranspose():  # MLX's CPU backend: layout and thread count measured on this model
+            choice = calibrate(model, blas_threads(), allow_pretranspose=config.cpu_pretranspose)
+            log.info("[mlx] CPU choices for %s: %s", path.name, choice.as_dict())
         backend = cls(
             model,
             tokenizer,
@@ -275,7 +281,10 @@ class MLXBackend:
             weights_digest=_weights_digest(path),
             prefill_together=config.batch_prefill,
         )
-        backend.counters["pretransposed_linears"] = pretransposed
+        backend.counters["pretransposed_linears"] = sum(type(m) is PretransposedLinear for _, m in model.named_modules())
+        if choice is not None:
+            backend.small_threads = choice.small_threads
+            backend.cpu_choice = choice.as_dict()
         return backend
 
     # ---- caches --------------------------------------------------------------
@@ -341,7 +350,7 @@ class MLXBackend:
         res = StepResult()
         self.steps += 1
         width = len(plan.decode) + sum(len(v.tokens) for v in plan.verify)
-        self.blas.use(1 if not plan.prefill and width <= SINGLE_THREAD_ROWS else 0)
+        self.blas.use(self.small_threads if not plan.prefill and width <= SINGLE_THREAD_ROWS else 0)
         self._due = self._built = None  # without the run-ahead hook a built step is computed when read
         if self._ahead_error is not None:
             exc, self._ahead_error = self._ahead_error, None

@@ -93,7 +93,7 @@ def test_blas_threads_switches_the_loaded_library_and_back():
 
 
 @pytest.mark.skipif(blas.blas_threads().default < 2, reason="needs OpenBLAS loaded with more than one thread")
-def test_mlx_backend_decodes_one_row_on_one_thread_and_prefills_on_all():
+def test_mlx_backend_decodes_one_row_on_its_calibrated_count_and_prefills_on_all():
     import pathlib
 
     from engine.config import EngineConfig
@@ -110,6 +110,11 @@ def test_mlx_backend_decodes_one_row_on_one_thread_and_prefills_on_all():
         be.step(StepPlan(open=[OpenRow(1, sp)], prefill=[PrefillChunk(1, ids[:-1])], decode=[DecodeRow(1, ids[-1])]))
         assert threads.current == threads.default  # a prefill step is a real GEMM
         res = be.step(StepPlan(decode=[DecodeRow(1, 5)]))
-        assert threads.current == 1 and res.tokens
+        # the small-forward count is measured per model at load (cpu_layout.calibrate)
+        assert be.cpu_choice["small_forward_threads"] == be.small_threads in (1, threads.default)
+        assert threads.current == be.small_threads and res.tokens
+        be.small_threads = 1
+        be.step(StepPlan(decode=[DecodeRow(1, res.tokens[1])]))
+        assert threads.current == 1
     finally:
         threads.use(0)

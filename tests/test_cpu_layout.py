@@ -11,7 +11,7 @@ nn = pytest.importorskip("mlx.nn")
 from mlx_lm import load  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from engine.cpu_layout import PretransposedLinear, pretranspose_linears  # noqa: E402
+from engine.cpu_layout import PretransposedLinear, calibrate, pretranspose_linears, restore_linears  # noqa: E402
 from engine.models import resolve_model  # noqa: E402
 
 pytestmark = pytest.mark.slow  # loads the bundled target twice
@@ -56,3 +56,41 @@ def test_the_bundled_target_matches_mlx_lm_at_every_width():
         at += width
     for x, y in zip(c_ref, c_mine):
         assert mx.abs(x.keys[..., : x.offset, :] - y.keys[..., : y.offset, :]).max().item() < 1e-3
+
+
+def test_restore_linears_undoes_pretranspose_exactly():
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(32, 48, bias=True), nn.Linear(48, 16, bias=False))
+    x = mx.random.normal((2, 32))
+    want = model(x)
+    assert pretranspose_linears(model) == 2
+    assert restore_linears(model) == 2
+    assert [type(m) for m in model.layers] == [nn.Linear, nn.Linear]
+    assert mx.array_equal(model(x), want).item()
+
+
+class _Blas:
+    """A stand-in for engine.blas.BlasThreads that records the counts asked for."""
+
+    active, default = True, 2
+
+    def __init__(self):
+        self.asked: list[int] = []
+
+    def use(self, n: int) -> None:
+        self.asked.append(n)
+
+
+def test_calibrate_leaves_the_model_in_the_layout_it_chose_and_computing_the_same():
+    path = str(resolve_model("tiny"))
+    ref, _ = load(path)
+    mine, _ = load(path)
+    blas = _Blas()
+    choice = calibrate(mine, blas, reps=2)
+    swapped = sum(type(m) is PretransposedLinear for _, m in mine.named_modules())
+    assert (swapped > 0) == choice.pretranspose
+    assert choice.small_threads in (1, 2) and {1, 2} <= set(blas.asked) and blas.asked[-1] == 0
+    assert len(choice.ms) == 8  # 2 layouts x 2 thread counts x 2 widths
+    x = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    c1, c2 = make_prompt_cache(ref), make_prompt_cache(mine)
+    assert mx.allclose(mine(x, cache=c2), ref(x, cache=c1), atol=1e-4).item()

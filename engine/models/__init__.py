@@ -28,9 +28,19 @@ DRAFTERS: dict[str, pathlib.Path] = {
 def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
     """Map a bundled model name to its directory; anything else is a path.
 
+    A short name of a packaged real model (``smollm2-135m``, ``gemma3-270m``:
+    ``engine.gguf_models``) or a ``.gguf`` file resolves to its converted
+    mlx-lm directory, converting it on first use (``engine.gguf_convert``).
     Raises FileNotFoundError when the resulting directory does not exist.
     """
     key = str(name_or_path)
+    from engine.gguf_models import PACKAGED
+
+    if key in PACKAGED or (key.endswith(".gguf") and pathlib.Path(key).expanduser().is_file()):
+        from engine.gguf_convert import cached_conversion
+        from engine.gguf_models import packaged_gguf
+
+        return cached_conversion(packaged_gguf(key) if key in PACKAGED else key)
     if key in BUNDLED or key in DRAFTERS:
         path = BUNDLED.get(key) or DRAFTERS[key]
         if not path.is_dir():
@@ -42,8 +52,8 @@ def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(name_or_path).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {key!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}) "
-            f"nor an existing directory"
+            f"model {key!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}), "
+            f"a packaged one ({', '.join(sorted(PACKAGED))}), a .gguf file nor an existing directory"
         )
     return path
 
