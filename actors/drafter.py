@@ -31,8 +31,10 @@ from engine.ports import Clock, Device
 log = logging.getLogger("ember.drafter")
 
 # A draft model that lags the context by more than this many tokens (a row
-# that paused speculation, or its first round) catches up in a separate,
-# untimed device call, so adaptive γ measures drafting, not prefill.
+# that paused speculation, or its first round) catches up in a separate
+# device call, timed apart from drafting: adaptive γ prices it per token (what
+# a hold's catch-up will cost before the row's next probe), not as part of
+# every round.
 CATCH_UP_AFTER = 4
 
 
@@ -77,7 +79,8 @@ class DraftedRound(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
     drafted: list[Drafted]
     draft_s: float = 0.0
-    catch_up_s: float = 0.0  # feeding draft caches that lagged (a one-off when a row resumes drafting)
+    catch_up_s: float = 0.0  # feeding draft caches that lagged (a row's first round, or after a hold)
+    catch_up_tokens: int = 0  # the tokens that catch-up fed: adaptive γ prices a hold's catch-up per token
     reset: list[int] = []  # rows whose context the Drafter dropped: resend it from 0
 
 
@@ -93,7 +96,7 @@ class DrafterCore(Protocol):
 
     def lagging(self, drafts: list[Draft]) -> list[int]: ...
 
-    def catch_up(self, rids: list[int]) -> None: ...
+    def catch_up(self, rids: list[int]) -> int: ...
 
     def catch_up_cost_s(self, rids: list[int]) -> float: ...
 
@@ -132,8 +135,8 @@ class NgramDrafterCore:
     def lagging(self, drafts: list[Draft]) -> list[int]:
         return []
 
-    def catch_up(self, rids: list[int]) -> None:
-        pass
+    def catch_up(self, rids: list[int]) -> int:
+        return 0
 
     def catch_up_cost_s(self, rids: list[int]) -> float:
         return 0.0
@@ -208,7 +211,9 @@ class ModelDrafterCore:
             self.rebuilds += 1
             row.cache, row.cached = self.model.new_cache(), []
 
-    def catch_up(self, rids: list[int]) -> None:
+    def catch_up(self, rids: list[int]) -> int:
+        """Feed lagging caches up to the context's last token; the tokens fed."""
+        fed = 0
         for rid in rids:
             row = self.rows[rid]
             self._rollback(row)
@@ -216,6 +221,8 @@ class ModelDrafterCore:
             if feed:
                 self.model.feed(row.cache, feed)
                 row.cached.extend(feed)
+                fed += len(feed)
+        return fed
 
     def catch_up_cost_s(self, rids: list[int]) -> float:
         rows = [self.rows[rid] for rid in rids]
@@ -299,8 +306,9 @@ class Drafter(Actor[Inbox]):
         try:
             lagging = core.lagging(drafts)
             t0 = self.clock.now()
+            caught = 0
             if lagging:
-                await self.device.run(core.catch_up, lagging, cost_s=core.catch_up_cost_s(lagging))
+                caught = await self.device.run(core.catch_up, lagging, cost_s=core.catch_up_cost_s(lagging))
             caught_up, t0 = self.clock.now() - t0, self.clock.now()
             drafted = await self.device.run(core.draft, drafts, cost_s=core.cost_s(drafts))
         except (MemoryError, RuntimeError) as exc:
@@ -311,4 +319,6 @@ class Drafter(Actor[Inbox]):
             log.warning("[drafter] draft failed rows=%s: %r", rids, exc)
             await self.device.run(core.forget, rids)
             return DraftedRound(drafted=[Drafted(rid=rid, tokens=[]) for rid in rids], reset=rids)
-        return DraftedRound(drafted=drafted, draft_s=self.clock.now() - t0, catch_up_s=caught_up)
+        return DraftedRound(
+            drafted=drafted, draft_s=self.clock.now() - t0, catch_up_s=caught_up, catch_up_tokens=caught or 0
+        )

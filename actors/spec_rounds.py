@@ -64,6 +64,10 @@ class SpecRounds:
         self.costs_kept = costs_kept
         self.costs: dict[tuple[int, int], deque[StepCost]] = {}
         self._open_step: tuple[int, int, int, float, float] | None = None  # costed at the next start
+        # Draft-cache catch-up since the last Verify (seconds, tokens): priced by
+        # the policy per token, since a held row pays it before its next probe.
+        self.catch_up_s = 0.0
+        self.catch_up_tokens = 0
         self._forgotten: list[int] = []
 
     # ---- rows ------------------------------------------------------------
@@ -113,6 +117,9 @@ class SpecRounds:
         return out
 
     def set_drafts(self, answer: DraftedRound, asked: list[Draft]) -> None:
+        if answer.catch_up_tokens > 0:
+            self.catch_up_s += answer.catch_up_s
+            self.catch_up_tokens += answer.catch_up_tokens
         for rid in answer.reset:
             if rid in self.rows:
                 self.rows[rid].synced = 0
@@ -170,8 +177,9 @@ class SpecRounds:
         Verifier and the emission all included, and a decode the backend ran
         ahead (pipelined) counted at what it really costs per token. A step
         that also prefilled, failed, or was followed by an idle wait is not
-        costed. Its own catch-up of lagging draft caches is left out: a one-off
-        when a row resumes drafting, not a cost of drafting."""
+        costed. Its catch-up of lagging draft caches is left out of the round:
+        it is not a cost of every round, and reaches the policy per token with
+        the next Verify (``set_drafts``), priced into the probe spacing."""
         prev, self._open_step = self._open_step, None
         if prev is not None:
             gamma, rows, drafted, d_s, t = prev
@@ -196,7 +204,9 @@ class SpecRounds:
             return None
         costs = [c for shape in self.costs.values() for c in shape]
         self.costs = {}
-        return Verify(windows=windows, costs=costs, rows=rows)
+        caught = (self.catch_up_s, self.catch_up_tokens)
+        self.catch_up_s, self.catch_up_tokens = 0.0, 0
+        return Verify(windows=windows, costs=costs, rows=rows, catch_up_s=caught[0], catch_up_tokens=caught[1])
 
     def apply(self, verified: Verified, rows: dict[int, Any], emit: Callable[[Any, list[int]], None]) -> None:
         """Emit each verdict's tokens and owe the trim of what the cache holds

@@ -80,6 +80,8 @@ class Verify(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     windows: list[Window]
     costs: list[StepCost] = []
     rows: int = 1  # rows in the step these windows came from: the batch the choice is for
+    catch_up_s: float = 0.0  # draft caches fed since the last Verify (a held row's skipped tokens)
+    catch_up_tokens: int = 0
 
 
 class Forget(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -134,6 +136,8 @@ class VerifierCore:
     def verify(self, msg: Verify) -> Verified:
         for c in msg.costs:
             self.policy.observe_cost(c.gamma, c.step_s, c.rows, c.drafted, c.draft_s)
+        if msg.catch_up_tokens:
+            self.policy.observe_catch_up(msg.catch_up_s, msg.catch_up_tokens)
         self.policy.rows_now = max(1, msg.rows)  # the batch now, not the one last costed
         return Verified(verdicts=[self._judge(w) for w in msg.windows])
 

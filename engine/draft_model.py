@@ -21,6 +21,7 @@ the cache holds ``feed + d1..d_{k-1}`` (``d_k`` was never fed).
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 from typing import Any, Protocol
 
@@ -119,20 +120,87 @@ def _uniform(seed: int, h: int) -> float:
 # ---------------------------------------------------------------------------
 
 
+def vocab_digest(vocab: dict[str, int]) -> str:
+    """sha256 of a tokenizer's vocabulary (token → id, added tokens included):
+    how a drafter shipped without its own tokenizer names the one it shares."""
+    blob = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def small_head_drafter(config: dict[str, Any]) -> Any:
+    """A llama body over the target's whole vocabulary with its own small
+    head: logits over only the ``ember_head_vocab`` tokens the target emits
+    most (``head_ids`` maps them back to the target's ids). At hidden 128 a
+    full 49,152-token head is 6.3M multiply-adds per token, most of the
+    drafter's cost; a drafter only has to guess the target's next token, and
+    the target's greedy tokens come from a few thousand ids."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.llama import LlamaModel, ModelArgs
+
+    class SmallHeadDrafter(nn.Module):
+        def __init__(self, args: ModelArgs, head_vocab: int):
+            super().__init__()
+            self.args = args
+            self.model_type = args.model_type
+            self.model = LlamaModel(args)
+            self.head = nn.Linear(args.hidden_size, head_vocab, bias=False)
+            self.head_ids = mx.zeros((head_vocab,), dtype=mx.int32)
+
+        def __call__(self, inputs: Any, cache: Any = None) -> Any:
+            return self.head(self.model(inputs, cache=cache))
+
+        def to_target_ids(self, small: Any) -> Any:
+            return mx.take(self.head_ids, small)
+
+        @property
+        def layers(self) -> Any:
+            return self.model.layers
+
+    return SmallHeadDrafter(ModelArgs.from_dict(config), int(config["ember_head_vocab"]))
+
+
 class MlxDraftModel:
-    """An mlx-lm model used only to draft. Construct it on the device thread."""
+    """An mlx-lm model used only to draft. Construct it on the device thread.
+
+    A drafter directory may leave its tokenizer out (``smollm2-draft``: the
+    target's tokenizer.json alone is 3.5 MB): drafting runs on token ids, and
+    ``config.json`` then names the tokenizer it shares by ``ember_vocab_sha256``
+    (``vocab_digest``), which ``engine.spec_build`` checks against the target's."""
 
     prefill_chunk = 512
 
     def __init__(self, path: str | pathlib.Path):
         import mlx.core as mx
-        from mlx_lm import load
         from mlx_lm.generate import generation_stream
 
         self._mx = mx
         self._stream = generation_stream  # the target's stream on this thread: one queue of work
         self.path = pathlib.Path(path)
-        self.model, self.tokenizer = load(str(self.path))
+        self.vocab_sha256: str | None = None
+        if (self.path / "tokenizer.json").exists() or (self.path / "tokenizer_config.json").exists():
+            from mlx_lm import load
+
+            self.model, self.tokenizer = load(str(self.path))
+        else:
+            config = json.loads((self.path / "config.json").read_text())
+            if "ember_head_vocab" in config:
+                import mlx.nn as nn
+
+                self.model = small_head_drafter(config)
+                q = config.get("quantization")
+                if q:
+                    nn.quantize(self.model, group_size=q["group_size"], bits=q["bits"])
+                self.model.load_weights(str(self.path / "model.safetensors"))
+                mx.eval(self.model.parameters())
+            else:
+                from mlx_lm.utils import load_model
+
+                self.model, config = load_model(self.path)
+            self.tokenizer = None
+            self.vocab_sha256 = config.get("ember_vocab_sha256")
+        # A small-head drafter's argmax is an index into its head: map it back.
+        self._to_ids = getattr(self.model, "to_target_ids", lambda y: y)
         self.vocab_size = int(self.model.args.vocab_size) if hasattr(self.model, "args") else None
 
     def new_cache(self) -> list[Any]:
@@ -166,11 +234,11 @@ class MlxDraftModel:
         # The k steps are built lazily: each step's argmax feeds the next as an
         # array, so nothing waits until the caller evaluates them all at once.
         logits = self._forward(cache, mx.array(feed)[None])
-        y = mx.argmax(logits[:, -1, :], axis=-1)
+        y = self._to_ids(mx.argmax(logits[:, -1, :], axis=-1))
         out = [y]
         for _ in range(k - 1):
             logits = self._forward(cache, y[:, None])
-            y = mx.argmax(logits[:, -1, :], axis=-1)
+            y = self._to_ids(mx.argmax(logits[:, -1, :], axis=-1))
             out.append(y)
         return mx.concatenate(out)
 

@@ -90,16 +90,28 @@ def _fake_core(name: str, fake_cfg: Any) -> DrafterCore:
     return ModelDrafterCore(FakeDraftModel(fake_cfg, agree=p), name=name)
 
 
-def _same_tokenizer(target: Any, draft: Any) -> bool:
-    def vocab(tok: Any) -> dict[str, int] | None:
-        inner = getattr(tok, "_tok", tok)  # engine.mlx_tokenizer.MLXTokenizer wraps mlx-lm's wrapper
-        for t in (inner, getattr(inner, "_tokenizer", None), getattr(inner, "tokenizer", None)):
-            if t is not None and hasattr(t, "get_vocab"):
-                return t.get_vocab()
-        return None
+def _vocab(tok: Any) -> dict[str, int] | None:
+    inner = getattr(tok, "_tok", tok)  # engine.mlx_tokenizer.MLXTokenizer wraps mlx-lm's wrapper
+    for t in (inner, getattr(inner, "_tokenizer", None), getattr(inner, "tokenizer", None)):
+        if t is not None and hasattr(t, "get_vocab"):
+            return t.get_vocab()
+    return None
 
-    a, b = vocab(target), vocab(draft)
+
+def _same_tokenizer(target: Any, draft: Any) -> bool:
+    a, b = _vocab(target), _vocab(draft)
     return a is not None and a == b
+
+
+def _shares_tokenizer(target_tok: Any, model: Any) -> bool:
+    """The drafter's own tokenizer equals the target's, or (shipped without
+    one) the vocabulary digest in its config.json matches the target's."""
+    if model.tokenizer is not None:
+        return _same_tokenizer(target_tok, model.tokenizer)
+    from engine.draft_model import vocab_digest
+
+    vocab = _vocab(target_tok)
+    return vocab is not None and model.vocab_sha256 is not None and vocab_digest(vocab) == model.vocab_sha256
 
 
 def _mlx_core(config: Any, backend: Any, device: Any) -> DrafterCore:
@@ -118,7 +130,7 @@ def _mlx_core(config: Any, backend: Any, device: Any) -> DrafterCore:
             "draft_model",
         )
     model = device.call(MlxDraftModel, path)
-    if not _same_tokenizer(backend.tokenizer, model.tokenizer):
+    if not _shares_tokenizer(backend.tokenizer, model):
         raise InvalidRequest(f"draft model {path} does not share the target's tokenizer", "draft_model")
     return ModelDrafterCore(model, name=str(config.draft_model))
 

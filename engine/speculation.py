@@ -48,8 +48,12 @@ plain decode, ``E = 1``.
   engine's); and the hold is never shorter than what keeps
   probing under ``probe_budget`` (2%) of the time, given what a verify round
   costs over a plain one at this batch size and that every row of the batch
-  probes. A row drafts only when the model promises ``margin`` (5%) more
-  than plain decode.
+  probes. A held row's draft model skips the tokens of its hold and feeds
+  them all before the probe (the catch-up); that is priced too, per token as
+  measured, so the hold grows with it, and where even the longest hold
+  cannot keep probing within budget the row stops speculating for good
+  (``retired``). A row drafts only when the model promises ``margin`` (5%)
+  more than plain decode.
 * In a batch a row must also pay for the others: its γ is chosen for the
   most tokens per second of the whole batch, the other rows drafting as they
   do now (their acceptance, and how often their drafter proposes anything),
@@ -99,6 +103,7 @@ class RowPolicy:
     exploring: bool = False  # decoding one round plainly to measure its cost
     hit: float = 1.0  # how often its drafter had something to propose (prompt lookup may not)
     off: bool = False  # the row's cache cannot be trimmed: plain decode from now on
+    retired: bool = False  # probing cannot pay for itself here: plain decode from now on
 
 
 class GammaPolicy:
@@ -142,6 +147,11 @@ class GammaPolicy:
         # 4-row verify was priced from 1-row rounds for good (docs/bench-adaptive.md).
         self._samples: dict[tuple[int, int], deque[float]] = {}  # (rows, drafts) -> seconds
         self._draft_s: deque[float] = deque(maxlen=64)  # per drafted token, for the stats
+        # Seconds per token of a draft model's catch-up (feeding a lagging cache):
+        # a held row skips its drafter for ``hold`` tokens and pays them all
+        # before its probe, so a probe costs its verify round plus hold × this.
+        self._catch_up: deque[float] = deque(maxlen=16)
+        self.retired = 0  # rows switched off because probing could not pay
         self._coef: tuple[tuple[float, float], tuple[float, float, float] | None] = ((1.0, 0.0), None)
         self._floor = 1e-9
         self._fit_due = False
@@ -183,6 +193,16 @@ class GammaPolicy:
             self._local.clear()
         if drafted_tokens > 0 and draft_s >= 0:
             self._draft_s.append(draft_s / drafted_tokens)
+
+    def observe_catch_up(self, seconds: float, tokens: int) -> None:
+        """A draft model fed ``tokens`` context tokens it had skipped, in ``seconds``."""
+        if tokens > 0 and seconds >= 0:
+            self._catch_up.append(seconds / tokens)
+
+    @property
+    def catch_up_token_s(self) -> float:
+        """Median seconds per caught-up token (0: nothing to catch up, as prompt lookup)."""
+        return float(np.median(self._catch_up)) if self._catch_up else 0.0
 
     @property
     def draft_token_s(self) -> float | None:
@@ -385,7 +405,7 @@ class GammaPolicy:
     def choose(self, row: RowPolicy) -> tuple[int, int]:
         """``(γ, hold)`` for the row's next round: γ = 0 is plain decode, and
         ``hold`` is how many rounds to stay plain before asking again."""
-        if row.off:
+        if row.off or row.retired:
             return 0, 1 << 30
         if row.fixed is not None:
             return row.fixed, (1 << 30 if row.fixed == 0 else 0)
@@ -396,17 +416,33 @@ class GammaPolicy:
             self.probe_seed = row.probe_every
         if g > 0:
             return (0, 1) if self._explore_plain(row) else (g, 0)
-        return 0, max(row.probe_every, self._probe_spacing())
+        spacing = self._probe_spacing()
+        if spacing is None:
+            # Every probe would cost more than the budget however far apart:
+            # the drafter's catch-up over the skipped tokens alone exceeds it.
+            row.retired = True
+            self.retired += 1
+            return 0, 1 << 30
+        return 0, max(row.probe_every, spacing)
 
-    def _probe_spacing(self) -> int:
+    def _probe_spacing(self) -> int | None:
         """Plain rounds between a row's probes so that probing costs at most
-        ``probe_budget`` of the time: a probe turns one round of the whole
-        batch into a verify round (a batch of four on CPU: ~2.5 plain rounds;
-        one row alone: ~1.3), and each of the batch's rows probes."""
+        ``probe_budget`` of the time, or None when no spacing can. A probe
+        turns one round of the whole batch into a verify round (a batch of
+        four on CPU: ~2.5 plain rounds; one row alone: ~1.3), each of the
+        batch's rows probes, and before its probe a row's draft model catches
+        up on the ``H`` tokens it skipped (``catch_up_token_s`` each, while the
+        batch waits). Over ``H`` plain rounds that is
+        ``b·(jump + c·H) ≤ budget·H·plain``, so ``H ≥ b·jump / (budget·plain − b·c)``:
+        the catch-up grows with the hold as fast as the budget does, and when
+        ``b·c ≥ budget·plain`` no hold is long enough."""
         b = self.rows_now
         plain = self._cost(b, 0)
-        jump = max(0.0, self._cost(b, 1) - plain) / plain
-        return min(self.probe_cap, max(1, math.ceil(b * jump / self.probe_budget - 1e-9)))
+        jump = max(0.0, self._cost(b, 1) - plain)
+        room = self.probe_budget * plain - b * self.catch_up_token_s
+        if room <= 0:
+            return None
+        return min(self.probe_cap, max(1, math.ceil(b * jump / room - 1e-9)))
 
     def after_hold(self, row: RowPolicy) -> tuple[int, int]:
         """A held row's hold ran out: choose again after a plain exploration
@@ -414,7 +450,7 @@ class GammaPolicy:
         if row.exploring:
             row.exploring = False
             return self.choose(row)
-        if row.off or row.fixed is not None:
+        if row.off or row.retired or row.fixed is not None:
             return self.choose(row)
         row.probing = True
         return 1, 0
@@ -435,6 +471,8 @@ class GammaPolicy:
             "round_s_by_rows_drafts": {f"{r}x{d}": round(v, 6) for (r, d), v in sorted(self._points().items())},
             "round_s_fit": self._fit_snapshot(),
             "draft_token_s": None if self.draft_token_s is None else round(self.draft_token_s, 6),
+            "catch_up_token_s": round(self.catch_up_token_s, 7),
+            "rows_retired": self.retired,
         }
 
 

@@ -37,14 +37,14 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def width_leg(model: Any, ids: list[int], rounds: int, steps: int = 100) -> dict[int, float]:
-    """Median ms of a forward over n tokens on a 300-token cache, n = 1..5."""
+def width_leg(model: Any, ids: list[int], rounds: int, steps: int = 100, widths: int = 5) -> dict[int, float]:
+    """Median ms of a forward over n tokens on a 300-token cache, n = 1..widths."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array(ids[:300])[None], cache=cache))
-    out: dict[int, list[float]] = {n: [] for n in range(1, 6)}
+    out: dict[int, list[float]] = {n: [] for n in range(1, widths + 1)}
     for _ in range(rounds):
         for n in out:
             x = mx.array(ids[300 : 300 + n])[None]
@@ -172,7 +172,9 @@ def load_with_ids(model_name: str) -> tuple[Any, Any, list[int]]:
     return model, tok, tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text() * 3)
 
 
-def verify_costs(model_name: str, draft_name: str, rounds: int) -> tuple[dict[int, float], float | None]:
+def verify_costs(
+    model_name: str, draft_name: str, rounds: int, steps: int = 100, widths: int = 5
+) -> tuple[dict[int, float], float | None]:
     """The width leg at one OpenBLAS thread (as the engine runs a 1-row step),
     and a one-token step of the draft model (None for ``ngram``), median ms:
     what sims.bench_spec's ceiling columns divide by."""
@@ -183,8 +185,14 @@ def verify_costs(model_name: str, draft_name: str, rounds: int) -> tuple[dict[in
     if wants_pretranspose():  # the target's layout in the engine (engine.cpu_layout)
         pretranspose_linears(model)
     blas_threads().use(1)
-    width = width_leg(model, ids, rounds)
-    draft = None if draft_name == "ngram" else width_leg(load_with_ids(draft_name)[0], ids, rounds)[1]
+    width = width_leg(model, ids, rounds, steps, widths)
+    draft = None
+    if draft_name != "ngram":  # load_model: a drafter may ship without a tokenizer (it borrows the target's)
+        from mlx_lm.utils import load_model
+
+        from engine.models import resolve_model
+
+        draft = width_leg(load_model(resolve_model(draft_name))[0], ids, rounds, steps, 1)[1]
     return width, draft
 
 

@@ -287,7 +287,9 @@ async def main_async(args: argparse.Namespace) -> str:
         return text + anatomy_text
 
 
-def verify_width_cost(model_name: str, draft_name: str, rounds: int) -> tuple[dict[int, float], float | None]:
+def verify_width_cost(
+    model_name: str, draft_name: str, rounds: int, steps: int = 100, widths: int = 5
+) -> tuple[dict[int, float], float | None]:
     """Median ms of a target forward over n = 1..5 tokens (a verify window of
     γ = n − 1), and of a one-token draft-model step, at one OpenBLAS thread as
     the engine runs them for one row. In a child process: MLX driven from this
@@ -296,9 +298,9 @@ def verify_width_cost(model_name: str, draft_name: str, rounds: int) -> tuple[di
     code = (
         "import json, sys\n"
         "from sims.bench_forward import verify_costs\n"
-        "print(json.dumps(verify_costs(sys.argv[1], sys.argv[2], int(sys.argv[3]))))\n"
+        "print(json.dumps(verify_costs(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:]))))\n"
     )
-    argv = [sys.executable, "-c", code, model_name, draft_name, str(max(1, rounds))]
+    argv = [sys.executable, "-c", code, model_name, draft_name, str(max(1, rounds)), str(steps), str(widths)]
     out = subprocess.run(argv, capture_output=True, text=True, check=True)
     width, draft = json.loads(out.stdout.strip().splitlines()[-1])
     return {int(n): ms for n, ms in width.items()}, draft
@@ -356,6 +358,240 @@ async def anatomy(engine: Any, prompt: Any, params: Any) -> dict[str, float]:
     return {**{k: q(v) for k, v in rec.items()}, "tokens_per_round": per_round}
 
 
+# ---------------------------------------------------------------------------
+# Paired sweep on a chat model: agent-shaped workloads, speculation on/off on
+# one engine.
+
+AGENT_WORKLOADS = ("chat", "edit", "copy", "agent")
+
+
+@dataclass
+class Arm:
+    """One speculation setting on one engine: a fixed γ, or adaptive (None)."""
+
+    drafter: str
+    gamma: int | None
+    ratios: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (workload, batch) -> per round
+    tps: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    drafted: dict[tuple[str, int], int] = field(default_factory=dict)
+    accepted: dict[tuple[str, int], int] = field(default_factory=dict)
+    calls: dict[tuple[str, int], int] = field(default_factory=dict)
+    tokens: dict[tuple[str, int], int] = field(default_factory=dict)
+    identical: dict[tuple[str, int], list[bool]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        label = "ngram" if self.drafter == "ngram" else Path(self.drafter).name
+        return f"{label} {'adaptive' if self.gamma is None else f'γ={self.gamma}'}"
+
+
+async def _one(engine: Any, prompt: list[int], params: Any) -> tuple[list[int], float, Any]:
+    """Token ids, seconds from the first token to the last, usage."""
+    ids: list[int] = []
+    first = last = None
+    usage = None
+    async for d in engine.agenerate(prompt, params):
+        if d.token_ids:
+            last = time.perf_counter()
+            first = first or last
+            ids.extend(d.token_ids)
+        if d.usage is not None:
+            usage = d.usage
+    return ids, (last - first) if first and last else 0.0, usage
+
+
+async def run_paired_cell(engine: Any, workload: str, batch: int, n: int, params: Any) -> tuple[float, list[list[int]], list[Any]]:
+    """Decode tok/s of one workload at one batch size, the outputs (for the
+    greedy-identity check) and the usages. Batch 1: ``n`` requests (agent:
+    sessions) one after another, tokens over first→last token time. Batch b:
+    b requests (sessions) at once, prompts cycled, tokens over wall time."""
+    from sims import spec_workloads as sw
+
+    tok = engine.tokenizer
+    if workload == "agent":
+        async def session(s: Any) -> tuple[list[list[int]], list[Any], int, float]:
+            outs, usages, tokens, secs = [], [], 0, 0.0
+            for _ in range(s.TURNS):
+                ids, dt, u = await _one(engine, s.next_prompt(tok), params)
+                s.answered(tok.decode(ids))
+                outs.append(ids)
+                usages.append(u)
+                tokens, secs = tokens + max(0, len(ids) - 1), secs + dt
+            return outs, usages, tokens, secs
+
+        k = len(sw.EDIT_FILES)
+        count = n if batch == 1 else batch
+        # fresh sessions (they record their turns), files cycled
+        picked = [sw.agent_sessions(k)[i % k] for i in range(count)]
+        t0 = time.perf_counter()
+        if batch == 1:
+            results = [await session(s) for s in picked]
+        else:
+            results = await asyncio.gather(*[session(s) for s in picked])
+        wall = time.perf_counter() - t0
+        outs = [o for r in results for o in r[0]]
+        usages = [u for r in results for u in r[1]]
+        if batch == 1:
+            return sum(r[2] for r in results) / max(1e-9, sum(r[3] for r in results)), outs, usages
+        return sum(len(o) for o in outs) / wall, outs, usages
+    make = {"chat": sw.chat_prompts, "edit": sw.edit_prompts, "copy": sw.copy_prompts}[workload]
+    pool = make(tok, len(sw.CHAT_PROMPTS) if workload == "chat" else len(sw.EDIT_FILES))
+    if batch == 1:
+        res = [await _one(engine, p, params) for p in pool[:n]]
+        tps = sum(max(0, len(i) - 1) for i, _, _ in res) / max(1e-9, sum(dt for _, dt, _ in res))
+    else:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*[_one(engine, pool[i % len(pool)], params) for i in range(batch)])
+        tps = sum(len(i) for i, _, _ in res) / (time.perf_counter() - t0)
+    return tps, [i for i, _, _ in res], [u for _, _, u in res]
+
+
+async def paired_async(args: argparse.Namespace) -> str:
+    """Every arm of a drafter runs on that drafter's engine, each (workload,
+    batch) right after that engine's plain decode (``speculate=false``) of the
+    same requests in the same round; the arms' order rotates per round."""
+    import msgspec
+
+    from engine import Engine, EngineConfig, SamplingParams
+    from sims.bench_adaptive import paired_interval
+
+    drafters = [d for d in args.drafters.split(",") if d]
+    gammas = [int(g) for g in args.gammas.split(",") if g]
+    workloads = [w for w in args.workloads.split(",") if w in AGENT_WORKLOADS]
+    batches = [int(b) for b in args.batches.split(",")]
+    base = SamplingParams(max_tokens=args.tokens)  # EOS ends an answer, as in use
+    off_params = msgspec.structs.replace(base, speculate=False)
+    arms = {d: [Arm(d, g) for g in gammas] + [Arm(d, None)] for d in drafters}
+    off_tps: dict[tuple[str, str, int], list[float]] = {}
+    anat: list[str] = []
+    t_start = time.perf_counter()
+    async with contextlib_stack() as stack:
+        engines = {}
+        for d in drafters:
+            cfg = EngineConfig(model=args.model, max_batch=max(8, max(batches)), prompt_cache_gib=0, draft_model=d)
+            engines[d] = await stack.enter_async_context(Engine.open(cfg))
+            await engines[d].acomplete(engines[d].encode("Hello"), SamplingParams(max_tokens=4))
+        for r in range(args.rounds):
+            for w in workloads:
+                for b in batches:
+                    if b > 1 and w not in args.batch_workloads.split(","):
+                        continue
+                    for d in drafters:
+                        eng = engines[d]
+                        off, off_outs, _ = await run_paired_cell(eng, w, b, args.prompts, off_params)
+                        off_tps.setdefault((d, w, b), []).append(off)
+                        order = arms[d][r % len(arms[d]) :] + arms[d][: r % len(arms[d])]
+                        for arm in order:
+                            if b > 1 and arm.gamma not in (None, *args.batch_gammas):
+                                continue
+                            p = base if arm.gamma is None else msgspec.structs.replace(base, num_draft_tokens=arm.gamma)
+                            tps, outs, usages = await run_paired_cell(eng, w, b, args.prompts, p)
+                            key = (w, b)
+                            arm.ratios.setdefault(key, []).append(tps / off)
+                            arm.tps.setdefault(key, []).append(tps)
+                            arm.identical.setdefault(key, []).append(outs == off_outs)
+                            for u, o in zip(usages, outs):
+                                sp = u.speculation if u is not None else None
+                                if sp is not None:
+                                    arm.drafted[key] = arm.drafted.get(key, 0) + sp.drafted
+                                    arm.accepted[key] = arm.accepted.get(key, 0) + sp.accepted
+                                    arm.calls[key] = arm.calls.get(key, 0) + sp.target_calls
+                                    arm.tokens[key] = arm.tokens.get(key, 0) + len(o)
+                    print(f"[bench_spec] round {r + 1}/{args.rounds} {w} batch {b} done "
+                          f"({(time.perf_counter() - t_start) / 60:.1f} min)", file=sys.stderr, flush=True)
+            if args.out:  # what is measured so far survives an interrupted run
+                partial = {d: engines[d].stats().get("speculation", {}) for d in drafters}
+                args.out.write_text(paired_report(args, drafters, workloads, batches, arms, off_tps, partial, {}, {}, [],
+                                                  time.perf_counter() - t_start) + f"\n\n(after round {r + 1})\n")
+        if args.anatomy:
+            anat = await paired_anatomy(engines, workloads, args, base)
+        stats = {d: engines[d].stats().get("speculation", {}) for d in drafters}
+    width_ms, draft_ms = {}, {}
+    if args.widths:
+        for d in drafters:
+            width_ms, draft_ms[d] = verify_width_cost(args.model, d, 1, steps=args.width_steps, widths=max(gammas) + 1)
+    return paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat,
+                         time.perf_counter() - t_start)
+
+
+def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat, elapsed) -> str:
+    from sims.bench_adaptive import paired_interval
+
+    lines = [
+        f"Command: `python -m sims.bench_spec {' '.join(sys.argv[1:])}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cpus, shared with other work (load average at the end "
+        f"{os.getloadavg()[0]:.1f}); BLAS {os.environ.get('LD_PRELOAD') or 'reference'}; target `{args.model}`; "
+        f"up to {args.tokens} tokens per request, greedy, EOS ends a request; {args.rounds} rounds in {elapsed / 60:.1f} min.",
+        "",
+        "Speedup = an arm's decode tok/s over plain decode (`speculate=false`) of the same requests on the same "
+        "engine in the same round; geometric mean of the rounds with its 95% interval, and the median round. "
+        "`identical`: rounds whose greedy output equalled the plain run's token for token. "
+        "`tok/call`: tokens per target forward. Ceiling, free drafter: tok/call ÷ (cost of a γ+1-token verify "
+        "forward ÷ a 1-token step), the speedup with no per-round overhead and a drafter that costs nothing; "
+        "this drafter: with its γ measured one-token steps added (batch 1 only: widths measured at batch 1).",
+        "",
+    ]
+    if width_ms:
+        lines += ["Verify forward cost on the target (1 OpenBLAS thread, batch 1): "
+                  + ", ".join(f"n={n} {ms / width_ms[1]:.2f}×" for n, ms in width_ms.items()) + " of n=1 "
+                  f"({width_ms[1]:.1f} ms)"
+                  + "".join(f"; a one-token step of `{Path(d).name}` {ms / width_ms[1]:.3f}× of the target's"
+                            for d, ms in draft_ms.items() if ms) + ".", ""]
+    for w in workloads:
+        for b in batches:
+            rows = [(d, a) for d in drafters for a in arms[d] if (w, b) in a.ratios]
+            if not rows:
+                continue
+            lines += [f"### {w}, batch {b}", "",
+                      "| drafter / γ | speedup (geo. mean) | 95% interval | median round | identical | acceptance | "
+                      "tok/call | ceiling, free drafter | ceiling, this drafter | tok/s (plain) |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+            for d, a in rows:
+                key = (w, b)
+                g, lo, hi = paired_interval(a.ratios[key])
+                acc = a.accepted.get(key, 0) / a.drafted[key] if a.drafted.get(key) else None
+                per_call = a.tokens[key] / a.calls[key] if a.calls.get(key) else None
+                cap = own = None
+                if b == 1 and a.gamma is not None and width_ms:
+                    cap = ceiling(per_call, a.gamma, width_ms)
+                    own = cap if d == "ngram" else ceiling(per_call, a.gamma, width_ms, draft_ms.get(d) or 0.0)
+                lines.append(
+                    f"| {a.name} | {g:.2f}× | {lo:.2f}–{hi:.2f} | {statistics.median(a.ratios[key]):.2f}× | "
+                    f"{sum(a.identical[key])}/{len(a.identical[key])} | {'–' if acc is None else f'{acc:.0%}'} | "
+                    f"{'–' if per_call is None else f'{per_call:.2f}'} | {'–' if cap is None else fmt_ratio(cap)} | "
+                    f"{'–' if own is None else fmt_ratio(own)} | {statistics.median(a.tps[key]):.1f} "
+                    f"({statistics.median(off_tps[(d, w, b)]):.1f}) |")
+            lines.append("")
+    lines += ["Adaptive γ: rounds per γ chosen, and the policy's fitted round costs (s):", ""]
+    for d, st in stats.items():
+        lines.append(f"- `{Path(d).name}`: {st.get('gamma_chosen')}; fit {st.get('policy', {}).get('round_s_fit')}")
+    return "\n".join(lines + [""] + anat)
+
+
+async def paired_anatomy(engines: dict[str, Any], workloads: list[str], args: argparse.Namespace, base: Any) -> list[str]:
+    """Where a round's time goes, one request at batch 1 (the first prompt of
+    ``chat`` and ``edit``), plain and at γ = 3 and adaptive."""
+    import msgspec
+
+    from sims import spec_workloads as sw
+
+    lines = ["Round anatomy (one request, batch 1, low quartile ms): the Drafter ask (draft-model forwards "
+             "included), the device step, the Verifier ask, and the whole round start to start.", "",
+             "| drafter | workload | setting | round | draft ask | device step | verify ask | tokens / round | ms / token |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for d, eng in engines.items():
+        tok = eng.tokenizer
+        for w in [w for w in workloads if w in ("chat", "edit", "copy")]:
+            prompt = {"chat": sw.chat_prompts, "edit": sw.edit_prompts, "copy": sw.copy_prompts}[w](tok, 1)[0]
+            for label, p in (("plain", msgspec.structs.replace(base, speculate=False)),
+                             ("γ=3", msgspec.structs.replace(base, num_draft_tokens=3)), ("adaptive", base)):
+                a = await anatomy(eng, prompt, p)
+                lines.append(f"| {Path(d).name} | {w} | {label} | {a['round']:.1f} | {a['draft']:.1f} | {a['step']:.1f} | "
+                             f"{a['verify']:.1f} | {a['tokens_per_round']:.2f} | {a['round'] / a['tokens_per_round']:.1f} |")
+    return lines
+
+
 def contextlib_stack():
     import contextlib
 
@@ -369,7 +605,27 @@ def main(argv: list[str] | None = None) -> None:
     ap = common_args(__doc__, rounds=5)
     ap.add_argument("--gammas", default="1,2,3,4")
     ap.add_argument("--anatomy", action="store_true", help="also time the parts of a round, per configuration")
+    ap.add_argument("--paired", action="store_true",
+                    help="the chat/edit/agent sweep: every γ paired with speculate=false on the same engine")
+    ap.add_argument("--drafters", default="ngram", help="--paired: comma-separated drafters, one engine each")
+    ap.add_argument("--batches", default="1", help="--paired: batch sizes, e.g. 1,4,8")
+    ap.add_argument("--batch-workloads", default="chat,edit,agent", help="--paired: workloads run at batch > 1")
+    ap.add_argument("--batch-gammas", default="3", help="--paired: fixed γ also run at batch > 1 (adaptive always)")
+    ap.add_argument("--widths", action=argparse.BooleanOptionalAction, default=True,
+                    help="--paired: measure verify-forward widths for the ceiling columns")
+    ap.add_argument("--width-steps", type=int, default=30)
     args = ap.parse_args(argv)
+    if args.paired:
+        if args.workloads == "free,grounded,batch4":
+            args.workloads = "chat,edit,copy,agent"
+        if args.gammas == "1,2,3,4":
+            args.gammas = "1,2,3,4,5,6"
+        args.batch_gammas = tuple(int(g) for g in args.batch_gammas.split(",") if g)
+        text = asyncio.run(paired_async(args))
+        print(text, flush=True)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return
     text = asyncio.run(main_async(args))
     if args.anatomy:
         print(text[text.index("\nRound anatomy"):] if "\nRound anatomy" in text else "")

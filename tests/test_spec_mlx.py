@@ -159,6 +159,68 @@ async def test_the_drafter_is_a_separate_smaller_model():
         assert seen == {engine.device.thread_ident}
 
 
+async def test_a_drafter_without_a_tokenizer_is_checked_by_vocabulary_digest(tmp_path):
+    """A drafter may ship without tokenizer files (smollm2-draft): config.json
+    names the target's vocabulary by digest. The right digest drafts with the
+    same output as without speculation; a wrong or missing one is refused."""
+    from engine.draft_model import vocab_digest
+    from engine.spec_build import _vocab
+
+    model, draft = _paths()
+    bare = tmp_path / "bare-draft"
+    bare.mkdir()
+    shutil.copy(draft / "model.safetensors", bare / "model.safetensors")
+    cfg = json.loads((draft / "config.json").read_text())
+    async with Engine.open(_base()) as plain:
+        want = (await plain.acomplete(TEXT[1], SamplingParams(max_tokens=24, ignore_eos=True))).token_ids
+        digest = vocab_digest(_vocab(plain.tokenizer))
+    for wrong in (None, "0" * 64):
+        (bare / "config.json").write_text(json.dumps({**cfg, **({"ember_vocab_sha256": wrong} if wrong else {})}))
+        with pytest.raises(InvalidRequest, match="share the target's tokenizer"):
+            async with Engine.open(_base(draft_model=str(bare))):
+                pass
+    (bare / "config.json").write_text(json.dumps({**cfg, "ember_vocab_sha256": digest}))
+    async with Engine.open(_base(draft_model=str(bare), num_draft_tokens=2)) as engine:
+        c = await engine.acomplete(TEXT[1], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert c.token_ids == want and c.usage.speculation.drafted > 0
+
+
+async def test_a_small_head_drafter_proposes_target_ids(tmp_path):
+    """A drafter with its own head over a subset of the target's ids (the
+    shape of smollm2-draft): its argmax is mapped back through ``head_ids``,
+    so the drafts are target ids and some are accepted (the head is the
+    target's own head rows for those ids, on a copy of the target's body);
+    output stays token-identical to plain decode."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from engine.draft_model import small_head_drafter, vocab_digest
+    from engine.spec_build import _vocab
+
+    model, _ = _paths()
+    cfg = json.loads((model / "config.json").read_text())
+    async with Engine.open(_base()) as plain:
+        want = (await plain.acomplete(TEXT[1], SamplingParams(max_tokens=24, ignore_eos=True))).token_ids
+        digest = vocab_digest(_vocab(plain.tokenizer))
+    ids = np.arange(0, cfg["vocab_size"], 2, dtype=np.int32)  # every other id
+    ids = np.union1d(ids, np.array(want, np.int32))  # ...and the ones this text needs
+    dcfg = {**cfg, "tie_word_embeddings": False, "ember_head_vocab": len(ids), "ember_vocab_sha256": digest}
+    drafter = small_head_drafter(dcfg)
+    weights = mx.load(str(model / "model.safetensors"))
+    body = {k: v for k, v in weights.items() if k.startswith("model.")}
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    drafter.load_weights(list(body.items()) + [("head.weight", head[mx.array(ids)]), ("head_ids", mx.array(ids))])
+    out = tmp_path / "small-head"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(drafter.parameters())))
+    (out / "config.json").write_text(json.dumps(dcfg))
+    async with Engine.open(_base(draft_model=str(out), num_draft_tokens=3)) as engine:
+        c = await engine.acomplete(TEXT[1], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert c.token_ids == want
+    assert c.usage.speculation.accepted > 0
+
+
 async def test_sliding_window_target_falls_back_before_its_ring_wraps(tmp_path):
     model, _ = _paths()
     swa = tmp_path / "swa"

@@ -390,3 +390,59 @@ def test_a_row_deepens_one_position_past_what_it_has_seen_judged():
     for _ in range(4):
         p.observe_round(row, 6, 6)  # every position judged and accepted: as deep as it goes
     assert p.choose(row)[0] == 6
+
+
+def _held_row(p: GammaPolicy):
+    """A lone row whose drafts are never accepted, with 1-row costs measured:
+    a plain round 10 ms, a verify round with one draft 13 ms."""
+    for _ in range(4):
+        p.observe_cost(0, 0.010, rows=1, drafted_tokens=0, draft_s=0)
+        p.observe_cost(1, 0.013, rows=1, drafted_tokens=1, draft_s=0)
+    p.rows_now = 1
+    row = p.new_row(None)
+    for _ in range(10):
+        p.observe_round(row, 1, 0)
+    return row
+
+
+def test_probe_spacing_charges_the_drafters_catch_up_over_the_hold():
+    """Before its probe a held row's draft model feeds every token it skipped.
+    With a 3 ms jump and a 2% budget the verify round alone asks for 15 rounds
+    apart; a catch-up of 0.1 ms per token (1% of a plain round) takes half the
+    budget at any spacing, so the probes must be twice as far apart."""
+    free = GammaPolicy(probe_first=4, probe_budget=0.02)
+    assert free.choose(_held_row(free)) == (0, 15)
+    p = GammaPolicy(probe_first=4, probe_budget=0.02)
+    row = _held_row(p)
+    p.observe_catch_up(0.0064, 64)
+    assert p.choose(row) == (0, 30)
+
+
+def test_a_row_stops_speculating_when_its_catch_up_alone_exceeds_the_budget():
+    """A catch-up of 0.3 ms per skipped token is 3% of a plain round: no hold
+    keeps probing under 2%, so the row decodes plainly for good and asks the
+    Drafter nothing more."""
+    p = GammaPolicy(probe_first=4, probe_budget=0.02)
+    row = _held_row(p)
+    p.observe_catch_up(0.0192, 64)
+    g, hold = p.choose(row)
+    assert (g, hold) == (0, 1 << 30) and row.retired
+    assert p.after_hold(row) == (0, 1 << 30)  # no probe either
+    assert p.snapshot()["rows_retired"] == 1
+
+
+def test_catch_up_reaches_the_policy_with_the_next_verify():
+    """The Drafter's catch-up (seconds and tokens) travels Scheduler → Verifier."""
+    from actors.drafter import Draft, Drafted, DraftedRound
+    from actors.spec_rounds import SpecRounds
+    from actors.verifier import VerifierCore
+
+    spec = SpecRounds(context_length=4096)
+    spec.admit(7, SamplingParams())
+    asked = [Draft(rid=7, start=0, tail=[1, 2, 3], gamma=1)]
+    spec.set_drafts(DraftedRound(drafted=[Drafted(rid=7, tokens=[5])], catch_up_s=0.004, catch_up_tokens=40), asked)
+    spec.rows[7].targets = [5, 6]
+    core = VerifierCore(GammaPolicy())
+    core.verify(spec.take_verify(1))
+    assert core.policy.catch_up_token_s == pytest.approx(0.0001)
+    assert spec.catch_up_tokens == 0  # sent once

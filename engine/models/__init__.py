@@ -17,6 +17,13 @@ BUNDLED: dict[str, pathlib.Path] = {
     "tiny-draft": _HERE / "tiny-draft",
 }
 
+# Drafters for targets that are not bundled: no tokenizer of their own (they
+# name the target's by digest, engine.draft_model.vocab_digest), so
+# ``mlx_lm.load`` alone cannot open them; the engine's drafter can.
+DRAFTERS: dict[str, pathlib.Path] = {
+    "smollm2-draft": _HERE / "smollm2-draft",  # for SmolLM2-135M-Instruct (tools/train_drafter.py)
+}
+
 
 def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
     """Map a bundled model name to its directory; anything else is a path.
@@ -34,8 +41,8 @@ def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
         from engine.gguf_models import packaged_gguf
 
         return cached_conversion(packaged_gguf(key) if key in PACKAGED else key)
-    if key in BUNDLED:
-        path = BUNDLED[key]
+    if key in BUNDLED or key in DRAFTERS:
+        path = BUNDLED.get(key) or DRAFTERS[key]
         if not path.is_dir():
             raise FileNotFoundError(
                 f"bundled model {key!r} is missing at {path}; rebuild it with "
@@ -51,4 +58,4 @@ def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
     return path
 
 
-__all__ = ["BUNDLED", "resolve_model"]
+__all__ = ["BUNDLED", "DRAFTERS", "resolve_model"]
