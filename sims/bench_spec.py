@@ -453,7 +453,6 @@ async def paired_async(args: argparse.Namespace) -> str:
     import msgspec
 
     from engine import Engine, EngineConfig, SamplingParams
-    from sims.bench_adaptive import paired_interval
 
     drafters = [d for d in args.drafters.split(",") if d]
     gammas = [int(g) for g in args.gammas.split(",") if g]
@@ -506,7 +505,8 @@ async def paired_async(args: argparse.Namespace) -> str:
         if args.anatomy:
             anat = await paired_anatomy(engines, workloads, args, base)
         stats = {d: engines[d].stats().get("speculation", {}) for d in drafters}
-    width_ms, draft_ms = {}, {}
+    width_ms: dict[int, float] = {}
+    draft_ms: dict[str, float | None] = {}
     if args.widths:
         for d in drafters:
             width_ms, draft_ms[d] = verify_width_cost(args.model, d, 1, steps=args.width_steps, widths=max(gammas) + 1)

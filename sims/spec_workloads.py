@@ -118,7 +118,7 @@ class AgentSession:
 
     def next_prompt(self, tokenizer: Any) -> list[int]:
         if self.turn == 0:
-            prefill = f'<tool_call>{{"name": "read_file", "arguments": {{"path": "'
+            prefill = '<tool_call>{"name": "read_file", "arguments": {"path": "'
         elif self.turn == 1:
             prefill = f"Here is `{self.func}` from the tool output:\n```python\n"
         else:
