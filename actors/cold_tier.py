@@ -234,7 +234,9 @@ class ColdStore:
         disk.makedirs(self.dir)
         top = disk.stat(self.dir)
         if not top.is_dir:  # e.g. a symlink where our folder should be
-            log.warning("[cold_tier] %s is not a plain folder: the SSD tier starts empty and does not read it", self.dir)
+            log.warning(
+                "[cold_tier] %s is not a plain folder: the SSD tier starts empty and does not read it", self.dir
+            )
             res.skipped += 1
             return res
         for name in disk.listdir(self.dir):
@@ -621,7 +623,11 @@ class ColdTier(Actor[Inbox]):
             await self.io(self.store.delete_files, [v.path for v in over])
         log.info(
             "[cold_tier] scan dir=%s entries=%d bytes=%d reaped_tmp=%d deleted=%d",
-            self.store.dir, len(self.store), self.store.bytes, scan.reaped_tmp, scan.corrupt_deleted + scan.mismatch_deleted,
+            self.store.dir,
+            len(self.store),
+            self.store.bytes,
+            scan.reaped_tmp,
+            scan.corrupt_deleted + scan.mismatch_deleted,
         )
 
     async def main(self) -> None:
@@ -795,7 +801,9 @@ class ColdTier(Actor[Inbox]):
         writer = KvWriter(store.disk, path, header)
         victims = store.reserve(path, writer.file_bytes)
         if victims is None:
-            log.warning("[cold_tier] entry of %d bytes exceeds the cap of %d: not stored", writer.file_bytes, store.max_bytes)
+            log.warning(
+                "[cold_tier] entry of %d bytes exceeds the cap of %d: not stored", writer.file_bytes, store.max_bytes
+            )
             return False
         try:
             if victims:
@@ -803,7 +811,9 @@ class ColdTier(Actor[Inbox]):
             await self.io(store.disk.makedirs, posixpath.dirname(path))
             for attempt in (0, 1):
                 try:
-                    await kvfile.write_streamed(writer, sources, wait_turn=gate, device_run=self.device.run, io_run=self.io)
+                    await kvfile.write_streamed(
+                        writer, sources, wait_turn=gate, device_run=self.device.run, io_run=self.io
+                    )
                     break
                 except OSError as exc:
                     if exc.errno != errno.ENOSPC:
@@ -865,7 +875,9 @@ class ColdTier(Actor[Inbox]):
             return None, 0
         t0 = self.clock.now()
         try:
-            reader = await self.io(lambda: KvReader(store.disk, entry.path, verify=store.verify, max_tokens=store.max_tokens, entry=True))
+            reader = await self.io(
+                lambda: KvReader(store.disk, entry.path, verify=store.verify, max_tokens=store.max_tokens, entry=True)
+            )
             header = reader.header
             if not header.matches(store.meta_for(ns)) or not np.array_equal(as_tokens(header.tokens), entry.tokens):
                 raise kvfile.IncompatibleFile(f"{entry.path}: header does not match the index")

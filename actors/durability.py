@@ -60,9 +60,24 @@ from engine.spill_queue import SpillItem
 log = logging.getLogger("ember.durability")
 
 __all__ = [
-    "Completed", "Spill", "SnapshotTaken", "StoreDone", "Tick", "Settled", "Flush", "DurabilityStats", "Inbox",
-    "DurabilityCoordinator", "IdleGate", "ColdTierPort", "build_coordinator",
-    "DurabilityCore", "DurabilitySettings", "FlushReport", "RecState", "settings_from",
+    "Completed",
+    "Spill",
+    "SnapshotTaken",
+    "StoreDone",
+    "Tick",
+    "Settled",
+    "Flush",
+    "DurabilityStats",
+    "Inbox",
+    "DurabilityCoordinator",
+    "IdleGate",
+    "ColdTierPort",
+    "build_coordinator",
+    "DurabilityCore",
+    "DurabilitySettings",
+    "FlushReport",
+    "RecState",
+    "settings_from",
 ]
 
 
@@ -556,7 +571,10 @@ def build_coordinator(
     core = DurabilityCore(settings, clock, port, lambda: gate.busy, events)
     sched_core = scheduler.core
     coord = DurabilityCoordinator(
-        core, scheduler.ref, port, gate,
+        core,
+        scheduler.ref,
+        port,
+        gate,
         snapshot_now=lambda ns, tokens: sched_core.snapshot(Snapshot(ns=ns, tokens=tokens)),
     )
     ref = coord.ref
@@ -572,6 +590,8 @@ def build_coordinator(
     prefix_cache.on_spill = on_spill
     log.info(
         "[durability] on writebehind=%s debounce_s=%s spill_queue_bytes=%d",
-        settings.writebehind, settings.debounce_s, settings.spill_queue_bytes,
+        settings.writebehind,
+        settings.debounce_s,
+        settings.spill_queue_bytes,
     )
     return coord

@@ -109,10 +109,18 @@ _IN_FLIGHT = frozenset({RecState.SNAPSHOTTING, RecState.QUEUED, RecState.STORING
 
 REC_TRANSITIONS: dict[RecState, frozenset[RecState]] = {
     # a spill of the same entry (eviction) can carry a dirty key straight to the queue
-    RecState.ARMED: frozenset({RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}),
-    RecState.BUSY_REARMED: frozenset({RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}),
-    RecState.FAILED: frozenset({RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}),
-    RecState.SNAPSHOTTING: frozenset({RecState.QUEUED, RecState.STORING, RecState.DURABLE, RecState.MISSING, RecState.FAILED, RecState.COVERED}),
+    RecState.ARMED: frozenset(
+        {RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}
+    ),
+    RecState.BUSY_REARMED: frozenset(
+        {RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}
+    ),
+    RecState.FAILED: frozenset(
+        {RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}
+    ),
+    RecState.SNAPSHOTTING: frozenset(
+        {RecState.QUEUED, RecState.STORING, RecState.DURABLE, RecState.MISSING, RecState.FAILED, RecState.COVERED}
+    ),
     # the longer entry, once durable, serves this prefix by trimming (RAM only supersedes for trimmable ones)
     RecState.COVERED: frozenset({RecState.ARMED, RecState.DURABLE, RecState.MISSING}),
     RecState.QUEUED: frozenset({RecState.STORING, RecState.FAILED}),
@@ -160,7 +168,9 @@ class Record:
 
     def move(self, to: RecState) -> None:
         if to not in REC_TRANSITIONS[self.state]:
-            raise IllegalTransition(f"durability record {self.seq} ({len(self.tokens)} tokens): {self.state.value} -> {to.value}")
+            raise IllegalTransition(
+                f"durability record {self.seq} ({len(self.tokens)} tokens): {self.state.value} -> {to.value}"
+            )
         self.state = to
 
 
@@ -231,7 +241,14 @@ class DurabilityCore:
         self.effects: list[Effect] = []
         self._flush: _FlushRun | None = None
         self._seq = 0
-        self.counters = {"scheduled": 0, "durable": 0, "missing": 0, "busy_rearms": 0, "snapshots": 0, "spills_on_ssd": 0}
+        self.counters = {
+            "scheduled": 0,
+            "durable": 0,
+            "missing": 0,
+            "busy_rearms": 0,
+            "snapshots": 0,
+            "spills_on_ssd": 0,
+        }
 
     # ---- facts ---------------------------------------------------------------
     def completed(self, ns: str, tokens: list[int]) -> None:
@@ -283,7 +300,9 @@ class DurabilityCore:
     def tick(self) -> None:
         """Fire every deadline that has passed, oldest first."""
         now = self.clock.now() + DEADLINE_EPSILON_S
-        due = sorted((r for r in self.records.values() if r.due is not None and r.due <= now), key=lambda r: (r.due, r.seq))
+        due = sorted(
+            (r for r in self.records.values() if r.due is not None and r.due <= now), key=lambda r: (r.due, r.seq)
+        )
         for rec in due:
             rec.due = None
             self._attempt(rec, force=False)
@@ -318,7 +337,9 @@ class DurabilityCore:
         elif self._descendant(rec) is not None:
             rec.move(RecState.COVERED)
         else:
-            log.warning("[durability] snapshot missing tokens=%d ns=%r (gone from RAM, not on SSD)", len(rec.tokens), rec.ns)
+            log.warning(
+                "[durability] snapshot missing tokens=%d ns=%r (gone from RAM, not on SSD)", len(rec.tokens), rec.ns
+            )
             self._retire(rec, RecState.MISSING)
         self._advance_flush()
 
@@ -361,7 +382,9 @@ class DurabilityCore:
         while run is not None:
             if not self.queue.drained or any(r.state in _IN_FLIGHT for r in self.records.values()):
                 return  # wait for what is in flight: one key at a time
-            nxt = next((r for r in self.records.values() if r.state in _ATTEMPTABLE and r.key not in run.attempted), None)
+            nxt = next(
+                (r for r in self.records.values() if r.state in _ATTEMPTABLE and r.key not in run.attempted), None
+            )
             if nxt is not None:
                 run.attempted.add(nxt.key)
                 self._attempt(nxt, force=True)
@@ -403,7 +426,11 @@ class DurabilityCore:
         )
         log.info(
             "[durability] flush done durable=%s flushed=%d missing=%d pending=%d elapsed_ms=%.1f",
-            durable, run.flushed, run.missing, len(self.records), report.elapsed_ms,
+            durable,
+            run.flushed,
+            run.missing,
+            len(self.records),
+            report.elapsed_ms,
         )
         self.record("flush_end", durable=durable, flushed=run.flushed, missing=run.missing)
         self.effects.append(FlushFinished(report))
@@ -446,14 +473,18 @@ class DurabilityCore:
         """After a key of ``ns`` retires: waiting keys the SSD now covers are
         durable without a write of their own, and covered keys left with no
         dirty longer record are missing."""
-        for other in [r for r in self.records.values() if r.ns == ns and (r.state in _ATTEMPTABLE or r.state is RecState.COVERED)]:
+        for other in [
+            r for r in self.records.values() if r.ns == ns and (r.state in _ATTEMPTABLE or r.state is RecState.COVERED)
+        ]:
             if other.state is RecState.DURABLE or other.state is RecState.MISSING:
                 continue  # retired by a nested settle (``_retire`` is the only way out of ``records``;
                 # a state test, not a lookup that hashes a tuple of every token)
             if self.cold.holds(other.tokens, ns):
                 self._retire(other, RecState.DURABLE)
             elif other.state is RecState.COVERED and self._descendant(other) is None:
-                log.warning("[durability] snapshot missing tokens=%d ns=%r (its longer entry was lost)", len(other.tokens), ns)
+                log.warning(
+                    "[durability] snapshot missing tokens=%d ns=%r (its longer entry was lost)", len(other.tokens), ns
+                )
                 self._retire(other, RecState.MISSING)
 
     def _descendant(self, rec: Record) -> Record | None:

@@ -298,8 +298,12 @@ class Gateway(Actor[Inbox]):
                 item = Failure(RequestFailed(d.error))
             else:
                 item = Delta(
-                    rid=d.rid, text=d.text, token_ids=d.token_ids, logprobs=d.logprobs,
-                    finish_reason=d.finish_reason, usage=d.usage,
+                    rid=d.rid,
+                    text=d.text,
+                    token_ids=d.token_ids,
+                    logprobs=d.logprobs,
+                    finish_reason=d.finish_reason,
+                    usage=d.usage,
                 )
             try:
                 send.send_nowait(item)

@@ -238,7 +238,15 @@ class SchedulerCore:
         self._keep: set[int] = set()
         self.outbox: list[RowDelta] = []
         self.steps = 0
-        self.counters = {"admitted": 0, "finished": 0, "aborted": 0, "failed": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self.counters = {
+            "admitted": 0,
+            "finished": 0,
+            "aborted": 0,
+            "failed": 0,
+            "generated_tokens": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+        }
         self.checkpointing = prefix_cache is not None and bool(getattr(backend, "needs_checkpoints", False))
         self._checkpoint_at: dict[int, int] = {}  # rid -> position, for the step planned last
         if self.checkpointing:
@@ -726,7 +734,6 @@ class Scheduler(Actor[Inbox]):
         deltas = core.take_outbox()
         if deltas:
             await self.output(deltas)
-
 
     # ---- speculative rounds: Draft before the step, Verify after it ------------
     async def _draft(self) -> tuple[float, float]:

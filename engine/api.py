@@ -178,7 +178,9 @@ class Engine:
         self.core = SchedulerCore(
             backend,
             SchedulerConfig(
-                max_batch=config.max_batch, prefill_chunk=config.prefill_chunk, min_cached_prefix=config.min_cached_prefix
+                max_batch=config.max_batch,
+                prefill_chunk=config.prefill_chunk,
+                min_cached_prefix=config.min_cached_prefix,
             ),
             clock,
             events,
@@ -363,9 +365,13 @@ class Engine:
                 log.error(
                     "[engine] shutdown deadline of %ss passed with work pending in_flight=%s pending_snapshots=%s "
                     "pending_spills=%s pending_spill_bytes=%s dropped_spills=%s failed_spills=%s",
-                    self.shutdown_timeout_s, self.gateway.stats()["in_flight"], pending.get("pending_snapshots", 0),
-                    pending.get("pending_spills", 0), pending.get("pending_spill_bytes", 0),
-                    pending.get("dropped_spills", 0), pending.get("failed_spills", 0),
+                    self.shutdown_timeout_s,
+                    self.gateway.stats()["in_flight"],
+                    pending.get("pending_snapshots", 0),
+                    pending.get("pending_spills", 0),
+                    pending.get("pending_spill_bytes", 0),
+                    pending.get("dropped_spills", 0),
+                    pending.get("failed_spills", 0),
                 )
         finally:
             self._drained.set()
@@ -377,8 +383,15 @@ class Engine:
             return
         self.last_flush = report = await self.aflush()
         level = logging.INFO if report.durable else logging.WARNING
-        log.log(level, "[engine] shutdown flush durable=%s flushed=%d missing=%d pending_snapshots=%d failed_spills=%d",
-                report.durable, report.flushed, report.missing, report.pending_snapshots, report.failed_spills)
+        log.log(
+            level,
+            "[engine] shutdown flush durable=%s flushed=%d missing=%d pending_snapshots=%d failed_spills=%d",
+            report.durable,
+            report.flushed,
+            report.missing,
+            report.pending_snapshots,
+            report.failed_spills,
+        )
 
     async def aflush(self) -> FlushReport:
         """The durability boundary: every finished prefix and queued spill is on
@@ -395,7 +408,7 @@ class Engine:
 
     @property
     def status(self) -> str:
-        """"ready", "draining" (admits nothing new) or "dead": what /health reports."""
+        """ "ready", "draining" (admits nothing new) or "dead": what /health reports."""
         if self.dead is not None:
             return "dead"
         if not self.ready or self.gateway.draining:
@@ -435,7 +448,9 @@ class Engine:
             if grammars is not None:  # token_bytes' tokenizer (~1 s for a large vocabulary): built off the loop
                 await anyio.to_thread.run_sync(grammars.tokenizer)
         tokens = self.encode(prompt)
-        rid, stream = await self.gateway.ref.ask(Submit(tokens=tokens, params=params or SamplingParams(), ns=ns), nowait=True)
+        rid, stream = await self.gateway.ref.ask(
+            Submit(tokens=tokens, params=params or SamplingParams(), ns=ns), nowait=True
+        )
         return RequestStream(self.gateway.ref, rid, stream)
 
     async def compile_constraint(self, constraint: Constraint) -> None:
@@ -481,11 +496,15 @@ class Engine:
             return self.tokenizer.apply_chat_template(messages, tools=tools)
         return self.tokenizer.apply_chat_template(messages)
 
-    async def achat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *, ns: str = "") -> AsyncIterator[Delta]:
+    async def achat(
+        self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *, ns: str = ""
+    ) -> AsyncIterator[Delta]:
         async for d in self.agenerate(self.chat_prompt(messages), params, ns=ns):
             yield d
 
-    async def acomplete(self, prompt: str | list[int], params: SamplingParams | None = None, *, ns: str = "") -> Completion:
+    async def acomplete(
+        self, prompt: str | list[int], params: SamplingParams | None = None, *, ns: str = ""
+    ) -> Completion:
         out = Completion()
         async for d in self.agenerate(prompt, params, ns=ns):
             out.add(d)
@@ -505,7 +524,6 @@ class Engine:
             # paths a cache kind ruled out, and how often (engine.mlx_backend)
             **({"fallbacks": dict(fb)} if (fb := getattr(self.backend, "fallbacks", None)) is not None else {}),
         }
-
 
     def _ssd_stats(self) -> dict[str, Any]:
         out = dict(self.cold_tier.stats())
@@ -542,7 +560,9 @@ class Engine:
         finally:
             portal_cm.__exit__(None, None, None)
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, ns: str = "") -> Iterator[Delta]:
+    def generate(
+        self, prompt: str | list[int], params: SamplingParams | None = None, *, ns: str = ""
+    ) -> Iterator[Delta]:
         """Sync twin of ``agenerate`` (engines made by ``Engine.start``)."""
         portal = self._portal
         if portal is None:

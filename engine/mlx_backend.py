@@ -95,8 +95,17 @@ log = logging.getLogger("ember.mlx")
 
 # config.json keys that describe the checkpoint, not the computation graph.
 _METADATA_KEYS = frozenset(
-    {"_name_or_path", "architectures", "transformers_version", "bos_token_id", "eos_token_id",
-     "pad_token_id", "use_cache", "generation_config", "tokenizer_class"}
+    {
+        "_name_or_path",
+        "architectures",
+        "transformers_version",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "generation_config",
+        "tokenizer_class",
+    }
 )
 DEFAULT_CONTEXT = 4096
 CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
@@ -146,8 +155,10 @@ def _weights_digest(path: pathlib.Path, block: int = 1 << 16) -> str:
 
 def _tokenizer_hash(path: pathlib.Path) -> str:
     h = hashlib.sha256()
-    names = ["tokenizer.json"] if (path / "tokenizer.json").is_file() else sorted(
-        p.name for p in path.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges", "spiece"))
+    names = (
+        ["tokenizer.json"]
+        if (path / "tokenizer.json").is_file()
+        else sorted(p.name for p in path.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges", "spiece")))
     )
     for name in names:
         h.update(name.encode())
@@ -356,7 +367,9 @@ class MLXBackend:
         )
         self._rows: dict[int, _Row] = {}
         self._batch = DecodeBatch()
-        self.grammars = Grammars(getattr(tokenizer, "_tokenizer", tokenizer), self.info.vocab_size, sorted(self.tokenizer.eos_token_ids))
+        self.grammars = Grammars(
+            getattr(tokenizer, "_tokenizer", tokenizer), self.info.vocab_size, sorted(self.tokenizer.eos_token_ids)
+        )
         # Decode steps computed ahead of the Scheduler at most. One: deeper runs
         # measured slower, as their graph building holds the GIL the event loop
         # needs and a plan that arrives waits for the forward in progress.
@@ -375,7 +388,11 @@ class MLXBackend:
         # keep_cache_failed: a finished row's cache could not be kept (a miss later, not an error).
         # checkpoint_failed: a checkpoint could not be copied (a later miss, not an error).
         self.fallbacks = {
-            "spec_untrimmable": 0, "run_ahead_off": 0, "prefill_alone": 0, "keep_cache_failed": 0, "checkpoint_failed": 0,
+            "spec_untrimmable": 0,
+            "run_ahead_off": 0,
+            "prefill_alone": 0,
+            "keep_cache_failed": 0,
+            "checkpoint_failed": 0,
         }
         self._run_ahead_kind_off = pipeline and not self.pipeline
 
@@ -401,7 +418,9 @@ class MLXBackend:
             kv_bits=config.kv_bits,
             kv_group_size=config.kv_group_size,
         )
-        backend.counters["pretransposed_linears"] = sum(type(m) is PretransposedLinear for _, m in model.named_modules())
+        backend.counters["pretransposed_linears"] = sum(
+            type(m) is PretransposedLinear for _, m in model.named_modules()
+        )
         if choice is not None:
             backend.small_threads = choice.small_threads
             backend.cpu_choice = choice.as_dict()
@@ -887,7 +906,9 @@ class MLXBackend:
             _row_logits(rows[i]).feed(inputs[i][0])
         x = raw
         if any(_row_logits(rows[i]).processors for i in procs):
-            x = mx.concatenate([r.logits.apply_processors(x[i : i + 1]) if r.logits else x[i : i + 1] for i, r in enumerate(rows)])
+            x = mx.concatenate(
+                [r.logits.apply_processors(x[i : i + 1]) if r.logits else x[i : i + 1] for i, r in enumerate(rows)]
+            )
         masked = [i for i in procs if _row_logits(rows[i]).matcher is not None]
         if masked:
             words = np.full((len(rows), (self.info.vocab_size + 31) // 32), -1, np.int32)
@@ -1088,6 +1109,9 @@ class MLXBackend:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "rows": len(self._rows), "batch": len(self._batch), "pipeline": self.pipeline, **self.counters,
+            "rows": len(self._rows),
+            "batch": len(self._batch),
+            "pipeline": self.pipeline,
+            **self.counters,
             "fallbacks": dict(self.fallbacks),
         }

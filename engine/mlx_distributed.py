@@ -438,4 +438,3 @@ def run_follower(config: EngineConfig) -> int:
     except RuntimeError as exc:
         log.error("[distributed] rank %d: the group failed: %s", me, exc)
         return 1
-

@@ -63,7 +63,9 @@ class MLXTokenizer:
         """Tokens of template output: its special tokens are spelled out, none are added."""
         return list(self._tok.encode(text, add_special_tokens=False))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if not self._tok.has_chat_template:
             raise InvalidRequest("this model has no chat template; send a plain prompt", "messages")
         if tools and self.tool_markup is None:

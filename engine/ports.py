@@ -59,7 +59,9 @@ class Tokenizer(Protocol):
 
     def detokenizer(self) -> Detokenizer: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]: ...
 
 
 class Detokenizer(Protocol):
@@ -144,11 +146,7 @@ class StepPlan:
 
     @property
     def gpu_tokens(self) -> int:
-        return (
-            sum(len(c.tokens) for c in self.prefill)
-            + len(self.decode)
-            + sum(len(v.tokens) for v in self.verify)
-        )
+        return sum(len(c.tokens) for c in self.prefill) + len(self.decode) + sum(len(v.tokens) for v in self.verify)
 
 
 @dataclass(slots=True)

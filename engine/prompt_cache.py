@@ -187,7 +187,9 @@ class PrefixIndex:
     def prefixes_of(self, ns: str, key: bytes) -> list[Any]:
         """Entries whose tokens are a strict prefix of ``key``'s (rigid ones
         included: ``tokens`` is read for those)."""
-        out = [e for e in self._rigid.get(ns, {}).values() if len(k := e.tokens.tobytes()) < len(key) and key.startswith(k)]
+        out = [
+            e for e in self._rigid.get(ns, {}).values() if len(k := e.tokens.tobytes()) < len(key) and key.startswith(k)
+        ]
         keys = self._keys.get(ns)
         if not keys:
             return out
@@ -260,7 +262,15 @@ class PromptCache:
         self._latest = float("-inf")
         self._use_ordered = True
         self.bytes = 0
-        self.counters = {"hits": 0, "misses": 0, "puts": 0, "evictions": 0, "spills": 0, "demotions": 0, "superseded": 0}
+        self.counters = {
+            "hits": 0,
+            "misses": 0,
+            "puts": 0,
+            "evictions": 0,
+            "spills": 0,
+            "demotions": 0,
+            "superseded": 0,
+        }
 
     def __len__(self) -> int:
         return len(self._entries)

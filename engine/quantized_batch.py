@@ -62,6 +62,7 @@ class BatchQuantizedKVCache(_BaseCache):
             if self.keys is None:
                 self.keys, self.values = fresh(Dk), fresh(Dv)
             else:
+
                 def grow(x: mx.array) -> mx.array:
                     x = x[..., :prev, :]
                     return mx.concatenate([x, mx.zeros((*x.shape[:2], steps, x.shape[3]), dtype=x.dtype)], axis=2)
@@ -142,6 +143,7 @@ class BatchQuantizedKVCache(_BaseCache):
             left = idx - c._idx
             if c.keys is None:
                 b = c.offset.shape[0]
+
                 def empty(t: Triple) -> Triple:
                     return _map(lambda x: mx.zeros((b, x.shape[1], 0, x.shape[3]), x.dtype), t)
 

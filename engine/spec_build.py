@@ -44,8 +44,13 @@ class Speculation:
     def stats(self) -> dict[str, Any]:
         core = self.drafter.core
         extra = {"draft_cache_rebuilds": core.rebuilds} if isinstance(core, ModelDrafterCore) else {}
-        return {"drafter": self.name, "kind": core.kind, "draft_faults": self.drafter.faults, **extra,
-                **self.verifier.core.stats()}
+        return {
+            "drafter": self.name,
+            "kind": core.kind,
+            "draft_faults": self.drafter.faults,
+            **extra,
+            **self.verifier.core.stats(),
+        }
 
 
 def check_request(params: SamplingParams, spec: Speculation | None) -> None:

@@ -164,9 +164,7 @@ class GammaPolicy:
         if fixed is not None and not 0 <= fixed <= FIXED_GAMMA_MAX:
             raise ValueError(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}, got {fixed}")
         fixed = fixed if fixed is not None else self.fixed
-        return RowPolicy(
-            fixed=fixed, accept=list(self.accept), seen=[0] * self.gamma_max, probe_every=self.probe_seed
-        )
+        return RowPolicy(fixed=fixed, accept=list(self.accept), seen=[0] * self.gamma_max, probe_every=self.probe_seed)
 
     def observe_round(self, row: RowPolicy, drafted: int, accepted: int) -> None:
         """A round drafted ``drafted`` tokens and the first ``accepted`` matched."""
@@ -339,7 +337,9 @@ class GammaPolicy:
             return plain, None
         if len(spec) == 1:
             return plain, (spec[0], None)
-        a, _, slope = self._lstsq(np.ones(len(spec)), np.array([d for d, _ in spec], float), np.array([s for _, s in spec]))
+        a, _, slope = self._lstsq(
+            np.ones(len(spec)), np.array([d for d, _ in spec], float), np.array([s for _, s in spec])
+        )
         return plain, (a, slope)
 
     def observe_hits(self, row: RowPolicy, empty: int, hit: bool) -> None:

@@ -58,7 +58,11 @@ def build_app(model_dir: str) -> Starlette:
                     item = await queue.get()
                     if not isinstance(item, str):
                         break
-                    yield b"data: " + _encode({"object": "text_completion", "choices": [{"index": 0, "text": item}]}) + b"\n\n"
+                    yield (
+                        b"data: "
+                        + _encode({"object": "text_completion", "choices": [{"index": 0, "text": item}]})
+                        + b"\n\n"
+                    )
             usage = {"prompt_tokens": item.prompt_tokens, "completion_tokens": item.generation_tokens} if item else {}
             yield b"data: " + _encode({"object": "text_completion", "choices": [], "usage": usage}) + b"\n\n"
             yield b"data: [DONE]\n\n"

@@ -75,7 +75,9 @@ class Server:
     def start(self, timeout_s: float = 180.0) -> float:
         t0 = time.perf_counter()
         self.log = open(self.log_path, "ab")  # noqa: SIM115 -- the server's stdout for its lifetime; stop() closes it
-        self.proc = subprocess.Popen(self.argv, env={**server_env(), **self.env}, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.argv, env={**server_env(), **self.env}, stdout=self.log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -225,7 +227,10 @@ def bare_loop_tps(model_dir: Path, prompt: str, max_tokens: int, blas_threads: i
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(model_dir), str(max_tokens)],
-        input=prompt, capture_output=True, text=True, check=True,
+        input=prompt,
+        capture_output=True,
+        text=True,
+        check=True,
         env={**server_env(), **({"OPENBLAS_NUM_THREADS": str(blas_threads)} if blas_threads else {})},
     )
     return float(out.stdout.strip().splitlines()[-1])
@@ -236,9 +241,11 @@ def machine_line() -> str:
 
     vers = {p: md.version(p) for p in ("mlx", "mlx-lm", "ember-mlx")}
     blas = "OpenBLAS preloaded" if Path(OPENBLAS).exists() else "reference BLAS"
-    return f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, " + ", ".join(
-        f"{k} {v}" for k, v in vers.items()
-    ) + f", {blas}"
+    return (
+        f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        + ", ".join(f"{k} {v}" for k, v in vers.items())
+        + f", {blas}"
+    )
 
 
 async def run(args: argparse.Namespace) -> Results:
@@ -253,10 +260,25 @@ async def run(args: argparse.Namespace) -> Results:
     res = Results()
     ssd = work / "ssd"
     ember_cmd = lambda port, *extra: [  # noqa: E731
-        sys.executable, "-m", "transport.cli", "serve", "--model", str(model_dir), "--port", str(port), *extra
+        sys.executable,
+        "-m",
+        "transport.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        *extra,
     ]
     mlx_cmd = lambda port, *extra: [  # noqa: E731
-        sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port), *extra
+        sys.executable,
+        "-m",
+        "mlx_lm.server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        *extra,
     ]
     ember = Server("ember", ember_cmd(p := free_port(), "--ssd-cache", str(ssd)), p, work / "ember.log")
     mlxlm = Server("mlx-lm", mlx_cmd(p := free_port()), p, work / "mlx-lm.log")
@@ -264,11 +286,38 @@ async def run(args: argparse.Namespace) -> Results:
     if "tier" in legs:
         # Two fresh servers that see only the tier leg, so their histories match
         # (the main Ember server carries every other leg's cache entries).
-        extra.append(Server("ember-tier", ember_cmd(p := free_port(), "--ssd-cache", str(work / "ssd-tier")), p, work / "ember-tier.log"))
+        extra.append(
+            Server(
+                "ember-tier",
+                ember_cmd(p := free_port(), "--ssd-cache", str(work / "ssd-tier")),
+                p,
+                work / "ember-tier.log",
+            )
+        )
         extra.append(Server("ember-notier", ember_cmd(p := free_port()), p, work / "ember-notier.log"))
     if "spec" in legs:
-        extra.append(Server("ember-spec", ember_cmd(p := free_port(), "--draft-model", "tiny-draft", "--num-draft-tokens", str(args.gamma)), p, work / "ember-spec.log"))
-        extra.append(Server("mlx-lm-spec", mlx_cmd(p := free_port(), "--draft-model", str(resolve_model("tiny-draft")), "--num-draft-tokens", str(args.gamma)), p, work / "mlx-lm-spec.log"))
+        extra.append(
+            Server(
+                "ember-spec",
+                ember_cmd(p := free_port(), "--draft-model", "tiny-draft", "--num-draft-tokens", str(args.gamma)),
+                p,
+                work / "ember-spec.log",
+            )
+        )
+        extra.append(
+            Server(
+                "mlx-lm-spec",
+                mlx_cmd(
+                    p := free_port(),
+                    "--draft-model",
+                    str(resolve_model("tiny-draft")),
+                    "--num-draft-tokens",
+                    str(args.gamma),
+                ),
+                p,
+                work / "mlx-lm-spec.log",
+            )
+        )
     if "bare" in legs:
         # The bare loop behind the thinnest streaming server, measured with the same
         # client: what the HTTP hop and a client on the same cores cost any server.
@@ -276,7 +325,15 @@ async def run(args: argparse.Namespace) -> Results:
             return [sys.executable, "-m", "sims.bare_server", "--model", str(model_dir), "--port", str(port)]
 
         extra.append(Server("bare-http", bare_cmd(p := free_port()), p, work / "bare-http.log"))
-        extra.append(Server("bare-http-1", bare_cmd(p := free_port()), p, work / "bare-http-1.log", env={"OPENBLAS_NUM_THREADS": "1"}))
+        extra.append(
+            Server(
+                "bare-http-1",
+                bare_cmd(p := free_port()),
+                p,
+                work / "bare-http-1.log",
+                env={"OPENBLAS_NUM_THREADS": "1"},
+            )
+        )
     servers = [ember, mlxlm, *extra]
     for s in servers:
         progress(f"starting {s.name}")
@@ -314,8 +371,16 @@ async def run(args: argparse.Namespace) -> Results:
                             progress(f"{tag}: restart")
                             if srv is ember:
                                 flush = httpx.post(srv.url + "/admin/cache/flush", json={}, timeout=600)
-                                evidence = flush.json() if flush.headers.get("content-type", "").startswith("application/json") else {}
-                                res.add("restart_flush_durable", who, 1.0 if flush.status_code == 200 and evidence.get("durable") else 0.0)
+                                evidence = (
+                                    flush.json()
+                                    if flush.headers.get("content-type", "").startswith("application/json")
+                                    else {}
+                                )
+                                res.add(
+                                    "restart_flush_durable",
+                                    who,
+                                    1.0 if flush.status_code == 200 and evidence.get("durable") else 0.0,
+                                )
                                 rc = srv.stop(signal.SIGTERM)
                                 res.add("restart_exit_code", who, rc)
                                 res.add("restart_ready_s", who, srv.start())
@@ -340,21 +405,36 @@ async def run(args: argparse.Namespace) -> Results:
                         progress(f"round {rnd + 1}: tier {who}")
                         # a long request first, so the tier-on server has a write-behind
                         # snapshot pending while the decode below runs
-                        await stream_completion(client, srv.url, prompts.of(2000, offset=70000 + 100 * rnd, nonce=uuid.uuid4().hex), 1)
+                        await stream_completion(
+                            client, srv.url, prompts.of(2000, offset=70000 + 100 * rnd, nonce=uuid.uuid4().hex), 1
+                        )
                         res.add("tier_decode", who, await leg_decode1(client, srv, prompts, rnd))
                 if "spec" in legs:
                     spec_e = next(s for s in extra if s.name == "ember-spec")
                     spec_m = next(s for s in extra if s.name == "mlx-lm-spec")
-                    for srv, who in ((ember, "ember-plain"), (spec_e, "ember-spec"), (mlxlm, "mlx-lm-plain"), (spec_m, "mlx-lm-spec")):
+                    for srv, who in (
+                        (ember, "ember-plain"),
+                        (spec_e, "ember-spec"),
+                        (mlxlm, "mlx-lm-plain"),
+                        (spec_m, "mlx-lm-spec"),
+                    ):
                         progress(f"round {rnd + 1}: spec {who}")
                         sample = await stream_completion(client, srv.url, prompts.of(200, offset=60000 + rnd), 128)
                         res.add("spec_decode", who, sample.decode_tps)
                 if "bare" in legs:
                     progress(f"round {rnd + 1}: bare mlx_lm loop")
-                    res.add("bare", "mlx_lm.stream_generate", bare_loop_tps(model_dir, prompts.of(64, offset=5000 + rnd), 128))
+                    res.add(
+                        "bare",
+                        "mlx_lm.stream_generate",
+                        bare_loop_tps(model_dir, prompts.of(64, offset=5000 + rnd), 128),
+                    )
                     # Ember runs a 1-row decode on one OpenBLAS thread (engine.blas); the
                     # bare loop gets the same setting too, and the faster one is the ceiling.
-                    res.add("bare", "1 thread", bare_loop_tps(model_dir, prompts.of(64, offset=5000 + rnd), 128, blas_threads=1))
+                    res.add(
+                        "bare",
+                        "1 thread",
+                        bare_loop_tps(model_dir, prompts.of(64, offset=5000 + rnd), 128, blas_threads=1),
+                    )
                     for srv in (s for s in extra if s.name.startswith("bare-http")):
                         progress(f"round {rnd + 1}: {srv.name} (bare loop behind HTTP)")
                         res.add("bare_http", srv.name, await leg_decode1(client, srv, prompts, rnd))
@@ -379,7 +459,9 @@ def report(res: Results, args: argparse.Namespace) -> str:
     lines = [
         "# Ember vs mlx_lm.server, side by side",
         "",
-        f"Command: `python -m sims.bench --rounds {args.rounds}" + (f" --legs {args.legs}" if args.legs else "") + f" --gamma {args.gamma} --long-rounds {args.long_rounds}`",
+        f"Command: `python -m sims.bench --rounds {args.rounds}"
+        + (f" --legs {args.legs}" if args.legs else "")
+        + f" --gamma {args.gamma} --long-rounds {args.long_rounds}`",
         "",
         f"Machine: {machine_line()}. Model: bundled `{args.model}`. {args.rounds} rounds, alternating which server goes first; medians.",
         "Absolute numbers on this shared machine are noisy: quote the ratios.",
@@ -387,12 +469,22 @@ def report(res: Results, args: argparse.Namespace) -> str:
         "| leg | unit | Ember | mlx_lm.server | Ember / mlx-lm (of medians) | paired (median of per-round ratios) | target | met |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    units = {"decode1": "tok/s", "agg4": "tok/s", "agg8": "tok/s", "ttft1k_cold": "ms", "ttft1k_warm": "ms", "ttft8k": "ms", "restart": "ms"}
+    units = {
+        "decode1": "tok/s",
+        "agg4": "tok/s",
+        "agg8": "tok/s",
+        "ttft1k_cold": "ms",
+        "ttft1k_warm": "ms",
+        "ttft8k": "ms",
+        "restart": "ms",
+    }
     ratios: dict[str, float] = {}
     for leg, unit in units.items():
         e, m = res.med(leg, "ember"), res.med(leg, "mlx-lm")
         ratio = e / m if e and m else None
-        pairs = [a / b for a, b in zip(res.rows.get(leg, {}).get("ember", []), res.rows.get(leg, {}).get("mlx-lm", [])) if b]
+        pairs = [
+            a / b for a, b in zip(res.rows.get(leg, {}).get("ember", []), res.rows.get(leg, {}).get("mlx-lm", [])) if b
+        ]
         paired = median(pairs)
         if ratio is not None:
             ratios[leg] = ratio
@@ -402,7 +494,9 @@ def report(res: Results, args: argparse.Namespace) -> str:
             ok = [(r >= target[1] if target[0] == ">=" else r <= target[1]) for r in (ratio, paired) if r is not None]
             # Both statistics must agree; on a noisy box they sometimes do not.
             met = "yes" if all(ok) else ("no" if not any(ok) else "inconclusive")
-        lines.append(f"| {leg} | {unit} | {fmt(e)} | {fmt(m)} | {fmt(ratio, '×')} | {fmt(paired, '×')} | {target[0] + ' ' + str(target[1]) + '×' if target else ''} | {met} |")
+        lines.append(
+            f"| {leg} | {unit} | {fmt(e)} | {fmt(m)} | {fmt(ratio, '×')} | {fmt(paired, '×')} | {target[0] + ' ' + str(target[1]) + '×' if target else ''} | {met} |"
+        )
     lines += ["", "## Restart leg", ""]
     if res.rows.get("restart"):
         rc = res.med("restart_vs_cold", "ember")
@@ -419,16 +513,29 @@ def report(res: Results, args: argparse.Namespace) -> str:
             ratios["restart"] = restart_e / restart_m
     if res.rows.get("tier_decode"):
         on, off = res.med("tier_decode", "on"), res.med("tier_decode", "off")
-        pairs = [a / b for a, b in zip(res.rows["tier_decode"].get("on", []), res.rows["tier_decode"].get("off", [])) if b]
-        lines += ["", "## SSD tier on vs off (Ember)", "", "Two fresh Ember servers that serve only this leg (a 2000-token request, then the decode run, so the tier-on server has a write-behind snapshot pending during the decode).", "", f"Decode {fmt(on, ' tok/s')} with the tier vs {fmt(off, ' tok/s')} without: **{fmt(on / off if on and off else None, '×')}**, paired {fmt(median(pairs), '×')} (target ≥ 0.98×)."]
+        pairs = [
+            a / b for a, b in zip(res.rows["tier_decode"].get("on", []), res.rows["tier_decode"].get("off", [])) if b
+        ]
+        lines += [
+            "",
+            "## SSD tier on vs off (Ember)",
+            "",
+            "Two fresh Ember servers that serve only this leg (a 2000-token request, then the decode run, so the tier-on server has a write-behind snapshot pending during the decode).",
+            "",
+            f"Decode {fmt(on, ' tok/s')} with the tier vs {fmt(off, ' tok/s')} without: **{fmt(on / off if on and off else None, '×')}**, paired {fmt(median(pairs), '×')} (target ≥ 0.98×).",
+        ]
         if on and off:
             ratios["tier on/off"] = on / off
     if res.rows.get("spec_decode"):
         ep, es = res.med("spec_decode", "ember-plain"), res.med("spec_decode", "ember-spec")
         mp, ms = res.med("spec_decode", "mlx-lm-plain"), res.med("spec_decode", "mlx-lm-spec")
-        lines += ["", f"## Speculation (draft model tiny-draft, γ={args.gamma})", "",
-                  f"- Ember: {fmt(es, ' tok/s')} with vs {fmt(ep, ' tok/s')} without = **{fmt(es / ep if es and ep else None, '×')}**",
-                  f"- mlx_lm.server: {fmt(ms, ' tok/s')} with vs {fmt(mp, ' tok/s')} without = **{fmt(ms / mp if ms and mp else None, '×')}**"]
+        lines += [
+            "",
+            f"## Speculation (draft model tiny-draft, γ={args.gamma})",
+            "",
+            f"- Ember: {fmt(es, ' tok/s')} with vs {fmt(ep, ' tok/s')} without = **{fmt(es / ep if es and ep else None, '×')}**",
+            f"- mlx_lm.server: {fmt(ms, ' tok/s')} with vs {fmt(mp, ' tok/s')} without = **{fmt(ms / mp if ms and mp else None, '×')}**",
+        ]
         if es and ep:
             ratios["spec speedup"] = es / ep
     if res.rows.get("bare"):
@@ -436,21 +543,28 @@ def report(res: Results, args: argparse.Namespace) -> str:
         b1 = res.med("bare", "1 thread")
         b = max(x for x in (b1, b2, 0.0) if x is not None) or None
         e = res.med("decode1", "ember")
-        lines += ["", "## Single-stream ceiling", "",
-                  f"Bare `mlx_lm.stream_generate` loop in its own process: {fmt(b2, ' tok/s')} with OpenBLAS's default threads, "
-                  f"{fmt(b1, ' tok/s')} with `OPENBLAS_NUM_THREADS=1`; the faster is the ceiling. "
-                  f"Ember single-stream over HTTP {fmt(e, ' tok/s')} = **{fmt(e / b if e and b else None, '×')}** of it (target ≥ 0.95×)."]
+        lines += [
+            "",
+            "## Single-stream ceiling",
+            "",
+            f"Bare `mlx_lm.stream_generate` loop in its own process: {fmt(b2, ' tok/s')} with OpenBLAS's default threads, "
+            f"{fmt(b1, ' tok/s')} with `OPENBLAS_NUM_THREADS=1`; the faster is the ceiling. "
+            f"Ember single-stream over HTTP {fmt(e, ' tok/s')} = **{fmt(e / b if e and b else None, '×')}** of it (target ≥ 0.95×).",
+        ]
         if e and b:
             ratios["vs bare loop"] = e / b
         h2, h1 = res.med("bare_http", "bare-http"), res.med("bare_http", "bare-http-1")
         h = max(x for x in (h1, h2, 0.0) if x is not None) or None
         if h:
-            lines += ["", f"The same loop behind the thinnest streaming server (`sims/bare_server.py`: "
-                      f"`stream_generate` on a thread, one SSE event per token), measured with the same client as "
-                      f"the two servers: {fmt(h2, ' tok/s')} with default threads, {fmt(h1, ' tok/s')} with one. "
-                      f"Ember = **{fmt(e / h if e else None, '×')}** of the faster; mlx_lm.server "
-                      f"{fmt((res.med('decode1', 'mlx-lm') or 0) / h, '×')}. The in-process loop pays no HTTP hop "
-                      "and has no client beside it on the two cores; this one does, like the servers."]
+            lines += [
+                "",
+                f"The same loop behind the thinnest streaming server (`sims/bare_server.py`: "
+                f"`stream_generate` on a thread, one SSE event per token), measured with the same client as "
+                f"the two servers: {fmt(h2, ' tok/s')} with default threads, {fmt(h1, ' tok/s')} with one. "
+                f"Ember = **{fmt(e / h if e else None, '×')}** of the faster; mlx_lm.server "
+                f"{fmt((res.med('decode1', 'mlx-lm') or 0) / h, '×')}. The in-process loop pays no HTTP hop "
+                "and has no client beside it on the two cores; this one does, like the servers.",
+            ]
             if e:
                 ratios["vs bare loop behind HTTP"] = e / h
     lines += ["", "## Raw samples", "", "```json", json.dumps(res.rows, indent=1, default=float), "```", ""]

@@ -58,7 +58,20 @@ from collections.abc import Sequence
 from sims.bench_spec import Config, common_args, run_workload, workload_prompts
 
 # Two-sided 95% Student t quantiles by degrees of freedom; 2.0 beyond the table.
-_T95 = {4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
+_T95 = {
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    12: 2.179,
+    15: 2.131,
+    20: 2.086,
+    25: 2.060,
+    30: 2.042,
+}
 
 
 def t95(df: int) -> float:
@@ -91,7 +104,11 @@ FIXED_TARGET = 1.5  # issue #6: prompt lookup on the input-grounded workload
 
 
 def report(
-    configs: list[Config], workloads: list[str], args: argparse.Namespace, elapsed_s: float, fixed: Sequence[Config] = ()
+    configs: list[Config],
+    workloads: list[str],
+    args: argparse.Namespace,
+    elapsed_s: float,
+    fixed: Sequence[Config] = (),
 ) -> str:
     off, control, *arms = configs
     pairs: list[tuple[Config, Config, str | None]] = [(control, off, "noise floor")]  # (arm, its baseline, label)

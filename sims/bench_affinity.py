@@ -57,7 +57,13 @@ def sessions_trace(
     for s in range(sessions):
         t += rng.expovariate(1.0 / session_gap_s)
         sid = f"s{s}"
-        opening = f"<|system|>Session {s}. Repository:\n" + text.code(prefix_bytes) + "\n<|user|>" + text.prose(200) + "\n<|assistant|>"
+        opening = (
+            f"<|system|>Session {s}. Repository:\n"
+            + text.code(prefix_bytes)
+            + "\n<|user|>"
+            + text.prose(200)
+            + "\n<|assistant|>"
+        )
         out.append(Request(id=-1, t=round(t, 3), session=sid, text=opening, max_tokens=max_tokens))
         tt = t
         for _ in range(turns - 1):
@@ -79,7 +85,9 @@ def _spread(cluster: Cluster) -> list[int]:
     return out
 
 
-def run_setup(name: str, n: int, policy: str, trace: Trace, replica_args: list[str], time_scale: float) -> dict[str, Any]:
+def run_setup(
+    name: str, n: int, policy: str, trace: Trace, replica_args: list[str], time_scale: float
+) -> dict[str, Any]:
     with Cluster(n, policy, replica_args) as cluster:
         replayer = Replayer(cluster.url, trace, time_scale=time_scale, retry_window_s=30.0)
         t0 = time.monotonic()

@@ -32,7 +32,10 @@ import httpx
 
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
     "required": ["city", "days"],
     "additionalProperties": False,
 }
@@ -54,8 +57,13 @@ def to_chat(system: str, history: list[tuple]) -> list[dict[str, Any]]:
         if h[0] == "user":
             out.append({"role": "user", "content": h[1]})
         elif h[0] == "call":
-            out.append({"role": "assistant", "content": None,
-                        "tool_calls": [{"id": h[1], "type": "function", "function": {"name": h[2], "arguments": h[3]}}]})
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": h[1], "type": "function", "function": {"name": h[2], "arguments": h[3]}}],
+                }
+            )
         elif h[0] == "result":
             out.append({"role": "tool", "tool_call_id": h[1], "content": h[2]})
         else:
@@ -69,7 +77,12 @@ def to_anthropic(history: list[tuple]) -> list[dict[str, Any]]:
         if h[0] == "user":
             out.append({"role": "user", "content": h[1]})
         elif h[0] == "call":
-            out.append({"role": "assistant", "content": [{"type": "tool_use", "id": h[1], "name": h[2], "input": json.loads(h[3])}]})
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": h[1], "name": h[2], "input": json.loads(h[3])}],
+                }
+            )
         elif h[0] == "result":
             out.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": h[1], "content": h[2]}]})
         else:
@@ -103,15 +116,26 @@ def sse(r: httpx.Response) -> Iterator[dict[str, Any]]:
 
 def chat_turn(client: httpx.Client, system: str, history: list[tuple], force: bool, stream: bool) -> tuple:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
-    body = {"messages": to_chat(system, history), "tools": tools, "parallel_tool_calls": False,
-            "tool_choice": "required" if force else "auto", "max_tokens": CALL_TOKENS if force else ANSWER_TOKENS}
+    body = {
+        "messages": to_chat(system, history),
+        "tools": tools,
+        "parallel_tool_calls": False,
+        "tool_choice": "required" if force else "auto",
+        "max_tokens": CALL_TOKENS if force else ANSWER_TOKENS,
+    }
     if not stream:
         r = client.post("/v1/chat/completions", json=body)
         r.raise_for_status()
         j = r.json()
         m, u = j["choices"][0]["message"], j["usage"]
         calls = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]
-        return m["content"] or "", calls, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"]
+        return (
+            m["content"] or "",
+            calls,
+            u["prompt_tokens"],
+            u["prompt_tokens_details"]["cached_tokens"],
+            u["completion_tokens"],
+        )
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     text, calls, u = "", {}, None
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -125,14 +149,24 @@ def chat_turn(client: httpx.Client, system: str, history: list[tuple], force: bo
                     c[0] = tc.get("id") or c[0]
                     c[1] = tc["function"].get("name") or c[1]
                     c[2] += tc["function"].get("arguments") or ""
-    return text, [tuple(c) for c in calls.values()], u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"]
+    return (
+        text,
+        [tuple(c) for c in calls.values()],
+        u["prompt_tokens"],
+        u["prompt_tokens_details"]["cached_tokens"],
+        u["completion_tokens"],
+    )
 
 
 def anthropic_turn(client: httpx.Client, system: str, history: list[tuple], force: bool, stream: bool) -> tuple:
-    body = {"model": "tiny", "system": system, "messages": to_anthropic(history),
-            "tools": [{"name": "get_weather", "input_schema": WEATHER}],
-            "tool_choice": {"type": "any", "disable_parallel_tool_use": True} if force else {"type": "auto"},
-            "max_tokens": CALL_TOKENS if force else ANSWER_TOKENS}
+    body = {
+        "model": "tiny",
+        "system": system,
+        "messages": to_anthropic(history),
+        "tools": [{"name": "get_weather", "input_schema": WEATHER}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True} if force else {"type": "auto"},
+        "max_tokens": CALL_TOKENS if force else ANSWER_TOKENS,
+    }
     if not stream:
         r = client.post("/v1/messages", json=body)
         r.raise_for_status()
@@ -163,9 +197,15 @@ def anthropic_turn(client: httpx.Client, system: str, history: list[tuple], forc
 
 
 def responses_turn(client: httpx.Client, system: str, history: list[tuple], force: bool, stream: bool) -> tuple:
-    body = {"model": "tiny", "instructions": system, "input": to_responses(history),
-            "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER}], "parallel_tool_calls": False,
-            "tool_choice": "required" if force else "auto", "max_output_tokens": CALL_TOKENS if force else ANSWER_TOKENS}
+    body = {
+        "model": "tiny",
+        "instructions": system,
+        "input": to_responses(history),
+        "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER}],
+        "parallel_tool_calls": False,
+        "tool_choice": "required" if force else "auto",
+        "max_output_tokens": CALL_TOKENS if force else ANSWER_TOKENS,
+    }
     if not stream:
         r = client.post("/v1/responses", json=body)
         r.raise_for_status()
@@ -200,8 +240,16 @@ def session(client: httpx.Client, api: str, stream: bool, turns: int) -> list[di
         else:
             history += [("assistant", text), ("user", question(turn // 2 + 1))]
         reusable = None if prev is None else prev[0] + prev[1]
-        rows.append({"turn": turn, "kind": "call" if force else "text", "prompt": prompt, "cached": cached,
-                     "completion": completion, "missed": None if reusable is None else reusable - cached})
+        rows.append(
+            {
+                "turn": turn,
+                "kind": "call" if force else "text",
+                "prompt": prompt,
+                "cached": cached,
+                "completion": completion,
+                "missed": None if reusable is None else reusable - cached,
+            }
+        )
         prev = (prompt, completion)
     return rows
 
@@ -212,8 +260,24 @@ def session(client: httpx.Client, api: str, stream: bool, turns: int) -> list[di
 def start_server(model: str, output_memory: bool = True) -> tuple[subprocess.Popen[str], str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "EMBER_OUTPUT_MEMORY": "1" if output_memory else "0"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transport.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "serve",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -233,8 +297,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--json", help="also write the rows here")
-    ap.add_argument("--no-output-memory", action="store_true",
-                    help="re-tokenize earlier answers instead of reusing their sampled ids (transport/output_memory.py)")
+    ap.add_argument(
+        "--no-output-memory",
+        action="store_true",
+        help="re-tokenize earlier answers instead of reusing their sampled ids (transport/output_memory.py)",
+    )
     ap.add_argument("--apis", default=",".join(APIS), help="comma-separated subset of " + ",".join(APIS))
     args = ap.parse_args(argv)
     proc, url = start_server(args.model, output_memory=not args.no_output_memory)

@@ -37,11 +37,26 @@ from engine.types import SamplingParams
 from sims.tiny_archs import build
 
 WIDER = {
-    "gemma3_text": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6, "num_attention_heads": 4,
-                    "num_key_value_heads": 2, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 256,
-                    "sliding_window_pattern": 3},
-    "lfm2": {"hidden_size": 256, "block_dim": 256, "block_ff_dim": 512, "num_hidden_layers": 6,
-             "full_attn_idxs": [2, 5], "num_attention_heads": 4, "num_key_value_heads": 2},
+    "gemma3_text": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 256,
+        "sliding_window_pattern": 3,
+    },
+    "lfm2": {
+        "hidden_size": 256,
+        "block_dim": 256,
+        "block_ff_dim": 512,
+        "num_hidden_layers": 6,
+        "full_attn_idxs": [2, 5],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
 }
 
 
@@ -104,7 +119,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {arch} | {on} | {leg} | {cached} | {ms:.1f} | {ratio:.3f} |")
     else:
         for arch, on, leg, cached, ms, ratio in rows:
-            print(f"{arch:<12} checkpoints={on:<3} {leg:<15} cached={cached:<5} ttft={ms:8.1f} ms  x{ratio:.3f} of cold")
+            print(
+                f"{arch:<12} checkpoints={on:<3} {leg:<15} cached={cached:<5} ttft={ms:8.1f} ms  x{ratio:.3f} of cold"
+            )
 
 
 if __name__ == "__main__":

@@ -114,7 +114,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     except (ValueError, jsonschema.ValidationError):
                         invalid += 1
                 plain_tokens = [max(1, len(d.token_ids)) for d in done]
-            print(f"round {r} {kind:11s} {n:5d} tokens {dt:6.2f} s {n / dt:8.1f} tok/s {cpu / n * 1000:6.2f} CPU ms/token", flush=True)
+            print(
+                f"round {r} {kind:11s} {n:5d} tokens {dt:6.2f} s {n / dt:8.1f} tok/s {cpu / n * 1000:6.2f} CPU ms/token",
+                flush=True,
+            )
         backend = engine.backend.stats()
         grammars = dict(engine.backend.grammars.counters)
     med = {k: statistics.median(v) for k, v in rates.items()}

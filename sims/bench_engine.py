@@ -130,8 +130,12 @@ def backend_decode(engine: Any, n: int, rid: int) -> float:
     backend, prompt = engine.backend, engine.tokenizer.encode(PROMPT)
 
     def loop() -> float:
-        backend.step(StepPlan(open=[OpenRow(rid, SamplingParams(max_tokens=n + 1, ignore_eos=True))],
-                              prefill=[PrefillChunk(rid, prompt[:-1])]))
+        backend.step(
+            StepPlan(
+                open=[OpenRow(rid, SamplingParams(max_tokens=n + 1, ignore_eos=True))],
+                prefill=[PrefillChunk(rid, prompt[:-1])],
+            )
+        )
         token, first = prompt[-1], 0.0
         for i in range(n):
             token = backend.step(StepPlan(decode=[DecodeRow(rid, token)])).tokens[rid]
@@ -298,12 +302,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 a1.append(bare_decode(model, tok, args.tokens, threads=1))
             alone.append(backend_decode(engine, args.tokens, rid=10**9 + r))
         ra, rb, ra1 = [x[0] for x in a], [x[0] for x in b], [x[0] for x in a1]
-        out["single"] = {"bare": ra, "engine": rb, "bare_med": med(ra), "engine_med": med(rb), "ratio": med(rb) / med(ra),
-                         "bare1": ra1, "bare1_med": med(ra1), "ratio1": med(rb) / med(ra1) if ra1 else None,
-                         "blas_default_threads": blas_threads().default,
-                         "bare_cpu_ms": med([x[1] for x in a]), "engine_cpu_ms": med([x[1] for x in b]),
-                         "bare_gap_ms": med([x[2] for x in a]), "engine_gap_ms": med([x[2] for x in b]),
-                         "backend_alone": alone, "backend_alone_med": med(alone)}
+        out["single"] = {
+            "bare": ra,
+            "engine": rb,
+            "bare_med": med(ra),
+            "engine_med": med(rb),
+            "ratio": med(rb) / med(ra),
+            "bare1": ra1,
+            "bare1_med": med(ra1),
+            "ratio1": med(rb) / med(ra1) if ra1 else None,
+            "blas_default_threads": blas_threads().default,
+            "bare_cpu_ms": med([x[1] for x in a]),
+            "engine_cpu_ms": med([x[1] for x in b]),
+            "bare_gap_ms": med([x[2] for x in a]),
+            "engine_gap_ms": med([x[2] for x in b]),
+            "backend_alone": alone,
+            "backend_alone_med": med(alone),
+        }
         out["cpu"] = await cpu_breakdown(engine, model, tok, args.tokens)
         if args.profile:
             out["timeline"] = await timeline(engine, args.tokens)
@@ -318,8 +333,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 agg[conc] = {"engine": med(e), "mlx_lm_batch": med(m)}
             out["aggregate"] = agg
             top = max(args.concurrency)
-            out["agreement"] = {"requests": top, "tokens": args.agg_tokens,
-                                "same": await batch_agreement(engine, top, args.agg_tokens)}
+            out["agreement"] = {
+                "requests": top,
+                "tokens": args.agg_tokens,
+                "same": await batch_agreement(engine, top, args.agg_tokens),
+            }
         out["backend"] = engine.backend.stats()  # type: ignore[attr-defined]  # MLXBackend's, not the port's
     out["prefill_tps"] = med([bare_prefill(model, tok, 1024) for _ in range(3)])
     if not args.single_only:
@@ -410,8 +428,19 @@ def reference_blas(args: argparse.Namespace) -> dict[str, Any] | None:
     """The single-stream leg again in a subprocess on MLX's reference BLAS."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env[OPT_OUT] = "1"
-    cmd = [sys.executable, "-m", "sims.bench_engine", "--single-only", "--json", "--model", args.model,
-           "--rounds", str(max(3, args.rounds // 2)), "--tokens", str(args.tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sims.bench_engine",
+        "--single-only",
+        "--json",
+        "--model",
+        args.model,
+        "--rounds",
+        str(max(3, args.rounds // 2)),
+        "--tokens",
+        str(args.tokens),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         print(proc.stderr[-2000:], file=sys.stderr)
@@ -479,10 +508,15 @@ def table(res: dict[str, Any], ref: dict[str, Any] | None, command: str) -> str:
         f"| Engine | {c['loop']:.3f} | {c['mlx_thread']:.3f} | {c['workers']:.3f} | {c['loop'] + c['mlx_thread'] + c['workers']:.3f} |",
     ]
     if "aggregate" in res:
-        lines += ["", "| concurrent requests | Engine aggregate tok/s | mlx_lm.batch_generate tok/s | Engine / mlx-lm |",
-                  "|---|---|---|---|"]
+        lines += [
+            "",
+            "| concurrent requests | Engine aggregate tok/s | mlx_lm.batch_generate tok/s | Engine / mlx-lm |",
+            "|---|---|---|---|",
+        ]
         for conc, row in res["aggregate"].items():
-            lines.append(f"| {conc} | {row['engine']:.0f} | {row['mlx_lm_batch']:.0f} | {row['engine'] / row['mlx_lm_batch']:.2f} |")
+            lines.append(
+                f"| {conc} | {row['engine']:.0f} | {row['mlx_lm_batch']:.0f} | {row['engine'] / row['mlx_lm_batch']:.2f} |"
+            )
     if ref is not None:
         rs = ref["single"]
         lines += [
@@ -501,11 +535,15 @@ def table(res: dict[str, Any], ref: dict[str, Any] | None, command: str) -> str:
             f"Batched vs alone (fp32 weights): greedy tokens identical for {ag['same']}/{ag['requests']} requests "
             f"({ag['tokens']} tokens each, all {ag['requests']} in one batch vs one at a time); max |log-prob "
             "difference| over 64 decode steps: "
-            + ", ".join(f"{d:.1e} at B={b}" for b, d in res["drift"].items()) + ".",
+            + ", ".join(f"{d:.1e} at B={b}" for b, d in res["drift"].items())
+            + ".",
         ]
     b = res.get("backend") or {}
-    lines += ["", f"Decode steps served from a step run ahead: {b.get('pipelined', 0)}; run-ahead steps undone: "
-              f"{b.get('undone', 0)}."]
+    lines += [
+        "",
+        f"Decode steps served from a step run ahead: {b.get('pipelined', 0)}; run-ahead steps undone: "
+        f"{b.get('undone', 0)}.",
+    ]
     return "\n".join(lines)
 
 

@@ -184,9 +184,14 @@ def report(
     if width_ms:
         lines += [
             "Verify forward cost on the target, same run (`sims.bench_forward` width leg, 1 OpenBLAS thread, "
-            "batch 1): " + ", ".join(f"n={n} {ms / width_ms[1]:.2f}×" for n, ms in width_ms.items())
+            "batch 1): "
+            + ", ".join(f"n={n} {ms / width_ms[1]:.2f}×" for n, ms in width_ms.items())
             + " of n=1"
-            + (f"; a one-token step of the draft model {draft_step_ms / width_ms[1]:.2f}× of the target's" if draft_step_ms else "")
+            + (
+                f"; a one-token step of the draft model {draft_step_ms / width_ms[1]:.2f}× of the target's"
+                if draft_step_ms
+                else ""
+            )
             + ". The last columns of the one-request workloads are the speedup each fixed γ would reach with no "
             "per-round overhead: tokens per target call ÷ the cost of the γ+1-token verify forward, with a drafter "
             "that costs nothing and, for the draft model, with its γ measured steps added.",
@@ -216,7 +221,13 @@ def report(
                 gamma = c.gamma if c.drafter else None
                 cap = ceiling(per_call, gamma, width_ms)
                 # prompt lookup is a Python scan (0.1 ms a round in the anatomy): its own ceiling is the free one
-                own = cap if c.drafter == "ngram" else ceiling(per_call, gamma, width_ms, draft_step_ms or 0.0) if draft_step_ms else None
+                own = (
+                    cap
+                    if c.drafter == "ngram"
+                    else ceiling(per_call, gamma, width_ms, draft_step_ms or 0.0)
+                    if draft_step_ms
+                    else None
+                )
                 row += f" {'–' if cap is None else fmt_ratio(cap)} | {'–' if own is None else fmt_ratio(own)} |"
             lines.append(row)
         lines.append("")
@@ -225,7 +236,9 @@ def report(
         lines += ["Adaptive γ chosen (all workloads, rounds per γ):", ""]
         for c in adaptive:
             st = c.engine.stats().get("speculation", {})
-            lines.append(f"- {c.name}: {st.get('gamma_chosen')}; round cost fit {st.get('policy', {}).get('round_s_fit')}")
+            lines.append(
+                f"- {c.name}: {st.get('gamma_chosen')}; round cost fit {st.get('policy', {}).get('round_s_fit')}"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -271,9 +284,13 @@ async def main_async(args: argparse.Namespace) -> str:
         if args.out:
             args.out.write_text(text + "\n")
         if args.anatomy:
-            lines = ["", "Round anatomy (one request, `free` and `grounded` prompt 1, low quartile ms):", "",
-                     "| config | workload | round | draft ask | device step | verify ask | tokens / round | ms / token |",
-                     "|---|---|---|---|---|---|---|---|"]
+            lines = [
+                "",
+                "Round anatomy (one request, `free` and `grounded` prompt 1, low quartile ms):",
+                "",
+                "| config | workload | round | draft ask | device step | verify ask | tokens / round | ms / token |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
             for c in configs:
                 for w in ("free", "grounded"):
                     a = await anatomy(c.engine, prompts[w][0], params)
@@ -400,7 +417,9 @@ async def _one(engine: Any, prompt: list[int], params: Any) -> tuple[list[int], 
     return ids, (last - first) if first and last else 0.0, usage
 
 
-async def run_paired_cell(engine: Any, workload: str, batch: int, n: int, params: Any) -> tuple[float, list[list[int]], list[Any]]:
+async def run_paired_cell(
+    engine: Any, workload: str, batch: int, n: int, params: Any
+) -> tuple[float, list[list[int]], list[Any]]:
     """Decode tok/s of one workload at one batch size, the outputs (for the
     greedy-identity check) and the usages. Batch 1: ``n`` requests (agent:
     sessions) one after another, tokens over first→last token time. Batch b:
@@ -409,6 +428,7 @@ async def run_paired_cell(engine: Any, workload: str, batch: int, n: int, params
 
     tok = engine.tokenizer
     if workload == "agent":
+
         async def session(s: Any) -> tuple[list[list[int]], list[Any], int, float]:
             outs, usages, tokens, secs = [], [], 0, 0.0
             for _ in range(s.TURNS):
@@ -496,12 +516,30 @@ async def paired_async(args: argparse.Namespace) -> str:
                                     arm.accepted[key] = arm.accepted.get(key, 0) + sp.accepted
                                     arm.calls[key] = arm.calls.get(key, 0) + sp.target_calls
                                     arm.tokens[key] = arm.tokens.get(key, 0) + len(o)
-                    print(f"[bench_spec] round {r + 1}/{args.rounds} {w} batch {b} done "
-                          f"({(time.perf_counter() - t_start) / 60:.1f} min)", file=sys.stderr, flush=True)
+                    print(
+                        f"[bench_spec] round {r + 1}/{args.rounds} {w} batch {b} done "
+                        f"({(time.perf_counter() - t_start) / 60:.1f} min)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if args.out:  # what is measured so far survives an interrupted run
                 partial = {d: engines[d].stats().get("speculation", {}) for d in drafters}
-                args.out.write_text(paired_report(args, drafters, workloads, batches, arms, off_tps, partial, {}, {}, [],
-                                                  time.perf_counter() - t_start) + f"\n\n(after round {r + 1})\n")
+                args.out.write_text(
+                    paired_report(
+                        args,
+                        drafters,
+                        workloads,
+                        batches,
+                        arms,
+                        off_tps,
+                        partial,
+                        {},
+                        {},
+                        [],
+                        time.perf_counter() - t_start,
+                    )
+                    + f"\n\n(after round {r + 1})\n"
+                )
         if args.anatomy:
             anat = await paired_anatomy(engines, workloads, args, base)
         stats = {d: engines[d].stats().get("speculation", {}) for d in drafters}
@@ -510,8 +548,19 @@ async def paired_async(args: argparse.Namespace) -> str:
     if args.widths:
         for d in drafters:
             width_ms, draft_ms[d] = verify_width_cost(args.model, d, 1, steps=args.width_steps, widths=max(gammas) + 1)
-    return paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat,
-                         time.perf_counter() - t_start)
+    return paired_report(
+        args,
+        drafters,
+        workloads,
+        batches,
+        arms,
+        off_tps,
+        stats,
+        width_ms,
+        draft_ms,
+        anat,
+        time.perf_counter() - t_start,
+    )
 
 
 def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat, elapsed) -> str:
@@ -533,20 +582,31 @@ def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, widt
         "",
     ]
     if width_ms:
-        lines += ["Verify forward cost on the target (1 OpenBLAS thread, batch 1): "
-                  + ", ".join(f"n={n} {ms / width_ms[1]:.2f}×" for n, ms in width_ms.items()) + " of n=1 "
-                  f"({width_ms[1]:.1f} ms)"
-                  + "".join(f"; a one-token step of `{Path(d).name}` {ms / width_ms[1]:.3f}× of the target's"
-                            for d, ms in draft_ms.items() if ms) + ".", ""]
+        lines += [
+            "Verify forward cost on the target (1 OpenBLAS thread, batch 1): "
+            + ", ".join(f"n={n} {ms / width_ms[1]:.2f}×" for n, ms in width_ms.items())
+            + " of n=1 "
+            f"({width_ms[1]:.1f} ms)"
+            + "".join(
+                f"; a one-token step of `{Path(d).name}` {ms / width_ms[1]:.3f}× of the target's"
+                for d, ms in draft_ms.items()
+                if ms
+            )
+            + ".",
+            "",
+        ]
     for w in workloads:
         for b in batches:
             rows = [(d, a) for d in drafters for a in arms[d] if (w, b) in a.ratios]
             if not rows:
                 continue
-            lines += [f"### {w}, batch {b}", "",
-                      "| drafter / γ | speedup (geo. mean) | 95% interval | median round | identical | acceptance | "
-                      "tok/call | ceiling, free drafter | ceiling, this drafter | tok/s (plain) |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [
+                f"### {w}, batch {b}",
+                "",
+                "| drafter / γ | speedup (geo. mean) | 95% interval | median round | identical | acceptance | "
+                "tok/call | ceiling, free drafter | ceiling, this drafter | tok/s (plain) |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
             for d, a in rows:
                 key = (w, b)
                 g, lo, hi = paired_interval(a.ratios[key])
@@ -561,7 +621,8 @@ def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, widt
                     f"{sum(a.identical[key])}/{len(a.identical[key])} | {'–' if acc is None else f'{acc:.0%}'} | "
                     f"{'–' if per_call is None else f'{per_call:.2f}'} | {'–' if cap is None else fmt_ratio(cap)} | "
                     f"{'–' if own is None else fmt_ratio(own)} | {statistics.median(a.tps[key]):.1f} "
-                    f"({statistics.median(off_tps[(d, w, b)]):.1f}) |")
+                    f"({statistics.median(off_tps[(d, w, b)]):.1f}) |"
+                )
             lines.append("")
     lines += ["Adaptive γ: rounds per γ chosen, and the policy's fitted round costs (s):", ""]
     for d, st in stats.items():
@@ -569,26 +630,36 @@ def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, widt
     return "\n".join(lines + [""] + anat)
 
 
-async def paired_anatomy(engines: dict[str, Any], workloads: list[str], args: argparse.Namespace, base: Any) -> list[str]:
+async def paired_anatomy(
+    engines: dict[str, Any], workloads: list[str], args: argparse.Namespace, base: Any
+) -> list[str]:
     """Where a round's time goes, one request at batch 1 (the first prompt of
     ``chat`` and ``edit``), plain and at γ = 3 and adaptive."""
     import msgspec
 
     from sims import spec_workloads as sw
 
-    lines = ["Round anatomy (one request, batch 1, low quartile ms): the Drafter ask (draft-model forwards "
-             "included), the device step, the Verifier ask, and the whole round start to start.", "",
-             "| drafter | workload | setting | round | draft ask | device step | verify ask | tokens / round | ms / token |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "Round anatomy (one request, batch 1, low quartile ms): the Drafter ask (draft-model forwards "
+        "included), the device step, the Verifier ask, and the whole round start to start.",
+        "",
+        "| drafter | workload | setting | round | draft ask | device step | verify ask | tokens / round | ms / token |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for d, eng in engines.items():
         tok = eng.tokenizer
         for w in [w for w in workloads if w in ("chat", "edit", "copy")]:
             prompt = {"chat": sw.chat_prompts, "edit": sw.edit_prompts, "copy": sw.copy_prompts}[w](tok, 1)[0]
-            for label, p in (("plain", msgspec.structs.replace(base, speculate=False)),
-                             ("γ=3", msgspec.structs.replace(base, num_draft_tokens=3)), ("adaptive", base)):
+            for label, p in (
+                ("plain", msgspec.structs.replace(base, speculate=False)),
+                ("γ=3", msgspec.structs.replace(base, num_draft_tokens=3)),
+                ("adaptive", base),
+            ):
                 a = await anatomy(eng, prompt, p)
-                lines.append(f"| {Path(d).name} | {w} | {label} | {a['round']:.1f} | {a['draft']:.1f} | {a['step']:.1f} | "
-                             f"{a['verify']:.1f} | {a['tokens_per_round']:.2f} | {a['round'] / a['tokens_per_round']:.1f} |")
+                lines.append(
+                    f"| {Path(d).name} | {w} | {label} | {a['round']:.1f} | {a['draft']:.1f} | {a['step']:.1f} | "
+                    f"{a['verify']:.1f} | {a['tokens_per_round']:.2f} | {a['round'] / a['tokens_per_round']:.1f} |"
+                )
     return lines
 
 
@@ -605,14 +676,21 @@ def main(argv: list[str] | None = None) -> None:
     ap = common_args(__doc__, rounds=5)
     ap.add_argument("--gammas", default="1,2,3,4")
     ap.add_argument("--anatomy", action="store_true", help="also time the parts of a round, per configuration")
-    ap.add_argument("--paired", action="store_true",
-                    help="the chat/edit/agent sweep: every γ paired with speculate=false on the same engine")
+    ap.add_argument(
+        "--paired",
+        action="store_true",
+        help="the chat/edit/agent sweep: every γ paired with speculate=false on the same engine",
+    )
     ap.add_argument("--drafters", default="ngram", help="--paired: comma-separated drafters, one engine each")
     ap.add_argument("--batches", default="1", help="--paired: batch sizes, e.g. 1,4,8")
     ap.add_argument("--batch-workloads", default="chat,edit,agent", help="--paired: workloads run at batch > 1")
     ap.add_argument("--batch-gammas", default="3", help="--paired: fixed γ also run at batch > 1 (adaptive always)")
-    ap.add_argument("--widths", action=argparse.BooleanOptionalAction, default=True,
-                    help="--paired: measure verify-forward widths for the ceiling columns")
+    ap.add_argument(
+        "--widths",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--paired: measure verify-forward widths for the ceiling columns",
+    )
     ap.add_argument("--width-steps", type=int, default=30)
     args = ap.parse_args(argv)
     if args.paired:
@@ -628,7 +706,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     text = asyncio.run(main_async(args))
     if args.anatomy:
-        print(text[text.index("\nRound anatomy"):] if "\nRound anatomy" in text else "")
+        print(text[text.index("\nRound anatomy") :] if "\nRound anatomy" in text else "")
     if args.out:
         args.out.write_text(text + "\n")
 

@@ -103,8 +103,11 @@ async def restart_ttft(args: argparse.Namespace) -> dict[str, Any]:
                 warm.append(t)
                 cached.append(c)
                 restore_ms.append(engine.stats()["ssd_cache"]["restore_ms_last"])
-        print(f"  repeat {r}: cold {cold[-1] * 1000:.0f} ms, restored {warm[-1] * 1000:.0f} ms "
-              f"(cached {cached[-1]}, restore {restore_ms[-1]} ms)", file=sys.stderr)
+        print(
+            f"  repeat {r}: cold {cold[-1] * 1000:.0f} ms, restored {warm[-1] * 1000:.0f} ms "
+            f"(cached {cached[-1]}, restore {restore_ms[-1]} ms)",
+            file=sys.stderr,
+        )
     return {"cold_s": cold, "restored_s": warm, "cached": cached, "restore_ms": restore_ms}
 
 
@@ -131,14 +134,17 @@ async def decode_overhead(args: argparse.Namespace) -> dict[str, Any]:
     off_cpu: list[float] = []
     writes = []
     for r in range(args.decode_repeats):
-        for tier_on in ((True, False) if r % 2 == 0 else (False, True)):  # alternate to cancel drift
+        for tier_on in (True, False) if r % 2 == 0 else (False, True):  # alternate to cancel drift
             tps, cpu_ms, during = await _decode_arm(args, tier_on, r)
             (on if tier_on else off).append(tps)
             (on_cpu if tier_on else off_cpu).append(cpu_ms)
             if tier_on:
                 writes.append(during)
-            print(f"  decode {'on ' if tier_on else 'off'} repeat {r}: {tps:.1f} tok/s, {cpu_ms:.2f} CPU ms/token"
-                  + (f" (entries written during the run: {during})" if tier_on else ""), file=sys.stderr)
+            print(
+                f"  decode {'on ' if tier_on else 'off'} repeat {r}: {tps:.1f} tok/s, {cpu_ms:.2f} CPU ms/token"
+                + (f" (entries written during the run: {during})" if tier_on else ""),
+                file=sys.stderr,
+            )
     return {"on_tps": on, "off_tps": off, "on_cpu_ms": on_cpu, "off_cpu_ms": off_cpu, "writes_during_decode": writes}
 
 
@@ -175,10 +181,22 @@ def main(argv: list[str] | None = None) -> int:
             ("decode tok/s, tier off (median)", f"{t_off:.1f}"),
             ("decode tok/s, tier on (median)", f"{t_on:.1f}"),
             ("decode overhead (1 - on/off)", f"{1 - t_on / t_off:+.1%} (target < 2%)"),
-            ("decode overhead, median of paired runs", f"{1 - statistics.median(a / b for a, b in zip(dec['on_tps'], dec['off_tps'])):+.1%}"),
-            ("decode tok/s spread off / on", f"{min(dec['off_tps']):.0f}-{max(dec['off_tps']):.0f} / {min(dec['on_tps']):.0f}-{max(dec['on_tps']):.0f}"),
-            ("decode CPU ms/token, tier off / on (median)", f"{statistics.median(dec['off_cpu_ms']):.3f} / {statistics.median(dec['on_cpu_ms']):.3f}"),
-            ("decode CPU overhead (on/off - 1)", f"{statistics.median(dec['on_cpu_ms']) / statistics.median(dec['off_cpu_ms']) - 1:+.1%} (target < 2%)"),
+            (
+                "decode overhead, median of paired runs",
+                f"{1 - statistics.median(a / b for a, b in zip(dec['on_tps'], dec['off_tps'])):+.1%}",
+            ),
+            (
+                "decode tok/s spread off / on",
+                f"{min(dec['off_tps']):.0f}-{max(dec['off_tps']):.0f} / {min(dec['on_tps']):.0f}-{max(dec['on_tps']):.0f}",
+            ),
+            (
+                "decode CPU ms/token, tier off / on (median)",
+                f"{statistics.median(dec['off_cpu_ms']):.3f} / {statistics.median(dec['on_cpu_ms']):.3f}",
+            ),
+            (
+                "decode CPU overhead (on/off - 1)",
+                f"{statistics.median(dec['on_cpu_ms']) / statistics.median(dec['off_cpu_ms']) - 1:+.1%} (target < 2%)",
+            ),
             ("SSD entries written during decode runs", f"{sum(dec['writes_during_decode'])}"),
         ]
     width = max(len(k) for k, _ in rows)

@@ -51,14 +51,18 @@ async def _puts(engine: Engine, n: int) -> None:
         await asyncio.sleep(0.001)
 
 
-async def one_round(arm: str, model: str, ssd: Path, rng: random.Random, prefix_tokens: int, decode_tokens: int) -> dict[str, Any]:
+async def one_round(
+    arm: str, model: str, ssd: Path, rng: random.Random, prefix_tokens: int, decode_tokens: int
+) -> dict[str, Any]:
     cfg = EngineConfig(backend="mlx", model=model, ssd_cache_dir=str(ssd) if arm != "off" else None, max_batch=4)
     async with Engine.open(cfg) as engine:
         vocab = engine.info.vocab_size
         if arm == "ungated":
             engine.durability.gate.wait_turn = _ungated
         # warm up the decode path (compiles, allocator) outside the measurement
-        await engine.acomplete([rng.randrange(3, vocab) for _ in range(8)], SamplingParams(max_tokens=8, ignore_eos=True))
+        await engine.acomplete(
+            [rng.randrange(3, vocab) for _ in range(8)], SamplingParams(max_tokens=8, ignore_eos=True)
+        )
         await _puts(engine, 1)
         await engine.aflush()  # the warm-up entry is written now: the pending write below is the large one
         before = engine.prefix_cache.stats()["bytes"]
@@ -71,7 +75,9 @@ async def one_round(arm: str, model: str, ssd: Path, rng: random.Random, prefix_
         times: list[float] = []
         cpu: list[float] = []  # process CPU (all threads): steadier than wall time on a shared machine
         pending_during = 0
-        async for d in engine.agenerate([rng.randrange(3, vocab) for _ in range(16)], SamplingParams(max_tokens=decode_tokens, ignore_eos=True)):
+        async for d in engine.agenerate(
+            [rng.randrange(3, vocab) for _ in range(16)], SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
+        ):
             if d.token_ids:
                 times.append(time.perf_counter())
                 cpu.append(time.process_time())
@@ -135,11 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     res = asyncio.run(run(args))
     med, pm = res["medians_tok_s"], res["paired_median"]
-    print(f"[bench_writebehind] median decode tok/s: off={med['off']:.1f} on={med['on']:.1f} ungated={med['ungated']:.1f}")
+    print(
+        f"[bench_writebehind] median decode tok/s: off={med['off']:.1f} on={med['on']:.1f} ungated={med['ungated']:.1f}"
+    )
     cpu = res["medians_cpu_ms_per_token"]
-    print(f"[bench_writebehind] median CPU ms/token: off={cpu['off']:.3f} on={cpu['on']:.3f} ungated={cpu['ungated']:.3f}")
-    print(f"[bench_writebehind] paired per-round ratios on/off={res['paired']['on']} ungated/off={res['paired']['ungated']}")
-    print(f"[bench_writebehind] median paired on/off={pm['on']:.3f} (contract >= 0.98)  ungated/off={pm['ungated']:.3f}")
+    print(
+        f"[bench_writebehind] median CPU ms/token: off={cpu['off']:.3f} on={cpu['on']:.3f} ungated={cpu['ungated']:.3f}"
+    )
+    print(
+        f"[bench_writebehind] paired per-round ratios on/off={res['paired']['on']} ungated/off={res['paired']['ungated']}"
+    )
+    print(
+        f"[bench_writebehind] median paired on/off={pm['on']:.3f} (contract >= 0.98)  ungated/off={pm['ungated']:.3f}"
+    )
     print(f"[bench_writebehind] load average {load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     return 0
 

@@ -121,7 +121,9 @@ async def run(args: argparse.Namespace) -> str:
                         results.setdefault((streams, s.name), []).append(
                             await one_round(client, s, prompts, streams, tokens, offset)
                         )
-                    print(f"[cpu_per_token] {streams} streams: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+                    print(
+                        f"[cpu_per_token] {streams} streams: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True
+                    )
     finally:
         for s in srvs:
             s.stop()
@@ -161,14 +163,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64, help="tokens per request with several streams")
     ap.add_argument("--tokens-single", type=int, default=256, help="tokens per request with one stream")
-    ap.add_argument("--bare-blas-threads", type=int, default=1,
-                    help="OpenBLAS threads of the bare server (1: what Ember uses for a 1-row step; 0: the library default)")
+    ap.add_argument(
+        "--bare-blas-threads",
+        type=int,
+        default=1,
+        help="OpenBLAS threads of the bare server (1: what Ember uses for a 1-row step; 0: the library default)",
+    )
     args = ap.parse_args(argv)
     if not Path("/proc/self/task").is_dir():
         raise SystemExit("sims.cpu_per_token reads /proc: Linux only")
     if "bare" in args.servers.split(",") and max(args.streams) > 1:
-        print("[cpu_per_token] note: the bare server runs one request at a time; its several-stream rows "
-              "measure it queueing them", file=sys.stderr)
+        print(
+            "[cpu_per_token] note: the bare server runs one request at a time; its several-stream rows "
+            "measure it queueing them",
+            file=sys.stderr,
+        )
     print(asyncio.run(run(args)))
 
 

@@ -48,7 +48,9 @@ class Server:
 
     def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"content-type": "application/json"}, method="POST"
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -70,7 +72,15 @@ class Server:
         return self.proc.wait(timeout)
 
 
-def start_server(ssd_dir: str | Path | None, log: Path, *, model: str = "fake", extra: list[str] | None = None, env: dict[str, str] | None = None, timeout_s: float = 120.0) -> Server:
+def start_server(
+    ssd_dir: str | Path | None,
+    log: Path,
+    *,
+    model: str = "fake",
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> Server:
     """Start ``ember serve`` on a free port and wait until it says it serves."""
     args = [sys.executable, "-m", "transport.cli", "serve", "--port", "0", "--log-level", "info"]
     args += ["--ssd-cache", str(ssd_dir)] if ssd_dir is not None else []
@@ -182,12 +192,16 @@ def run(kills: int, seed: int, *, model: str = "fake", workdir: Path | None = No
         cached = body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
         want = oracle.answer(prompt, max_tokens)
         if text != want:
-            res.failures.append(f"life {res.restarts}: {len(prompt)}-token prompt (cached {cached}) answered {text!r}, cold prefill {want!r}")
+            res.failures.append(
+                f"life {res.restarts}: {len(prompt)}-token prompt (cached {cached}) answered {text!r}, cold prefill {want!r}"
+            )
         if restorable:
             res.restores_checked += 1
             res.restored_tokens += cached
             if cached < len(prompt) - 1:
-                res.failures.append(f"life {res.restarts}: a flushed {len(prompt)}-token prompt restored only {cached} tokens")
+                res.failures.append(
+                    f"life {res.restarts}: a flushed {len(prompt)}-token prompt restored only {cached} tokens"
+                )
 
     try:
         life = 0
@@ -243,7 +257,9 @@ def run(kills: int, seed: int, *, model: str = "fake", workdir: Path | None = No
                 server.kill()
             res.kills += 1
             life += 1
-            say(f"[crashtest] kill {res.kills}/{kills} durable={len(durable)} requests={res.requests} tmp_left={len(tmp_files(ssd))} failures={len(res.failures)}")
+            say(
+                f"[crashtest] kill {res.kills}/{kills} durable={len(durable)} requests={res.requests} tmp_left={len(tmp_files(ssd))} failures={len(res.failures)}"
+            )
 
         # One last life: it must come back and restore the latest durable prompt.
         server = start_server(ssd, work / "final.log", model=model)
@@ -282,11 +298,26 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t0 = time.monotonic()
     res = run(args.kills, args.seed, model=args.model, workdir=args.workdir)
-    summary = {k: getattr(res, k) for k in ("kills", "kills_in_flush", "restarts", "requests", "restores_checked", "restored_tokens", "tmp_seen_after_kill", "flushes_200", "flushes_503")}
+    summary = {
+        k: getattr(res, k)
+        for k in (
+            "kills",
+            "kills_in_flush",
+            "restarts",
+            "requests",
+            "restores_checked",
+            "restored_tokens",
+            "tmp_seen_after_kill",
+            "flushes_200",
+            "flushes_503",
+        )
+    }
     print(f"[crashtest] {json.dumps(summary)} failures={len(res.failures)} wall_s={time.monotonic() - t0:.1f}")
     for f in res.failures[:20]:
         print(f"[crashtest] FAIL {f}")
-    print(f"[crashtest] {'OK' if res.ok else 'FAILED'}: reproduce with python -m sims.crashtest --kills {args.kills} --seed {args.seed} --model {args.model}")
+    print(
+        f"[crashtest] {'OK' if res.ok else 'FAILED'}: reproduce with python -m sims.crashtest --kills {args.kills} --seed {args.seed} --model {args.model}"
+    )
     return 0 if res.ok else 1
 
 

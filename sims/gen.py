@@ -121,7 +121,17 @@ def agent(
         while todo and len(out) < requests:
             t, session, continues, new, bound, turns_left = todo.pop()
             mt = rng.randint(16, 200)
-            out.append(Request(id=-1, t=round(t, 3), session=session, continues=continues, text=new, max_tokens=mt, sampling=_sampling(rng, sampled_frac)))
+            out.append(
+                Request(
+                    id=-1,
+                    t=round(t, 3),
+                    session=session,
+                    continues=continues,
+                    text=new,
+                    max_tokens=mt,
+                    sampling=_sampling(rng, sampled_frac),
+                )
+            )
             bound += len(new) + mt
             if turns_left <= 1:
                 continue
@@ -134,7 +144,9 @@ def agent(
                 # a sub-agent starts from this session's context and runs alongside it
                 sub = f"{session}.{len(out)}"
                 ask = "<|user|>Sub-task: " + text.prose(rng.randint(40, 200)) + "\n<|assistant|>"
-                todo.append((t_next + rng.expovariate(2.0), sub, session, ask, bound + len(tool) + 200, rng.randint(1, 4)))
+                todo.append(
+                    (t_next + rng.expovariate(2.0), sub, session, ask, bound + len(tool) + 200, rng.randint(1, 4))
+                )
     return _finish(Header(kind="agent", seed=seed, description=f"{requests} coding-agent turns"), out, [])
 
 
@@ -168,12 +180,31 @@ def chat(
             msg = "<|user|>" + text.prose(rng.randint(20, 400)) + "\n<|assistant|>"
             if recent and rng.random() < follow_up_frac:
                 sid = rng.choice(recent)
-                out.append(Request(id=-1, t=round(t, 4), session=sid, continues=sid, text=msg, max_tokens=mt, sampling=_sampling(rng, sampled_frac)))
+                out.append(
+                    Request(
+                        id=-1,
+                        t=round(t, 4),
+                        session=sid,
+                        continues=sid,
+                        text=msg,
+                        max_tokens=mt,
+                        sampling=_sampling(rng, sampled_frac),
+                    )
+                )
                 continue
             sid = f"c{n_session}"
             n_session += 1
             recent = (recent + [sid])[-30:]
-            out.append(Request(id=-1, t=round(t, 4), session=sid, text=rng.choice(personas) + msg, max_tokens=mt, sampling=_sampling(rng, sampled_frac)))
+            out.append(
+                Request(
+                    id=-1,
+                    t=round(t, 4),
+                    session=sid,
+                    text=rng.choice(personas) + msg,
+                    max_tokens=mt,
+                    sampling=_sampling(rng, sampled_frac),
+                )
+            )
     return _finish(Header(kind="chat", seed=seed, description=f"{requests} bursty chat requests"), out, [])
 
 
@@ -245,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "wb") as f:
             f.write(data)
-        print(f"[gen] kind={args.kind} seed={args.seed} requests={len(trace.requests)} duration_s={trace.duration_s:.1f} out={args.out}", file=sys.stderr)
+        print(
+            f"[gen] kind={args.kind} seed={args.seed} requests={len(trace.requests)} duration_s={trace.duration_s:.1f} out={args.out}",
+            file=sys.stderr,
+        )
     else:
         sys.stdout.buffer.write(data)
     return 0

@@ -154,8 +154,10 @@ class NoWriteDuringStep(Checker):
     def detail(self) -> str:
         s = f"{self.checked} write steps and disk writes against {self.steps_seen} GPU steps"
         if self.overlapped_steps:
-            s += (f"; {self.overlapped_steps} GPU steps started with a write step in flight "
-                  f"({self.overlap_io} disk calls of those steps landed during GPU steps)")
+            s += (
+                f"; {self.overlapped_steps} GPU steps started with a write step in flight "
+                f"({self.overlap_io} disk calls of those steps landed during GPU steps)"
+            )
         return s
 
 
@@ -192,7 +194,10 @@ class AdmissionNeverWaits(Checker):
             self.in_step = True
             late = [k for k, d in self.deadline.items() if d is not None and d <= t]
             for k in late:
-                self.fail(t, f"request rid={k[1]} submitted, not admitted by t={self.deadline[k]:.6f}, and a new GPU step began")
+                self.fail(
+                    t,
+                    f"request rid={k[1]} submitted, not admitted by t={self.deadline[k]:.6f}, and a new GPU step began",
+                )
                 del self.deadline[k]
         elif kind == "step_end":
             self.in_step = False
@@ -220,7 +225,11 @@ class AdmissionNeverWaits(Checker):
         if engine is not None:
             if engine is not self._engine:
                 self._engine, self._senders = engine, _waiting_senders(engine.scheduler.ref)
-            waiting = len(self._senders) if self._senders is not None else engine.scheduler.ref.statistics().tasks_waiting_send
+            waiting = (
+                len(self._senders)
+                if self._senders is not None
+                else engine.scheduler.ref.statistics().tasks_waiting_send
+            )
             if waiting:
                 self.waiters_seen += 1
                 self.fail(t, f"{waiting} task(s) waiting to send into the Scheduler inbox (after {kind})")
@@ -271,7 +280,9 @@ class Oracle:
     def extend(self, h: int, tokens: list[int]) -> int:
         return advance_all(h, tokens)
 
-    def expect(self, prompt: list[int], sp: SamplingParams, start: tuple[int, int] | None = None) -> tuple[list[int], int]:
+    def expect(
+        self, prompt: list[int], sp: SamplingParams, start: tuple[int, int] | None = None
+    ) -> tuple[list[int], int]:
         """(the tokens a request must get, the hash after its prompt)."""
         h, skip = start if start is not None else (self.h0, 0)
         h = self.extend(h, prompt[skip:])
@@ -322,7 +333,10 @@ class TokensMatchColdPrefill(Checker):
             self.cached_tokens += cached
         if got != want:
             i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            self.fail(t, f"request {req_id} (cached={cached}) diverged at output token {i}: got {got[i:i + 4]}, cold prefill gives {want[i:i + 4]} (lengths {len(got)} vs {len(want)})")
+            self.fail(
+                t,
+                f"request {req_id} (cached={cached}) diverged at output token {i}: got {got[i : i + 4]}, cold prefill gives {want[i : i + 4]} (lengths {len(got)} vs {len(want)})",
+            )
 
     def detail(self) -> str:
         s = f"{self.checked} requests checked, {self.with_cache} with a cached prefix ({self.cached_tokens} tokens)"
@@ -377,7 +391,10 @@ class SpillQueueBounded(Checker):
             return  # under the cap: no item size can make it a finding
         largest = max(i.nbytes for i in q.items)
         if over > largest:
-            self.fail(t, f"spill queue holds {q.pending_bytes} bytes in {len(q.items)} items: more than its cap {q.cap_bytes} plus one item ({largest})")
+            self.fail(
+                t,
+                f"spill queue holds {q.pending_bytes} bytes in {len(q.items)} items: more than its cap {q.cap_bytes} plus one item ({largest})",
+            )
 
     def detail(self) -> str:
         return f"{self.checked} observations, most over the cap {max(self.max_over, 0)} bytes"
@@ -433,7 +450,10 @@ class FlushSurvivesCrash(Checker):
                 self.checked += 1
                 now = lookup(key)
                 if now < n:
-                    self.fail(t, f"flush at t={claim.t:.3f} (engine {claim.gen}) answered durable with {n} tokens of a {len(key[1])}-token prefix on SSD; after the crash only {now} are there")
+                    self.fail(
+                        t,
+                        f"flush at t={claim.t:.3f} (engine {claim.gen}) answered durable with {n} tokens of a {len(key[1])}-token prefix on SSD; after the crash only {now} are there",
+                    )
         self.claims = []
 
     def detail(self) -> str:
@@ -477,7 +497,10 @@ class Liveness(Checker):
         elif kind == "sim_retry" and healed is not None and f["started"] > healed and f["why"] not in self.EXCUSED:
             inherited = f["why"] == "EngineDead" and self.up_at.get(f["gen"], 0.0) <= healed
             if not inherited:
-                self.fail(t, f"request {f['id']} failed with {f['why']} on engine {f['gen']} in the liveness phase (faults off since t={healed:.3f})")
+                self.fail(
+                    t,
+                    f"request {f['id']} failed with {f['why']} on engine {f['gen']} in the liveness phase (faults off since t={healed:.3f})",
+                )
         elif kind == "sim_done":
             self.checked += 1
 

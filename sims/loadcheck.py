@@ -37,8 +37,22 @@ import httpx
 
 HOST = "127.0.0.1"  # only ever the local machine
 TOPICS = [
-    "the tides", "a lighthouse", "bread", "compilers", "rivers", "a chess opening", "bees", "glaciers",
-    "the moon", "trains", "a violin", "old maps", "volcanoes", "tea", "owls", "the printing press",
+    "the tides",
+    "a lighthouse",
+    "bread",
+    "compilers",
+    "rivers",
+    "a chess opening",
+    "bees",
+    "glaciers",
+    "the moon",
+    "trains",
+    "a violin",
+    "old maps",
+    "volcanoes",
+    "tea",
+    "owls",
+    "the printing press",
 ]
 SYSTEM = "You are a concise assistant. Answer in plain prose."
 
@@ -150,7 +164,9 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, args: argpa
         res.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
 
 
-async def client_loop(i: int, client: httpx.AsyncClient, args: argparse.Namespace, res: Results, stop_at: float, budget: list[int]) -> None:
+async def client_loop(
+    i: int, client: httpx.AsyncClient, args: argparse.Namespace, res: Results, stop_at: float, budget: list[int]
+) -> None:
     rng = random.Random(args.seed * 1000 + i)
     while time.perf_counter() < stop_at and budget[0] > 0:
         budget[0] -= 1
@@ -160,7 +176,9 @@ async def client_loop(i: int, client: httpx.AsyncClient, args: argparse.Namespac
             res.errors.append(f"{type(exc).__name__}: {exc}")
 
 
-async def sample_memory(client: httpx.AsyncClient, pid: int, samples: list[tuple[float, float, float]], stop: asyncio.Event, t0: float) -> None:
+async def sample_memory(
+    client: httpx.AsyncClient, pid: int, samples: list[tuple[float, float, float]], stop: asyncio.Event, t0: float
+) -> None:
     """(seconds, RSS MiB, prompt-cache MiB) twice a second. The prompt cache
     grows by design up to its cap (each finished request leaves an entry), so
     the leak check is on RSS minus what the cache says it holds."""
@@ -179,7 +197,9 @@ async def sample_memory(client: httpx.AsyncClient, pid: int, samples: list[tuple
             pass
 
 
-async def run(args: argparse.Namespace, url: str, pid: int) -> tuple[Results, list[tuple[float, float, float]], dict, float]:
+async def run(
+    args: argparse.Namespace, url: str, pid: int
+) -> tuple[Results, list[tuple[float, float, float]], dict, float]:
     limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=args.request_timeout) as client:
         warm = Results()
@@ -192,7 +212,9 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> tuple[Results, li
         t0 = time.perf_counter()
         sampler = asyncio.create_task(sample_memory(client, pid, samples, stop, t0))
         budget = [args.max_requests]
-        await asyncio.gather(*(client_loop(i, client, args, res, t0 + args.duration, budget) for i in range(args.clients)))
+        await asyncio.gather(
+            *(client_loop(i, client, args, res, t0 + args.duration, budget) for i in range(args.clients))
+        )
         elapsed = time.perf_counter() - t0
         stop.set()
         await sampler
@@ -219,7 +241,9 @@ def rss_verdict(samples: list[tuple[float, float, float]], growth: float) -> tup
     return ok, info
 
 
-def report(args: argparse.Namespace, res: Results, rss: dict[str, float], rss_ok: bool, stats: dict, elapsed: float, rc: int) -> str:
+def report(
+    args: argparse.Namespace, res: Results, rss: dict[str, float], rss_ok: bool, stats: dict, elapsed: float, rc: int
+) -> str:
     passed = not res.errors and rss_ok and rc == 0
     cmd = "python -m sims.loadcheck " + " ".join(sys.argv[1:])
     ms = lambda s: f"{s * 1000:.1f} ms"  # noqa: E731

@@ -105,7 +105,9 @@ class ServerProcess:
         async with httpx.AsyncClient(timeout=2.0) as client:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with status {self.proc.returncode} while starting: {' '.join(self.cmd)}")
+                    raise RuntimeError(
+                        f"the server exited with status {self.proc.returncode} while starting: {' '.join(self.cmd)}"
+                    )
                 try:
                     if (await client.get(self.url + "/health")).status_code == 200:
                         return
@@ -397,7 +399,9 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
     }
 
 
-def report_markdown(url: str, trace: Trace, scale: float, samples: list[Sample], marks: list[Mark], plot_name: str | None) -> str:
+def report_markdown(
+    url: str, trace: Trace, scale: float, samples: list[Sample], marks: list[Mark], plot_name: str | None
+) -> str:
     m = summarize(samples)
     lines = [
         f"# Replay of `{trace.header.kind}` trace against {url}",
@@ -405,7 +409,12 @@ def report_markdown(url: str, trace: Trace, scale: float, samples: list[Sample],
         f"- trace: {trace.header.kind} (seed {trace.header.seed}), {len(trace.requests)} requests over {trace.duration_s:.1f} s, time scale {scale}",
         f"- answered: {m['ok']} of {m['requests']}, failed {m['failed']}; errors (every attempt): {m['errors'] or 'none'}",
         f"- wall time {m['span_s']:.1f} s; throughput {m['tokens_per_s']:.1f} output tokens/s, {m['requests_per_s']:.2f} requests/s",
-        "- cached-token ratio: " + ("not reported by the server" if m["cached_ratio"] is None else f"{m['cached_ratio']:.1%} ({m['cached_tokens']} of {m['prompt_tokens']} prompt tokens)"),
+        "- cached-token ratio: "
+        + (
+            "not reported by the server"
+            if m["cached_ratio"] is None
+            else f"{m['cached_ratio']:.1%} ({m['cached_tokens']} of {m['prompt_tokens']} prompt tokens)"
+        ),
         "",
         "| latency (ms) | p50 | p95 | p99 |",
         "|---|---|---|---|",
@@ -446,7 +455,13 @@ def plot(samples: list[Sample], marks: list[Mark], path: str, title: str) -> boo
     for kind in ("crash", "graceful", "flush"):
         ts = [k.t for k in marks if k.kind == kind]
         for i, t in enumerate(ts):
-            ax.axvline(t, color=colors[kind], linestyle="--" if kind == "flush" else "-", linewidth=1, label=kind if i == 0 else None)
+            ax.axvline(
+                t,
+                color=colors[kind],
+                linestyle="--" if kind == "flush" else "-",
+                linewidth=1,
+                label=kind if i == 0 else None,
+            )
     ax.set_yscale("log")
     ax.set_xlabel("request start (s into the run)")
     ax.set_ylabel("TTFT (ms)")
@@ -470,16 +485,27 @@ def _tokenizer(spec: str | None) -> Callable[[str], list[int]] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sims.replay", description="Replay a trace against a live OpenAI-compatible server.")
+    ap = argparse.ArgumentParser(
+        prog="python -m sims.replay", description="Replay a trace against a live OpenAI-compatible server."
+    )
     ap.add_argument("--url", help="the server, e.g. http://127.0.0.1:8000 (default with --server-cmd: a free port)")
     ap.add_argument("--trace", required=True, help="an NDJSON trace file, or a bundled trace name (agent-small, ...)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (0.1: ten times faster)")
     ap.add_argument("--max-requests", type=int, help="replay only the first N requests")
     ap.add_argument("--model", help="the model name to send (default: the server's first /v1/models entry)")
-    ap.add_argument("--tokenizer", help="'bytes' (fake GPU) or a tokenizer.json: needed when token-id prompts continue a session")
-    ap.add_argument("--retry-window-s", type=float, default=60.0, help="keep retrying a request after a connection error, 429 or 503 this long")
+    ap.add_argument(
+        "--tokenizer", help="'bytes' (fake GPU) or a tokenizer.json: needed when token-id prompts continue a session"
+    )
+    ap.add_argument(
+        "--retry-window-s",
+        type=float,
+        default=60.0,
+        help="keep retrying a request after a connection error, 429 or 503 this long",
+    )
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
-    ap.add_argument("--server-cmd", help="start the server with this command ({port} is substituted) and carry out restarts")
+    ap.add_argument(
+        "--server-cmd", help="start the server with this command ({port} is substituted) and carry out restarts"
+    )
     ap.add_argument("--out", default="replay-out", help="folder for report.md, ttft.png and samples.ndjson")
     args = ap.parse_args(argv)
     if args.time_scale <= 0:
@@ -493,17 +519,30 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         url = url or f"http://127.0.0.1:{port}"
         os.makedirs(args.out, exist_ok=True)
-        server = ServerProcess(args.server_cmd.replace("{port}", str(port)), url, log_path=os.path.join(args.out, "server.log"))
+        server = ServerProcess(
+            args.server_cmd.replace("{port}", str(port)), url, log_path=os.path.join(args.out, "server.log")
+        )
     if not url:
         ap.error("--url is required without --server-cmd")
     replayer = Replayer(
-        url, trace, time_scale=args.time_scale, model=args.model, encode=_tokenizer(args.tokenizer),
-        retry_window_s=args.retry_window_s, request_timeout_s=args.request_timeout_s, server=server, progress=True,
+        url,
+        trace,
+        time_scale=args.time_scale,
+        model=args.model,
+        encode=_tokenizer(args.tokenizer),
+        retry_window_s=args.retry_window_s,
+        request_timeout_s=args.request_timeout_s,
+        server=server,
+        progress=True,
     )
     anyio.run(replayer.run)
     samples = sorted(replayer.samples.values(), key=lambda s: s.id)
     os.makedirs(args.out, exist_ok=True)
-    png = "ttft.png" if plot(samples, replayer.marks, os.path.join(args.out, "ttft.png"), f"TTFT, {trace.header.kind} trace, {url}") else None
+    png = (
+        "ttft.png"
+        if plot(samples, replayer.marks, os.path.join(args.out, "ttft.png"), f"TTFT, {trace.header.kind} trace, {url}")
+        else None
+    )
     text = report_markdown(url, trace, args.time_scale, samples, replayer.marks, png)
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write(text)

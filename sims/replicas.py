@@ -128,14 +128,18 @@ class Cluster:
         with httpx.Client(timeout=2.0) as client:
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"the {what} exited with status {proc.returncode} while starting (logs: {self.log_dir})")
+                    raise RuntimeError(
+                        f"the {what} exited with status {proc.returncode} while starting (logs: {self.log_dir})"
+                    )
                 try:
                     if ok(client.get(url)):  # type: ignore[operator]
                         return
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the {what} at {url} was not ready within {self.start_timeout_s} s (logs: {self.log_dir})")
+                    raise RuntimeError(
+                        f"the {what} at {url} was not ready within {self.start_timeout_s} s (logs: {self.log_dir})"
+                    )
                 time.sleep(0.1)
 
     def stop(self, grace_s: float = 30.0) -> None:
@@ -189,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     with cluster:
         for url in cluster.replica_urls:
             print(f"replica {url}", flush=True)
-        print(f"ember cluster: {args.n} replicas, policy {args.router}, OpenAI API at {cluster.url}/v1 (logs: {args.log_dir})", flush=True)
+        print(
+            f"ember cluster: {args.n} replicas, policy {args.router}, OpenAI API at {cluster.url}/v1 (logs: {args.log_dir})",
+            flush=True,
+        )
         while not stop:
             time.sleep(0.2)
     return 0

@@ -89,7 +89,9 @@ class RunResult:
             lines.append(f"  {state} {ch.name:28s} {why}{bad}")
         lines += [f"note: {n}" for n in self.notes]
         ratio = self.virtual_s / self.wall_s if self.wall_s > 0 else math.inf
-        lines.append(f"time: virtual {self.virtual_s:.1f} s, wall {self.wall_s:.2f} s (cpu {self.cpu_s:.2f} s), virtual/wall {ratio:.0f}x")
+        lines.append(
+            f"time: virtual {self.virtual_s:.1f} s, wall {self.wall_s:.2f} s (cpu {self.cpu_s:.2f} s), virtual/wall {ratio:.0f}x"
+        )
         lines.append(f"events: {self.events}")
         for f in self.findings[:20]:
             lines.append(f"VIOLATION {f}")
@@ -129,9 +131,20 @@ class Simulation:
         self.completed_keys: list[tuple[str, tuple[int, ...]]] = []
         self.oracle = inv.Oracle(cfg.fake)
         self.counters: dict[str, Any] = {
-            "requests": len(self.trace.requests), "answered": 0, "attempts": 0, "retries": 0, "retry_reasons": {},
-            "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "engine_starts": 0, "restarts": 0,
-            "power_losses": 0, "flushes": 0, "rot": 0, "slow_io": 0,
+            "requests": len(self.trace.requests),
+            "answered": 0,
+            "attempts": 0,
+            "retries": 0,
+            "retry_reasons": {},
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "generated_tokens": 0,
+            "engine_starts": 0,
+            "restarts": 0,
+            "power_losses": 0,
+            "flushes": 0,
+            "rot": 0,
+            "slow_io": 0,
         }
         self._slow_rng = random.Random(derive(seed, "slow-io"))
         self.disk: RecordingDisk | None = None
@@ -171,8 +184,11 @@ class Simulation:
             return Engine
         d = self.scenario.disk
         self.faulty_disk = FaultyDisk(
-            derive(self.seed, "disk"), enospc_prob=d.enospc_prob, capacity_bytes=d.capacity_bytes,
-            eio_prob=d.eio_prob, bitflip_prob=d.bitflip_prob,
+            derive(self.seed, "disk"),
+            enospc_prob=d.enospc_prob,
+            capacity_bytes=d.capacity_bytes,
+            eio_prob=d.eio_prob,
+            bitflip_prob=d.bitflip_prob,
         )
 
         class SimEngine(Engine):
@@ -276,7 +292,9 @@ class Simulation:
         self.healed_at = self._t()
         self.record("sim_heal")
         if getattr(self, "backend", None) is not None:
-            self.backend.cfg = msgspec.structs.replace(self.backend.cfg, slow_step_prob=0.0, hang_step_prob=0.0, oom_step_prob=0.0)
+            self.backend.cfg = msgspec.structs.replace(
+                self.backend.cfg, slow_step_prob=0.0, hang_step_prob=0.0, oom_step_prob=0.0
+            )
         if self.disk is not None:
             self.faulty_disk.enospc_prob = 0.0
             self.faulty_disk.capacity_bytes = None
@@ -292,7 +310,9 @@ class Simulation:
         try:
             anyio.run(self._main, backend="asyncio", backend_options={"loop_factory": SimLoop})
         except async_solipsism.SleepForeverError:
-            findings.append(inv.Finding("deadlock", getattr(self, "t_end", 0.0), "every task is blocked and no timer is set"))
+            findings.append(
+                inv.Finding("deadlock", getattr(self, "t_end", 0.0), "every task is blocked and no timer is set")
+            )
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         self.log.settle()
         for ch in self.checkers:
@@ -364,7 +384,9 @@ class Simulation:
         self.went_down(last)
         self.power_loss()
         self.record("sim_final_restart")
-        async with self.engine_class.open(self.config, backend=self.make_backend(self.host.gen + 1), clock=self.clock, events=self.log) as engine:
+        async with self.engine_class.open(
+            self.config, backend=self.make_backend(self.host.gen + 1), clock=self.clock, events=self.log
+        ) as engine:
             self.after_up(engine)
 
     def _controls(self) -> list[Event]:
@@ -412,7 +434,14 @@ class Simulation:
         prompt = self.sessions.prompt(req)
         assert isinstance(prompt, list)
         s = req.sampling
-        sp = SamplingParams(max_tokens=req.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos)
+        sp = SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            ignore_eos=s.ignore_eos,
+        )
         attempt = 0
         while True:
             engine, gen = await self.host.current()
@@ -458,7 +487,16 @@ class Simulation:
             await anyio.sleep(0.5 if why == EngineOverloaded.__name__ else min(MAX_BACKOFF_S, 0.25 * 2**attempt))
         self._answered(req, prompt, sp, out, usage, reason, parent)
 
-    def _answered(self, req: Request, prompt: list[int], sp: SamplingParams, out: list[int], usage: Any, reason: str | None, parent: int | None) -> None:
+    def _answered(
+        self,
+        req: Request,
+        prompt: list[int],
+        sp: SamplingParams,
+        out: list[int],
+        usage: Any,
+        reason: str | None,
+        parent: int | None,
+    ) -> None:
         cached = usage.cached_tokens if usage is not None else 0
         start = self.ctx_hash.get(parent) if parent is not None else None
         want, h_prompt = self.oracle.expect(prompt, sp, start) if reason != "invalid" else (None, 0)
@@ -506,7 +544,9 @@ class Simulation:
         if self.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=len(self.trace.requests), unit="req", desc=f"{self.scenario.name}:{self.seed}", leave=False)
+            self._bar = tqdm(
+                total=len(self.trace.requests), unit="req", desc=f"{self.scenario.name}:{self.seed}", leave=False
+            )
 
     def _progress_end(self) -> None:
         if self._bar is not None:
@@ -514,7 +554,9 @@ class Simulation:
             self._bar = None
 
 
-def run_scenario(name: str, seed: int, *, trace: Trace | None = None, progress: bool = False, keep_events: bool = False) -> RunResult:
+def run_scenario(
+    name: str, seed: int, *, trace: Trace | None = None, progress: bool = False, keep_events: bool = False
+) -> RunResult:
     """Run one scenario (twice for a ``twin`` scenario: write-behind on, then
     off, comparing admission times)."""
     scenario = SCENARIOS[name]
@@ -525,7 +567,9 @@ def run_scenario(name: str, seed: int, *, trace: Trace | None = None, progress: 
         other = off.run()
         diffs = inv.compare_admissions(sim.admission.admit_t, off.admission.admit_t)
         result.findings.extend(inv.Finding("admission-twin", 0.0, d) for d in diffs[:10])
-        result.notes.append(f"twin run with write-behind off: {len(off.admission.admit_t)} admissions compared, {len(diffs)} differ")
+        result.notes.append(
+            f"twin run with write-behind off: {len(off.admission.admit_t)} admissions compared, {len(diffs)} differ"
+        )
         result.findings.extend(other.findings)
         result.digest = hashlib.blake2b((result.digest + other.digest).encode(), digest_size=16).hexdigest()
         result.wall_s += other.wall_s
@@ -534,15 +578,23 @@ def run_scenario(name: str, seed: int, *, trace: Trace | None = None, progress: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sims.run", description="Deterministic simulation on the fake GPU in virtual time.")
+    ap = argparse.ArgumentParser(
+        prog="python -m sims.run", description="Deterministic simulation on the fake GPU in virtual time."
+    )
     ap.add_argument("--list", action="store_true", help="list the scenarios and exit")
     ap.add_argument("--scenario", default="agent")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", help="replay this NDJSON trace instead of the scenario's generated one")
     ap.add_argument("--twice", action="store_true", help="run twice and require the same digest")
-    ap.add_argument("--chat-requests", type=int, metavar="N",
-                    help="replay gen.chat(seed, requests=N) instead (a shorter chat-10k for quick before/after runs)")
-    ap.add_argument("-v", "--verbose", action="store_true", help="show the engine's own log (warnings of injected faults)")
+    ap.add_argument(
+        "--chat-requests",
+        type=int,
+        metavar="N",
+        help="replay gen.chat(seed, requests=N) instead (a shorter chat-10k for quick before/after runs)",
+    )
+    ap.add_argument(
+        "-v", "--verbose", action="store_true", help="show the engine's own log (warnings of injected faults)"
+    )
     args = ap.parse_args(argv)
     if not args.verbose:  # injected faults make the engine warn on purpose; the summary says what matters
         logging.getLogger("ember").setLevel(logging.CRITICAL)
@@ -573,7 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.twice:
         again = run_scenario(args.scenario, args.seed, trace=trace)
         if again.digest != result.digest:
-            result.findings.append(inv.Finding("determinism", 0.0, f"the same seed gave digest {result.digest} then {again.digest}"))
+            result.findings.append(
+                inv.Finding("determinism", 0.0, f"the same seed gave digest {result.digest} then {again.digest}")
+            )
         else:
             result.notes.append("ran twice: same digest")
     print(result.summary())

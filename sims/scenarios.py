@@ -55,8 +55,13 @@ class DiskFaults:
     @property
     def any(self) -> bool:
         return bool(
-            self.enospc_prob or self.capacity_bytes or self.eio_prob or self.bitflip_prob
-            or self.power_loss_rate_per_s or self.rot_per_crash or self.slow_io_prob
+            self.enospc_prob
+            or self.capacity_bytes
+            or self.eio_prob
+            or self.bitflip_prob
+            or self.power_loss_rate_per_s
+            or self.rot_per_crash
+            or self.slow_io_prob
         )
 
 

@@ -101,7 +101,9 @@ def copy_prompts(tokenizer: Any, n: int) -> list[list[int]]:
         src = stdlib_source(name, 45)
         head = "".join(ln + "\n" for ln in src.splitlines()[:3])
         stem = name.removesuffix(".py")
-        out.append(tokenizer.encode(f"# file: {name}\n{src}\n# file: {stem}_copy.py (an exact copy of the file above)\n{head}"))
+        out.append(
+            tokenizer.encode(f"# file: {name}\n{src}\n# file: {stem}_copy.py (an exact copy of the file above)\n{head}")
+        )
     return out
 
 
@@ -135,9 +137,15 @@ class AgentSession:
         elif self.turn == 1:
             src = function_source(self.file, self.func).splitlines()
             quoted = "\n".join(src[:6])
-            self.messages.append({"role": "user", "content": (
-                f"<tool_response>\nFAILED test_{self.func}: AssertionError in\n{quoted}\n</tool_response>\n"
-                f"Fix `{self.func}` and show the whole function.")})
+            self.messages.append(
+                {
+                    "role": "user",
+                    "content": (
+                        f"<tool_response>\nFAILED test_{self.func}: AssertionError in\n{quoted}\n</tool_response>\n"
+                        f"Fix `{self.func}` and show the whole function."
+                    ),
+                }
+            )
         self.turn += 1
 
 
@@ -145,5 +153,7 @@ def agent_sessions(n: int) -> list[AgentSession]:
     out = []
     for name, func, _ in EDIT_FILES[:n]:
         task = f"The tests for `{name}` fail in `{func}`. Read the file and fix it."
-        out.append(AgentSession(name, func, [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": task}]))
+        out.append(
+            AgentSession(name, func, [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": task}])
+        )
     return out

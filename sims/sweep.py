@@ -73,7 +73,9 @@ def run_one(scenario: str, seed: int, twice: bool) -> Outcome:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sims.sweep", description="Run many seeds of the simulation scenarios.")
     ap.add_argument("--seeds", type=parse_seeds, default=parse_seeds("0-19"), help="e.g. 0-199 or 1,4,9-12")
-    ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help="comma-separated (see python -m sims.run --list)")
+    ap.add_argument(
+        "--scenarios", default=",".join(DEFAULT_SCENARIOS), help="comma-separated (see python -m sims.run --list)"
+    )
     ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)), help="worker processes")
     ap.add_argument("--twice", action="store_true", help="run every seed twice and compare digests")
     args = ap.parse_args(argv)
@@ -108,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
     wall = time.perf_counter() - t0
     outcomes.sort(key=lambda o: (names.index(o.scenario), o.seed))
-    print(f"sweep: {len(jobs)} runs ({len(names)} scenarios x {len(args.seeds)} seeds{', each twice' if args.twice else ''}) in {wall:.1f} s wall, {args.jobs} jobs")
+    print(
+        f"sweep: {len(jobs)} runs ({len(names)} scenarios x {len(args.seeds)} seeds{', each twice' if args.twice else ''}) in {wall:.1f} s wall, {args.jobs} jobs"
+    )
     for name in names:
         mine = [o for o in outcomes if o.scenario == name]
         bad = [o for o in mine if not o.ok]

@@ -224,7 +224,9 @@ class Host:
         started = False
         while True:
             self.gen += 1
-            async with sim.engine_class.open(sim.config, backend=sim.make_backend(self.gen), clock=sim.clock, events=sim.log) as engine:
+            async with sim.engine_class.open(
+                sim.config, backend=sim.make_backend(self.gen), clock=sim.clock, events=sim.log
+            ) as engine:
                 self.engine = engine
                 sim.record("sim_up", gen=self.gen)
                 sim.after_up(engine)

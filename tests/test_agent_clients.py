@@ -29,11 +29,16 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny"
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
     "required": ["city", "days"],
     "additionalProperties": False,
 }
-CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}}]
+CHAT_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}}
+]
 SYSTEM = "You are terse."
 QUESTION = "What is the weather in Paris?"
 
@@ -42,7 +47,20 @@ QUESTION = "What is the weather in Paris?"
 def server() -> Iterator[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transport.cli", "serve", "--model", MODEL, "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "serve",
+            "--model",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -76,7 +94,11 @@ def grammar(oai) -> bool:
     """Whether the server enforces grammars: a forced call is served or refused with a 400."""
     try:
         oai.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], tools=CHAT_TOOLS, tool_choice="required", max_tokens=60
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            tools=CHAT_TOOLS,
+            tool_choice="required",
+            max_tokens=60,
         )
     except openai.BadRequestError as exc:
         assert "cannot enforce a grammar" in str(exc), exc
@@ -86,7 +108,9 @@ def grammar(oai) -> bool:
 
 def needs_grammar(grammar: bool) -> None:
     if not grammar:
-        pytest.skip("the engine cannot enforce grammars yet (constrained decoding, branch `grammar`): forced calls answer 400")
+        pytest.skip(
+            "the engine cannot enforce grammars yet (constrained decoding, branch `grammar`): forced calls answer 400"
+        )
 
 
 def check_weather_args(args: dict) -> None:
@@ -130,7 +154,14 @@ def test_forced_named_tool_call_parses(oai, grammar):
 
 def test_streamed_tool_call_reassembles_to_the_same_call(oai, grammar):
     needs_grammar(grammar)
-    kw = dict(model=MODEL, messages=MESSAGES, tools=CHAT_TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=80)
+    kw = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=CHAT_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+    )
     whole = oai.chat.completions.create(**kw).choices[0]
     with oai.chat.completions.stream(**kw) as stream:
         pieces = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
@@ -176,8 +207,11 @@ def test_responses_forced_function_call(oai, grammar):
     check_weather_args(json.loads(calls[0].arguments))
     follow = oai.responses.create(
         model=MODEL,
-        input=[{"role": "user", "content": QUESTION}, calls[0].model_dump(exclude_none=True),
-               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
+        input=[
+            {"role": "user", "content": QUESTION},
+            calls[0].model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"},
+        ],
         tools=tools,
         max_output_tokens=8,
     )
@@ -206,8 +240,13 @@ def test_anthropic_stop_sequence(claude, chat_text):
     stop = chat_text[3:6]
     if not stop.strip():
         pytest.skip(f"the greedy answer {chat_text!r} has no usable stop sequence")
-    msg = claude.messages.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], system=SYSTEM,
-                                 max_tokens=12, stop_sequences=[stop])
+    msg = claude.messages.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        system=SYSTEM,
+        max_tokens=12,
+        stop_sequences=[stop],
+    )
     assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", stop)
     assert chat_text.startswith(msg.content[0].text) and stop not in msg.content[0].text
 
@@ -215,13 +254,23 @@ def test_anthropic_stop_sequence(claude, chat_text):
 def test_anthropic_forced_tool_use(claude, grammar):
     needs_grammar(grammar)
     tools = [{"name": "get_weather", "description": "Weather forecast", "input_schema": WEATHER}]
-    msg = claude.messages.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], tools=tools,
-                                 tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}, max_tokens=80)
+    msg = claude.messages.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        tools=tools,
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        max_tokens=80,
+    )
     (use,) = [b for b in msg.content if b.type == "tool_use"]
     assert use.name == "get_weather" and msg.stop_reason == "tool_use"
     check_weather_args(use.input)
-    with claude.messages.stream(model=MODEL, messages=[{"role": "user", "content": QUESTION}], tools=tools,
-                                tool_choice={"type": "any", "disable_parallel_tool_use": True}, max_tokens=80) as stream:
+    with claude.messages.stream(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        tools=tools,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        max_tokens=80,
+    ) as stream:
         final = stream.get_final_message()
     assert [b.input for b in final.content if b.type == "tool_use"] == [use.input]
 

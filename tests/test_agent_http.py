@@ -25,7 +25,11 @@ HISTORY = [
 ]
 TEMPLATE_HISTORY = [
     {"role": "user", "content": "weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
 ]
 
@@ -39,7 +43,10 @@ async def test_tools_and_history_reach_the_template_on_every_route():
         assert r.json()["choices"][0]["message"]["content"] == expected_text(prompt, 3)
         anthropic_msgs = [
             {"role": "user", "content": "weather in Paris?"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}],
+            },
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny"}]},
         ]
         body = {"model": "fake-gpu-0", "messages": anthropic_msgs, "tools": ANTHROPIC_TOOLS}
@@ -59,7 +66,10 @@ async def test_tools_and_history_reach_the_template_on_every_route():
         assert r.json()["usage"]["input_tokens"] == len(prompt)
         assert r.json()["output"][0]["content"][0]["text"] == expected_text(prompt, 3)
         # tool_choice none: no tools are offered
-        r = await client.post("/v1/chat/completions", json={"messages": HISTORY, "tools": CHAT_TOOLS, "tool_choice": "none", "max_tokens": 1})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"messages": HISTORY, "tools": CHAT_TOOLS, "tool_choice": "none", "max_tokens": 1},
+        )
         assert r.json()["usage"]["prompt_tokens"] == len(TOK.apply_chat_template(TEMPLATE_HISTORY))
 
 
@@ -78,9 +88,18 @@ def _anthropic_error(r: Any, param: str) -> None:
 
 BAD_CHAT = [
     ({"tools": CHAT_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c9", "content": "r"}]}, "messages[1].tool_call_id"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objet"}}}]}, "tools[0].function.parameters.type"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools[0].function.parameters"),
+    (
+        {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c9", "content": "r"}]},
+        "messages[1].tool_call_id",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objet"}}}]},
+        "tools[0].function.parameters.type",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+        "tools[0].function.parameters",
+    ),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": CHAT_TOOLS + CHAT_TOOLS}, "tools[1].name"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -92,12 +111,27 @@ BAD_CHAT = [
 async def test_bad_tool_traffic_is_a_400_naming_the_parameter_on_every_route():
     async with serving(FAKE) as (app, client):
         for extra, param in BAD_CHAT:
-            _openai_error(await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **extra}), param)
+            _openai_error(
+                await client.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **extra}
+                ),
+                param,
+            )
         base = {"model": "fake-gpu-0", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
         bad_anthropic = [
             ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
-            ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "r"}]}]}, "messages[0].content[0].tool_use_id"),
-            ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"a": 3}}}]}, "tools[0].input_schema.properties.a"),
+            (
+                {
+                    "messages": [
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "r"}]}
+                    ]
+                },
+                "messages[0].content[0].tool_use_id",
+            ),
+            (
+                {"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"a": 3}}}]},
+                "tools[0].input_schema.properties.a",
+            ),
             ({"tool_choice": {"type": "any"}}, "tool_choice"),
             ({"max_tokens": None}, "max_tokens"),
         ]
@@ -106,14 +140,19 @@ async def test_bad_tool_traffic_is_a_400_naming_the_parameter_on_every_route():
         bad_responses = [
             ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
             ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "r"}]}, "input[0].call_id"),
-            ({"tools": [{"type": "function", "name": "f", "parameters": {"required": "a"}}]}, "tools[0].parameters.required"),
+            (
+                {"tools": [{"type": "function", "name": "f", "parameters": {"required": "a"}}]},
+                "tools[0].parameters.required",
+            ),
             ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
             ({"previous_response_id": "resp_1"}, "previous_response_id"),
             ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ]
         for extra, param in bad_responses:
             _openai_error(await client.post("/v1/responses", json={"input": "x", **extra}), param)
-        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "still fine"}], "max_tokens": 2})
+        r = await client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "still fine"}], "max_tokens": 2}
+        )
         assert r.status_code == 200
 
 
@@ -123,11 +162,18 @@ async def test_a_forced_call_is_refused_while_the_engine_cannot_enforce_grammars
 
     async with serving(FAKE) as (app, client):
         if engine_enforces_constraints(app.state.ember.engine):
-            pytest.skip("this engine enforces grammars; forced calls are tested on the bundled model (test_agent_clients.py)")
+            pytest.skip(
+                "this engine enforces grammars; forced calls are tested on the bundled model (test_agent_clients.py)"
+            )
         body = {"messages": [{"role": "user", "content": "x"}], "tools": CHAT_TOOLS, "tool_choice": "required"}
         _openai_error(await client.post("/v1/chat/completions", json=body), "tool_choice")
-        body = {"model": "fake-gpu-0", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
-                "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"}}
+        body = {
+            "model": "fake-gpu-0",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": ANTHROPIC_TOOLS,
+            "tool_choice": {"type": "any"},
+        }
         _anthropic_error(await client.post("/v1/messages", json=body), "tool_choice")
         body = {"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": WEATHER}}}
         _openai_error(await client.post("/v1/responses", json=body), "text.format")

@@ -82,7 +82,10 @@ def test_splitter_events_do_not_depend_on_chunking(step):
     assert [e.name for e in starts] == ["get_weather", "now"]
     for i, want in enumerate([ARGS_1, ARGS_2]):
         assert "".join(e.text for e in events if isinstance(e, CallArgs) and e.index == i) == want
-    assert [(e.name, e.arguments) for e in events if isinstance(e, CallEnd)] == [("get_weather", ARGS_1), ("now", ARGS_2)]
+    assert [(e.name, e.arguments) for e in events if isinstance(e, CallEnd)] == [
+        ("get_weather", ARGS_1),
+        ("now", ARGS_2),
+    ]
     if step < 5:  # the arguments really stream: several pieces before the end marker
         assert sum(isinstance(e, CallArgs) and e.index == 0 for e in events) > 3
 
@@ -129,7 +132,10 @@ def test_chat_stream_reassembled_by_the_openai_sdk(step):
     final = state.get_final_completion()
     msg = final.choices[0].message
     assert msg.content == "Let me check."
-    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_weather", ARGS_1), ("now", ARGS_2)]
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [
+        ("get_weather", ARGS_1),
+        ("now", ARGS_2),
+    ]
     assert len({c.id for c in msg.tool_calls}) == 2
     assert final.choices[0].finish_reason == "tool_calls"
     assert "<tool_call>" not in "".join(str(p) for p in sse_payloads(chunks))  # markup never leaks
@@ -153,13 +159,23 @@ ANTHROPIC_EVENT = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
 def test_anthropic_stream_reassembled_by_the_anthropic_sdk(step):
     r = MessagesRenderer("m", 30, CallSplitter(MARKUP, id_prefix="toolu_"), TOK, [])
     chunks = r.start() + [b for d in deltas(MODEL_TEXT, step) for b in r.delta(d)]
-    names = [line[7:] for block in b"".join(chunks).decode().split("\n\n") for line in block.split("\n") if line.startswith("event: ")]
-    assert names[:3] == ["message_start", "ping", "content_block_start"] and names[-2:] == ["message_delta", "message_stop"]
+    names = [
+        line[7:]
+        for block in b"".join(chunks).decode().split("\n\n")
+        for line in block.split("\n")
+        if line.startswith("event: ")
+    ]
+    assert names[:3] == ["message_start", "ping", "content_block_start"] and names[-2:] == [
+        "message_delta",
+        "message_stop",
+    ]
     snapshot, bufs = None, {}
     for payload in sse_payloads(chunks):
         if payload["type"] == "ping":
             continue
-        snapshot = accumulate_event(event=ANTHROPIC_EVENT.validate_python(payload), current_snapshot=snapshot, json_bufs=bufs)
+        snapshot = accumulate_event(
+            event=ANTHROPIC_EVENT.validate_python(payload), current_snapshot=snapshot, json_bufs=bufs
+        )
     assert [b.type for b in snapshot.content] == ["text", "tool_use", "tool_use"]
     assert snapshot.content[0].text == "Let me check."
     assert [(b.name, b.input) for b in snapshot.content[1:]] == [("get_weather", json.loads(ARGS_1)), ("now", {})]
@@ -177,7 +193,9 @@ def test_anthropic_body_and_stop_sequence():
     c.add(Delta(rid=1, finish_reason="stop", usage=USAGE))
     msg = anthropic.types.Message.model_validate_json(MessagesRenderer("m", 30, None, TOK, ["END", "STOP"]).body(c))
     assert (msg.stop_reason, msg.stop_sequence, msg.content[0].text) == ("stop_sequence", "STOP", "hello ")
-    msg = anthropic.types.Message.model_validate_json(MessagesRenderer("m", 30, None, TOK, ["END"]).body(completion("hi")))
+    msg = anthropic.types.Message.model_validate_json(
+        MessagesRenderer("m", 30, None, TOK, ["END"]).body(completion("hi"))
+    )
     assert (msg.stop_reason, msg.stop_sequence) == ("end_turn", None)
 
 
@@ -185,7 +203,10 @@ RESPONSE_EVENT = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent
 
 
 def _responses_request() -> ResponsesRequest:
-    body = {"input": "weather?", "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]}
+    body = {
+        "input": "weather?",
+        "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+    }
     import msgspec
 
     return msgspec.convert(body, ResponsesRequest).check()
@@ -221,7 +242,12 @@ def test_responses_body_validates_and_length_is_incomplete():
 def test_forced_call_grammar_is_valid_lark_for_llguidance():
     llg = pytest.importorskip("llguidance", reason="llguidance comes with the grammar engine (extra of branch grammar)")
     tools = [
-        check_tool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "t"),
+        check_tool(
+            "get_weather",
+            None,
+            {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "t",
+        ),
         check_tool("now", None, None, "t"),
     ]
     for choice, parallel in [(ToolChoice(mode="required"), True), (ToolChoice(mode="named", name="now"), False)]:

@@ -16,10 +16,12 @@ MAX_BYTES = 25 * 1024 * 1024
 
 # What docs/models.md documents.
 EXPECTED = {
-    "tiny": dict(num_hidden_layers=6, hidden_size=256, intermediate_size=704,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "tiny-draft": dict(num_hidden_layers=1, hidden_size=128, intermediate_size=352,
-                       num_attention_heads=4, num_key_value_heads=2),
+    "tiny": dict(
+        num_hidden_layers=6, hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "tiny-draft": dict(
+        num_hidden_layers=1, hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2
+    ),
 }
 COMMON = dict(model_type="llama", vocab_size=2048, tie_word_embeddings=True)
 
@@ -46,8 +48,7 @@ def test_resolve_model(tmp_path):
 @pytest.mark.parametrize("name", ["tiny", "tiny-draft"])
 def test_layout_and_config(name):
     d = resolve_model(name)
-    for f in ("config.json", "model.safetensors", "tokenizer.json",
-              "tokenizer_config.json", "chat_template.jinja"):
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (d / f).is_file(), f
     assert list(d.glob("model*.safetensors")) == [d / "model.safetensors"]
     assert (d / "model.safetensors").stat().st_size < MAX_BYTES
@@ -71,9 +72,7 @@ def test_load_eos_and_chat_template(loaded):
         assert tok.eos_token == "<|endoftext|>"
         eos = tok.convert_tokens_to_ids("<|endoftext|>")
         assert tok.eos_token_ids == {eos}
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": "hi"}], add_generation_prompt=True
-        )
+        ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
         assert isinstance(ids, list) and ids
         assert all(isinstance(i, int) for i in ids)
         text = tok.decode(ids)
@@ -104,6 +103,5 @@ def test_speculative_generate_matches_greedy(loaded):
     target, tok = loaded["tiny"]
     draft, _ = loaded["tiny-draft"]
     plain = generate(target, tok, "import os\n", max_tokens=16)
-    spec = generate(target, tok, "import os\n", max_tokens=16, draft_model=draft,
-                    num_draft_tokens=2)
+    spec = generate(target, tok, "import os\n", max_tokens=16, draft_model=draft, num_draft_tokens=2)
     assert spec == plain

@@ -101,7 +101,6 @@ async def test_parity_alone_and_batched(models, arch):
         assert engine.backend.counters["prefill_together"] >= 2, engine.backend.stats()
 
 
-
 SPEC_CASES = [(a, {}) for a in ARCHS] + [("gemma3_text", {"sliding_window": 128})]
 
 
@@ -278,7 +277,9 @@ async def test_kv_options_through_every_path(models, option, tmp_path):
     async with Engine.open(cfg) as engine:
         warm = await engine.acomplete(prompts[2], SP)
         assert warm.token_ids == want[2] and warm.usage.cached_tokens == len(prompts[2]) - 1
-    async with Engine.open(_cfg(path, draft_model=str(draft), num_draft_tokens=3, prompt_cache_gib=0, **ours)) as engine:
+    async with Engine.open(
+        _cfg(path, draft_model=str(draft), num_draft_tokens=3, prompt_cache_gib=0, **ours)
+    ) as engine:
         spec = await asyncio.gather(*[engine.acomplete(p, SP) for p in prompts])
         assert [c.token_ids for c in spec] == want
         drafted = sum(c.usage.speculation.drafted for c in spec)
@@ -400,7 +401,6 @@ async def test_fan_out_from_a_shared_prefix_prefills_together(models, arch):
         assert len(cached) == 1 and cached.pop() >= len(head) - 1  # plain KV trims the reply's entry: one more
         assert [c.token_ids for c in got] == [models.reference(path, p, SP.max_tokens) for p in prompts]
         assert engine.backend.counters["prefill_together"] - before >= 2
-
 
 
 @pytest.mark.parametrize("window", [24, 64, 128])

@@ -26,7 +26,10 @@ def ember(*args: str, openblas: bool = False, timeout: float = 60) -> subprocess
     [
         (["serve", "--batch", "many"], "invalid int value"),
         (["serve", "--fake-gpu", "--port", "http"], "invalid int value"),
-        (["serve", "--fake-gpu", "--prompt-cache", "0", "--ssd-cache", "/tmp/ember-ssd"], "the SSD cache needs the RAM tier"),
+        (
+            ["serve", "--fake-gpu", "--prompt-cache", "0", "--ssd-cache", "/tmp/ember-ssd"],
+            "the SSD cache needs the RAM tier",
+        ),
         (["serve", "--fake-gpu", "--batch", "0"], "max_batch must be >= 1"),
         (["serve", "--fake-gpu", "--min-cached-prefix", "0"], "min_cached_prefix must be >= 1"),
         (["serve", "--model", "/nonexistent/model/dir"], "neither a bundled model"),
@@ -88,10 +91,29 @@ def test_generate_with_a_bad_request_exits_2():
 def test_serve_flags_map_onto_engine_config(tmp_path):
     args = build_parser().parse_args(
         [
-            "serve", "--fake-gpu", "--batch", "16", "--max-queue", "5", "--prompt-cache", "0.5",
-            "--ssd-cache", str(tmp_path), "--ssd-cache-max", "3", "--ssd-cache-verify", "--ssd-demote-idle", "30",
-            "--draft-model", "ngram", "--num-draft-tokens", "4", "--served-model-name", "mine",
-            "--min-cached-prefix", "64",
+            "serve",
+            "--fake-gpu",
+            "--batch",
+            "16",
+            "--max-queue",
+            "5",
+            "--prompt-cache",
+            "0.5",
+            "--ssd-cache",
+            str(tmp_path),
+            "--ssd-cache-max",
+            "3",
+            "--ssd-cache-verify",
+            "--ssd-demote-idle",
+            "30",
+            "--draft-model",
+            "ngram",
+            "--num-draft-tokens",
+            "4",
+            "--served-model-name",
+            "mine",
+            "--min-cached-prefix",
+            "64",
         ]
     )
     config = engine_config(args, args.parser)

@@ -91,4 +91,7 @@ def test_second_turn_of_a_session_is_served_from_cache(client):
     second = client.post("/v1/chat/completions", json=_chat(turn2)).json()
     usage = second["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0, usage
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] // 2, (first["usage"], usage)
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] // 2, (
+        first["usage"],
+        usage,
+    )

@@ -61,7 +61,14 @@ def same_kv(a, b) -> bool:
 class MlxCacheBackend:
     """The cache half of an MLX backend, on mlx-lm's own operations."""
 
-    info = ModelInfo(model_id="mlx-stub", vocab_size=100, context_length=4096, config_fingerprint="fp-mlx", tokenizer_hash="tok", num_layers=1)
+    info = ModelInfo(
+        model_id="mlx-stub",
+        vocab_size=100,
+        context_length=4096,
+        config_fingerprint="fp-mlx",
+        tokenizer_hash="tok",
+        num_layers=1,
+    )
 
     def cache_nbytes(self, cache):
         return kvfile.cache_bytes(cache)
@@ -95,11 +102,25 @@ def _close_inboxes():
 def tier(disk, root, *, backend=BE, max_bytes=1 << 30, verify=False, scheduler=None, demote_idle_s=None) -> ColdTier:
     info = backend.info
     store = ColdStore(
-        disk, root, model_id=info.model_id, config_fingerprint=info.config_fingerprint,
-        tokenizer_hash=info.tokenizer_hash, max_bytes=max_bytes, verify=verify,
+        disk,
+        root,
+        model_id=info.model_id,
+        config_fingerprint=info.config_fingerprint,
+        tokenizer_hash=info.tokenizer_hash,
+        max_bytes=max_bytes,
+        verify=verify,
     )
     clock = LoopClock()
-    t = ColdTier(store, backend, InlineDevice(clock), clock, io=run_inline, scheduler=scheduler, demote_idle_s=demote_idle_s, wall=lambda: 1.0)
+    t = ColdTier(
+        store,
+        backend,
+        InlineDevice(clock),
+        clock,
+        io=run_inline,
+        scheduler=scheduler,
+        demote_idle_s=demote_idle_s,
+        wall=lambda: 1.0,
+    )
     _made.append(t)
     return t
 
@@ -121,7 +142,11 @@ def files(disk, root) -> list[str]:
 
 def entry_size(tokens=A) -> int:
     layers, _ = kvfile.encode_layers(feed(tokens))
-    return kvfile.KvWriter(FaultyDisk(), "/x.kv", kvfile.make_header(kvfile.KvMeta(model_id="", config_fingerprint="", tokenizer_hash=""), tokens, layers, 0)).file_bytes
+    return kvfile.KvWriter(
+        FaultyDisk(),
+        "/x.kv",
+        kvfile.make_header(kvfile.KvMeta(model_id="", config_fingerprint="", tokenizer_hash=""), tokens, layers, 0),
+    ).file_bytes
 
 
 # ---------------------------------------------------------------------------
@@ -635,7 +660,9 @@ def test_faulty_disk_names_follow_the_folder_fsync_rules(seed):
         elif op < 0.9:
             d = rng.choice(["/a", "/b"])
             disk.fsync_dir(d)
-            dur = {k: v for k, v in dur.items() if posixpath.dirname(k) != d} | {k: v for k, v in vol.items() if posixpath.dirname(k) == d}
+            dur = {k: v for k, v in dur.items() if posixpath.dirname(k) != d} | {
+                k: v for k, v in vol.items() if posixpath.dirname(k) == d
+            }
         else:
             disk.crash()
             vol = dict(dur)
@@ -743,7 +770,9 @@ def test_find_picks_what_a_scan_of_every_entry_picks():
         want, want_p = None, 0
         for e in store.entries():
             p = usable_prefix(e.tokens, e.trimmable, np.asarray(prompt, np.int64)) if e.ns == ns else 0
-            if p > 0 and (want is None or (p, -(e.tokens.size - p), e.seq) > (want_p, -(want.tokens.size - want_p), want.seq)):
+            if p > 0 and (
+                want is None or (p, -(e.tokens.size - p), e.seq) > (want_p, -(want.tokens.size - want_p), want.seq)
+            ):
                 want, want_p = e, p
         got, got_p = store.find(prompt, ns)
         assert (got, got_p) == (want, want_p), (i, prompt, ns)

@@ -110,7 +110,10 @@ async def test_greedy_constrained_speculation_equals_plain():
     """Drafts the grammar forbids are rejected and the matcher rolls back with
     the cache: greedy output with prompt lookup is the output without it."""
     reqs = [(p, SamplingParams(max_tokens=120, constraint=_json())) for p in PROMPTS]
-    reqs += [(p, SamplingParams(max_tokens=60, constraint=Constraint(kind="regex", source=r"(x = \[[0-9], [0-9]\]\n){1,6}"))) for p in PROMPTS]
+    reqs += [
+        (p, SamplingParams(max_tokens=60, constraint=Constraint(kind="regex", source=r"(x = \[[0-9], [0-9]\]\n){1,6}")))
+        for p in PROMPTS
+    ]
     async with Engine.open(_cfg()) as engine:
         plain = await asyncio.gather(*[engine.acomplete(p, sp) for p, sp in reqs])
     async with Engine.open(_cfg(draft_model="ngram", num_draft_tokens=4)) as engine:
@@ -166,7 +169,9 @@ async def test_bad_constraints_are_refused_naming_the_parameter():
             return compile_(c)
 
         grammars.compile = watched
-        ok = await engine.acomplete("x", SamplingParams(max_tokens=4, constraint=Constraint(kind="regex", source="[ab]+")))
+        ok = await engine.acomplete(
+            "x", SamplingParams(max_tokens=4, constraint=Constraint(kind="regex", source="[ab]+"))
+        )
         assert set(ok.text) <= {"a", "b"}
         # compiled on a worker thread, never on the event loop's
         assert threads and threading.get_ident() not in threads
@@ -223,7 +228,9 @@ async def test_constraint_keeps_the_distribution_over_allowed_tokens():
 
         async def one(i: int):
             async with gate:
-                return await engine.acomplete(prompt, SamplingParams(max_tokens=1, temperature=1.0, seed=1000 + i, constraint=c))
+                return await engine.acomplete(
+                    prompt, SamplingParams(max_tokens=1, temperature=1.0, seed=1000 + i, constraint=c)
+                )
 
         done = await asyncio.gather(*[one(i) for i in range(n)])
         eos = sorted(engine.tokenizer.eos_token_ids)

@@ -62,15 +62,32 @@ class Ranks:
         self.url = f"http://127.0.0.1:{self.port}"
         hostfile = tmp / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(n)]))
-        argv = [sys.executable, "-m", "transport.cli", "serve", "--model", model, "--distributed", mode, "--port", str(self.port), *(extra or [])]
+        argv = [
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "serve",
+            "--model",
+            model,
+            "--distributed",
+            mode,
+            "--port",
+            str(self.port),
+            *(extra or []),
+        ]
         self.procs: list[subprocess.Popen[bytes]] = []
         for r in range(n):
             env = {**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), "PYTHONUNBUFFERED": "1"}
             with open(tmp / f"rank{r}.log", "wb") as log:
-                self.procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                self.procs.append(
+                    subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                )
 
     def logs(self) -> str:
-        return "\n".join(f"--- rank {r}\n" + (self.tmp / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(len(self.procs)))
+        return "\n".join(
+            f"--- rank {r}\n" + (self.tmp / f"rank{r}.log").read_text(errors="replace")[-3000:]
+            for r in range(len(self.procs))
+        )
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -138,7 +155,9 @@ def check_both(ranks: Ranks, path: str) -> None:
         got = list(pool.map(lambda p: complete(ranks.url, p), PROMPTS))
     assert got == want
     # a second turn starts from the RAM tier's cache on every rank (in lock-step)
-    r = httpx.post(ranks.url + "/v1/completions", json={"prompt": turn2, "max_tokens": N, "ignore_eos": True}, timeout=120)
+    r = httpx.post(
+        ranks.url + "/v1/completions", json={"prompt": turn2, "max_tokens": N, "ignore_eos": True}, timeout=120
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, r.json()["usage"]
     assert r.json()["choices"][0]["text"] == want2
@@ -192,7 +211,10 @@ CONSTRAINED = {
     "max_tokens": 40,
     "response_format": {
         "type": "json_schema",
-        "json_schema": {"name": "p", "schema": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+        "json_schema": {
+            "name": "p",
+            "schema": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        },
     },
 }
 
@@ -201,7 +223,11 @@ def one_process_chat(tmp: Path, model: str, body: dict[str, Any]) -> dict[str, A
     """The same request to a plain single-process ``ember serve``."""
     port = free_port()
     with open(tmp / "single.log", "wb") as log:
-        p = subprocess.Popen([sys.executable, "-m", "transport.cli", "serve", "--model", model, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "transport.cli", "serve", "--model", model, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 120
         while True:

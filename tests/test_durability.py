@@ -230,7 +230,9 @@ def test_an_eviction_spill_of_an_entry_already_on_ssd_is_released_without_a_writ
     core, clock, cold = make_core()
     cold.durable.add(("", (1, 2, 3)))
     freed: list[object] = []
-    same, covered, fresh = (SpillItem("", t, object(), 10, kind="evict", release=freed.append) for t in ([1, 2, 3], [1, 2], [7]))
+    same, covered, fresh = (
+        SpillItem("", t, object(), 10, kind="evict", release=freed.append) for t in ([1, 2, 3], [1, 2], [7])
+    )
     core.completed("", [1, 2])  # a dirty key the SSD covers (a longer trimmable file)
     core.spill(same)
     core.spill(covered)
@@ -299,7 +301,9 @@ def test_settings_from_config_and_environment():
     cfg = EngineConfig(backend="fake")
     s = settings_from(cfg, {})
     assert (s.writebehind, s.spill_queue_bytes, s.shutdown_timeout_s) == (True, 2 * GIB, 120.0)
-    s = settings_from(cfg, {"EMBER_SSD_WRITEBEHIND": "0", "EMBER_SPILL_QUEUE_GB": "0.5", "EMBER_SHUTDOWN_TIMEOUT_S": "7"})
+    s = settings_from(
+        cfg, {"EMBER_SSD_WRITEBEHIND": "0", "EMBER_SPILL_QUEUE_GB": "0.5", "EMBER_SHUTDOWN_TIMEOUT_S": "7"}
+    )
     assert (s.writebehind, s.spill_queue_bytes, s.shutdown_timeout_s) == (False, GIB // 2, 7.0)
     for bad in ("abc", "0", "-5", "inf", "nan"):
         assert settings_from(cfg, {"EMBER_SHUTDOWN_TIMEOUT_S": bad}).shutdown_timeout_s == 120.0
@@ -541,4 +545,3 @@ def test_a_waiting_key_the_ssd_already_covers_retires_without_a_write():
     # its file serves [1, 2] by trimming: no second snapshot, no second write
     assert report is not None and report.durable and report.flushed == 2
     assert core.queue.stored == 1 and core.take_effects() == []
-

@@ -47,7 +47,9 @@ def overlaps(log: EventLog) -> tuple[list[str], int, int]:
     return bad, steps, writes
 
 
-async def seeded_workload(tmp_path, seed: int, *, writebehind: bool, n: int = 40) -> tuple[EventLog, dict[int, list[int]], list[int]]:
+async def seeded_workload(
+    tmp_path, seed: int, *, writebehind: bool, n: int = 40
+) -> tuple[EventLog, dict[int, list[int]], list[int]]:
     """Bursts of requests with idle gaps (so write-behind runs) and arrivals
     that keep coming while snapshots are written."""
     rng = random.Random(seed)
@@ -57,7 +59,11 @@ async def seeded_workload(tmp_path, seed: int, *, writebehind: bool, n: int = 40
     got: dict[int, list[int]] = {}
     async with Engine.open(fake(tmp_path, writebehind=writebehind), events=log) as engine:
         # Property 3, sampled at every admission: nothing waits on the Scheduler's inbox.
-        log.listeners.append(lambda kind, t, f: waits.append(engine.scheduler.ref.statistics().tasks_waiting_send) if kind == "admit" else None)
+        log.listeners.append(
+            lambda kind, t, f: (
+                waits.append(engine.scheduler.ref.statistics().tasks_waiting_send) if kind == "admit" else None
+            )
+        )
 
         async def client(i: int, at: float, prompt: list[int], max_tokens: int) -> None:
             await anyio.sleep(at)
@@ -156,7 +162,14 @@ async def test_aflush_reports_evidence_and_stats_carry_the_counters(tmp_path):
         assert report.pending_snapshots == report.pending_spills == report.pending_spill_bytes == 0
         assert report.entries == 2 and report.longest_durable_prefix_tokens == len(b"first conversation " * 5) + 3
         ssd = engine.stats()["ssd_cache"]
-        for k in ("pending_snapshots", "pending_spills", "pending_spill_bytes", "dropped_spills", "failed_spills", "longest_durable_prefix_tokens"):
+        for k in (
+            "pending_snapshots",
+            "pending_spills",
+            "pending_spill_bytes",
+            "dropped_spills",
+            "failed_spills",
+            "longest_durable_prefix_tokens",
+        ):
             assert k in ssd
         assert ssd["pending_snapshots"] == 0 and ssd["entries"] == 2
         # nothing dirty: a second flush is durable at once and flushes nothing
@@ -251,8 +264,17 @@ async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypa
             assert body["durable"] is True and body["flushed"] == 1 and body["entries"] == 1
             assert body["longest_durable_prefix_tokens"] > len("persist me please " * 4)
             assert set(body) == {
-                "durable", "flushed", "missing", "pending_snapshots", "pending_spills", "pending_spill_bytes",
-                "dropped_spills", "failed_spills", "elapsed_ms", "entries", "longest_durable_prefix_tokens",
+                "durable",
+                "flushed",
+                "missing",
+                "pending_snapshots",
+                "pending_spills",
+                "pending_spill_bytes",
+                "dropped_spills",
+                "failed_spills",
+                "elapsed_ms",
+                "entries",
+                "longest_durable_prefix_tokens",
             }
 
             async def refuse(self, ns, tokens, cache, wait_turn) -> bool:

@@ -363,7 +363,10 @@ def test_fake_sampling_memo_gives_the_draws_of_a_fresh_computation():
     from engine.fake_gpu import fake_logits, sample_token
 
     logits = fake_logits(0, 777, ByteTokenizer.vocab_size)
-    params = [SamplingParams(max_tokens=1, temperature=t, top_p=q) for t, q in [(0.7, 0.9), (1.3, 0.5), (0.7, 1.0), (0.7, 0.9)]]
+    params = [
+        SamplingParams(max_tokens=1, temperature=t, top_p=q)
+        for t, q in [(0.7, 0.9), (1.3, 0.5), (0.7, 1.0), (0.7, 0.9)]
+    ]
     a, b = np.random.Generator(np.random.PCG64(3)), np.random.Generator(np.random.PCG64(3))
     memo = [sample_token(logits, sp, a) for _ in range(50) for sp in params]
     fresh = [sample_token(logits.copy(), sp, b) for _ in range(50) for sp in params]
@@ -412,7 +415,12 @@ def test_the_byte_detokenizer_ascii_fast_path_gives_the_incremental_decoders_tex
 
     rng = random.Random(5)
     for _ in range(2000):
-        picks = (lambda: rng.randrange(128), lambda: rng.randrange(128, 256), lambda: 256, lambda: rng.choice([0xC3, 0xE2, 0xF0, 0x82, 0xA9]))
+        picks = (
+            lambda: rng.randrange(128),
+            lambda: rng.randrange(128, 256),
+            lambda: 256,
+            lambda: rng.choice([0xC3, 0xE2, 0xF0, 0x82, 0xA9]),
+        )
         tokens = [rng.choice(picks)() for _ in range(rng.randrange(1, 40))]
         detok, ref = ByteDetokenizer(), codecs.getincrementaldecoder("utf-8")(errors="replace")
         for t in tokens:
@@ -471,8 +479,11 @@ def test_fake_gpu_raw_state_setter_gives_the_state_property_s_draws():
     for h in range(0, 300 * 7919, 7919):
         got = fg._generator_at(3, h)
         a, r = got.standard_normal(260, dtype=np.float32), got.random()
-        ref.bit_generator.state = fg._state_dict(int.from_bytes(hashlib.blake2b(b"%d:%d" % (3, h), digest_size=32).digest(), "little"))
+        ref.bit_generator.state = fg._state_dict(
+            int.from_bytes(hashlib.blake2b(b"%d:%d" % (3, h), digest_size=32).digest(), "little")
+        )
         assert np.array_equal(a, ref.standard_normal(260, dtype=np.float32)) and r == ref.random()
+
     # a generator whose layout is not the expected one gets no raw setter
     class Odd:
         bit_generator = None

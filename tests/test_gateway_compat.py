@@ -90,7 +90,9 @@ async def test_unknown_model_is_only_an_alias_behind_a_trusted_gateway():
 
 
 async def test_probes_name_the_served_model():
-    async with serving(FAKE.__class__(**{**{f: getattr(FAKE, f) for f in FAKE.__struct_fields__}, "model_name": "m1"})) as (_, client):
+    async with serving(
+        FAKE.__class__(**{**{f: getattr(FAKE, f) for f in FAKE.__struct_fields__}, "model_name": "m1"})
+    ) as (_, client):
         info = (await client.get("/server_info")).json()
         assert info["served_model_name"] == "m1"
         assert "model_path" not in info  # the gateway would try to download "m1" from the hub

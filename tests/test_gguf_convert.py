@@ -38,7 +38,10 @@ def _vocab() -> tuple[list[str], list[str]]:
 
 def _hf_weights(vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     head_dim = HIDDEN // HEADS
-    w = {"model.embed_tokens.weight": rng.normal(0, 0.5, (vocab, HIDDEN)), "model.norm.weight": 1 + rng.normal(0, 0.1, HIDDEN)}
+    w = {
+        "model.embed_tokens.weight": rng.normal(0, 0.5, (vocab, HIDDEN)),
+        "model.norm.weight": 1 + rng.normal(0, 0.1, HIDDEN),
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         w[p + "self_attn.q_proj.weight"] = rng.normal(0, 0.2, (HEADS * head_dim, HIDDEN))
@@ -54,9 +57,15 @@ def _hf_weights(vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 _TO_GGUF = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 
 
@@ -219,10 +228,17 @@ def test_bad_files_are_clear_errors(tmp_path):
 
 def test_gemma3_names_and_config():
     meta = {
-        "general.architecture": "gemma3", "gemma3.embedding_length": 640, "gemma3.block_count": 18,
-        "gemma3.feed_forward_length": 2048, "gemma3.attention.head_count": 4, "gemma3.attention.head_count_kv": 1,
-        "gemma3.attention.key_length": 256, "gemma3.attention.sliding_window": 512, "gemma3.context_length": 32768,
-        "gemma3.rope.freq_base": 1e6, "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+        "general.architecture": "gemma3",
+        "gemma3.embedding_length": 640,
+        "gemma3.block_count": 18,
+        "gemma3.feed_forward_length": 2048,
+        "gemma3.attention.head_count": 4,
+        "gemma3.attention.head_count_kv": 1,
+        "gemma3.attention.key_length": 256,
+        "gemma3.attention.sliding_window": 512,
+        "gemma3.context_length": 32768,
+        "gemma3.rope.freq_base": 1e6,
+        "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
         "tokenizer.ggml.tokens": ["a"] * 100,
     }
     cfg = model_config(meta, {"token_embd.weight"})

@@ -211,7 +211,13 @@ async def test_speculation_usage_over_http_when_a_drafter_runs():
 def test_speculation_usage_is_rendered_when_present():
     spec = SpecUsage(drafted=10, accepted=7, target_calls=4, acceptance_rate=0.7, mean_accept_len=2.75)
     body = UsageBody.of(Usage(prompt_tokens=5, completion_tokens=11, cached_tokens=2, speculation=spec))
-    assert body.speculation == {"drafted": 10, "accepted": 7, "target_calls": 4, "acceptance_rate": 0.7, "mean_accept_len": 2.75}
+    assert body.speculation == {
+        "drafted": 10,
+        "accepted": 7,
+        "target_calls": 4,
+        "acceptance_rate": 0.7,
+        "mean_accept_len": 2.75,
+    }
     assert UsageBody.of(Usage(prompt_tokens=1, completion_tokens=1)).speculation is None
 
 
@@ -319,15 +325,30 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": "a", "stop": ["x"] * 17}, 400, "stop"),
     ("/v1/completions", {"prompt": "a", "num_draft_tokens": 10**6}, 400, "num_draft_tokens"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage"),
+    (
+        "/v1/completions",
+        {"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}},
+        400,
+        "stream_options.include_usage",
+    ),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, None),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        None,
+    ),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools[0]"),
     ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4},
+        400,
+        "max_completion_tokens",
+    ),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
 
@@ -379,7 +400,12 @@ async def test_ignored_and_neutral_fields_are_accepted():
 
 async def test_unknown_model_route_method_and_oversized_body():
     async with serving(max_body_bytes=1000) as (app, client):
-        assert_error(await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "a"}), 404, "model", "model_not_found")
+        assert_error(
+            await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "a"}),
+            404,
+            "model",
+            "model_not_found",
+        )
         assert_error(await client.get("/v1/nothing"), 404)
         assert_error(await client.get("/v1/completions"), 405)
         assert_error(await client.post("/v1/completions", json={"prompt": "a" * 2000}), 413, code="request_too_large")

@@ -41,7 +41,10 @@ def mostly(valid: st.SearchStrategy[Any], edge: st.SearchStrategy[Any]) -> st.Se
 
 
 message = st.fixed_dictionaries(
-    {"role": mostly(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=6)), "content": st.text(max_size=40)},
+    {
+        "role": mostly(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=6)),
+        "content": st.text(max_size=40),
+    },
     optional={"name": st.text(max_size=5)},
 )
 # Plausible values per field: mostly valid, with edge and out-of-range ones.
@@ -53,7 +56,9 @@ COMMON = {
     "top_k": mostly(st.integers(min_value=0, max_value=300), st.integers()),
     "min_p": mostly(st.floats(min_value=0, max_value=1), st.floats()),
     "seed": mostly(st.integers(min_value=0, max_value=2**64 - 1), st.integers()),
-    "stop": mostly(st.text(max_size=3) | st.lists(st.text(max_size=4), max_size=4), st.lists(st.text(max_size=300), max_size=20)),
+    "stop": mostly(
+        st.text(max_size=3) | st.lists(st.text(max_size=4), max_size=4), st.lists(st.text(max_size=300), max_size=20)
+    ),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "n": mostly(st.just(1), st.integers()),
@@ -110,7 +115,9 @@ def client() -> Iterator[TestClient]:
 
 
 @pytest.mark.slow  # 150 examples
-@settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(req=requests())
 def test_no_body_gets_a_5xx(client, req):
     path, body = req

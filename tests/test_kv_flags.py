@@ -10,7 +10,9 @@ from transport.cli import build_parser, engine_config
 
 
 def test_kv_flags_map_onto_engine_config():
-    args = build_parser().parse_args(["serve", "--fake-gpu", "--max-kv-size", "4096", "--kv-bits", "4", "--kv-group-size", "32"])
+    args = build_parser().parse_args(
+        ["serve", "--fake-gpu", "--max-kv-size", "4096", "--kv-bits", "4", "--kv-group-size", "32"]
+    )
     config = engine_config(args, args.parser)
     assert (config.max_kv_size, config.kv_bits, config.kv_group_size) == (4096, 4, 32)
     args = build_parser().parse_args(["generate", "--fake-gpu", "--prompt", "x", "--kv-bits", "8"])

@@ -127,7 +127,11 @@ def _assert_same_layer(a, b) -> None:
     if a.keys is None:
         assert b.keys is None
         return
-    pairs = zip((*a.keys, *a.values), (*b.keys, *b.values)) if isinstance(a, QuantizedKVCache) else [(a.keys, b.keys), (a.values, b.values)]
+    pairs = (
+        zip((*a.keys, *a.values), (*b.keys, *b.values))
+        if isinstance(a, QuantizedKVCache)
+        else [(a.keys, b.keys), (a.values, b.values)]
+    )
     for x, y in pairs:
         assert x.dtype == y.dtype
         assert np.array_equal(_np(x)[..., : a.offset, :], _np(y)[..., : a.offset, :])
@@ -150,7 +154,9 @@ def test_save_load_resave_is_byte_identical(kind, disk_dir):
 
 
 def test_bf16_is_bit_exact_including_nan_payloads(tmp_path):
-    bits = np.array([0x7FC1, 0xFF81, 0x0001, 0x8000, 0x3F80, 0x7F80], dtype=np.uint16)  # NaN payloads, subnormal, -0, 1, inf
+    bits = np.array(
+        [0x7FC1, 0xFF81, 0x0001, 0x8000, 0x3F80, 0x7F80], dtype=np.uint16
+    )  # NaN payloads, subnormal, -0, 1, inf
     keys = mx.array(np.tile(bits, 8).reshape(1, 1, 6, 8)).view(mx.bfloat16)
     c = KVCache()
     c.update_and_fetch(keys, keys)
@@ -185,14 +191,27 @@ def test_only_tokens_in_use_are_stored(tmp_path):
 def test_header_layout(tmp_path):
     path = str(tmp_path / "x.kv")
     cache = [_kv(10), _quantized(20), _rotating(25), _arrays()]
-    kvfile.save(RealDisk(), path, kvfile.KvMeta(model_id="m", config_fingerprint="fp", tokenizer_hash="tok", ns="agent"), TOKENS, cache, created_at=9.0)
+    kvfile.save(
+        RealDisk(),
+        path,
+        kvfile.KvMeta(model_id="m", config_fingerprint="fp", tokenizer_hash="tok", ns="agent"),
+        TOKENS,
+        cache,
+        created_at=9.0,
+    )
     raw = _slurp(path)
     magic, version, _, hlen, data_start, _ = kvfile.PREAMBLE.unpack(raw[: kvfile.PREAMBLE.size])
     assert magic == kvfile.MAGIC and version == kvfile.FORMAT_VERSION
     assert data_start % (16 * 1024) == 0 and data_start >= kvfile.PREAMBLE.size + hlen
     header, start = kvfile.read_header(RealDisk(), path)
     assert start == data_start
-    assert (header.model_id, header.config_fingerprint, header.tokenizer_hash, header.ns, header.created_at) == ("m", "fp", "tok", "agent", 9.0)
+    assert (header.model_id, header.config_fingerprint, header.tokenizer_hash, header.ns, header.created_at) == (
+        "m",
+        "fp",
+        "tok",
+        "agent",
+        9.0,
+    )
     kinds = [type(layer).__name__ for layer in header.layers]
     assert kinds == ["KVLayer", "QuantizedLayer", "RotatingLayer", "ArraysLayer"]
     assert header.layers[1].bits == 4 and header.layers[1].group_size == 32

@@ -48,7 +48,9 @@ def _sample(t: mi.Type) -> object:
             return b"\x00\xff"
         case mi.ListType() | mi.VarTupleType() | mi.SetType() | mi.FrozenSetType():
             item = _sample(t.item_type)
-            return {mi.ListType: list, mi.VarTupleType: tuple, mi.SetType: set, mi.FrozenSetType: frozenset}[type(t)]([item])
+            return {mi.ListType: list, mi.VarTupleType: tuple, mi.SetType: set, mi.FrozenSetType: frozenset}[type(t)](
+                [item]
+            )
         case mi.TupleType():
             return tuple(_sample(x) for x in t.item_types)
         case mi.DictType():

@@ -167,8 +167,15 @@ def test_fingerprint_follows_graph_config_and_tokenizer(tmp_path):
     (b / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": cfg["rms_norm_eps"] * 2}))
     tok = json.loads((b / "tokenizer.json").read_text())
     tok["added_tokens"] = tok.get("added_tokens", []) + [
-        {"id": 99999, "content": "<|ember-test|>", "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": True}
+        {
+            "id": 99999,
+            "content": "<|ember-test|>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
     ]
     (b / "tokenizer.json").write_text(json.dumps(tok))
     changed = MLXBackend.load(b, EngineConfig(model=str(b))).info
@@ -381,6 +388,7 @@ def test_cache_ops_count_real_bytes_and_views_are_private(rig):
     assert rig.d.call(b.cache_trimmable, clone)
     assert rig.d.call(b.trim_cache, clone, 10) == 10
     assert clone[0].offset == len(p) - 11 and cache[0].offset == len(p) - 1
+
     # Writing into the view leaves the original intact.
     def snapshot():
         return [mx.array(c.keys[..., : c.offset, :]) for c in cache]
@@ -577,8 +585,11 @@ def test_rows_prefilled_in_one_step(rig, together):
     first = {rids[0]: bodies[0][:4], rids[1]: bodies[1][:3], rids[2]: bodies[2][:4], rids[3]: bodies[3][:7]}
     res = rig.step(prefill=[PrefillChunk(rid, toks) for rid, toks in first.items()])
     assert not res.errors
-    res = rig.step(prefill=[PrefillChunk(rid, body[len(first[rid]):]) for rid, body in zip(rids, bodies)
-                            if len(body) > len(first[rid])])
+    res = rig.step(
+        prefill=[
+            PrefillChunk(rid, body[len(first[rid]) :]) for rid, body in zip(rids, bodies) if len(body) > len(first[rid])
+        ]
+    )
     assert not res.errors
     assert rig.b.counters["prefill_together"] - before == (6 if together else 0)
 
@@ -598,8 +609,12 @@ def test_rows_prefilled_in_one_step(rig, together):
             n = len(tokens)
             if any(m.offset != n for m in mine):
                 return float("inf")
-            return max(mx.abs(getattr(m, f)[..., :n, :] - getattr(r, f)[..., :n, :]).max().item()
-                       for m, r in zip(mine, ref) for f in ("keys", "values"))
+            return max(
+                mx.abs(getattr(m, f)[..., :n, :] - getattr(r, f)[..., :n, :]).max().item()
+                for m, r in zip(mine, ref)
+                for f in ("keys", "values")
+            )
+
         return rig.d.call(run)
 
     try:
@@ -700,7 +715,9 @@ def test_a_prefix_view_continues_exactly_and_leaves_the_stored_cache_as_it_was(m
         assert np.array_equal(np.array(got), np.array(want))
         for c, (k, v) in zip(stored, before):
             assert c.offset == 40
-            assert np.array_equal(np.array(c.keys[..., :40, :]), k) and np.array_equal(np.array(c.values[..., :40, :]), v)
+            assert np.array_equal(np.array(c.keys[..., :40, :]), k) and np.array_equal(
+                np.array(c.values[..., :40, :]), v
+            )
 
     device.call(run)
 

@@ -38,14 +38,28 @@ def _read_url(proc: subprocess.Popen[str]) -> str:
         if line.startswith("ember: serving"):
             return line.split(" at ", 1)[1].split()[0]
     proc.kill()
-    raise AssertionError(f"ember serve did not print its URL (rc={proc.wait()}): {proc.stderr.read() if proc.stderr else ''}")
+    raise AssertionError(
+        f"ember serve did not print its URL (rc={proc.wait()}): {proc.stderr.read() if proc.stderr else ''}"
+    )
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[subprocess.Popen[str], str]]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transport.cli", "serve", "--fake-gpu", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "serve",
+            "--fake-gpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -143,7 +157,9 @@ def test_sigterm_drains_and_exits_zero(server, client):
     proc, url = server
     assert httpx.get(f"{url}/health").status_code == 200
     # a request in flight when SIGTERM arrives still completes
-    stream = client.completions.create(model="fake-gpu-0", prompt="last", max_tokens=40, stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="fake-gpu-0", prompt="last", max_tokens=40, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = iter(stream)
     first = next(chunks)
     proc.send_signal(signal.SIGTERM)
@@ -154,8 +170,13 @@ def test_sigterm_drains_and_exits_zero(server, client):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (BUNDLED["tiny"] / "config.json").is_file(), reason="the bundled tiny model is not built (python -m engine.models.train)")
-@pytest.mark.skipif(installed("smollm2-135m"), reason="the models extra is installed: `ember serve` defaults to smollm2-135m")
+@pytest.mark.skipif(
+    not (BUNDLED["tiny"] / "config.json").is_file(),
+    reason="the bundled tiny model is not built (python -m engine.models.train)",
+)
+@pytest.mark.skipif(
+    installed("smollm2-135m"), reason="the models extra is installed: `ember serve` defaults to smollm2-135m"
+)
 def test_ember_serve_without_model_serves_the_bundled_tiny_on_mlx():
     proc = subprocess.Popen(
         [sys.executable, "-m", "transport.cli", "serve", "--port", "0", "--log-level", "warning"],
@@ -167,9 +188,15 @@ def test_ember_serve_without_model_serves_the_bundled_tiny_on_mlx():
         url = _read_url(proc)
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
             assert [m.id for m in c.models.list()] == ["tiny"]
-            r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=8)
+            r = c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=8
+            )
             assert r.usage.completion_tokens + (r.choices[0].finish_reason == "stop") >= 1
-            chunks = list(c.completions.create(model="tiny", prompt="import os\n", max_tokens=8, stream=True, extra_body={"ignore_eos": True}))
+            chunks = list(
+                c.completions.create(
+                    model="tiny", prompt="import os\n", max_tokens=8, stream=True, extra_body={"ignore_eos": True}
+                )
+            )
             assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) >= 1
         stats = httpx.get(f"{url}/stats").json()
         assert stats["scheduler"]["generated_tokens"] >= 9 and stats["dead"] is None
@@ -190,4 +217,3 @@ def test_ember_serve_without_model_serves_the_bundled_tiny_on_mlx():
         for f in (proc.stdout, proc.stderr):
             if f is not None:
                 f.close()
-

@@ -46,8 +46,22 @@ def server() -> Iterator[str]:
         pytest.skip(f"no bundled model: {exc}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transport.cli", "serve", "--model", "tiny", "--draft-model", "ngram",
-         "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "serve",
+            "--model",
+            "tiny",
+            "--draft-model",
+            "ngram",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -108,8 +122,15 @@ def test_response_format_parse_with_the_sdk(client):
 
 def test_response_format_streams_and_n_choices(client):
     stream = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, response_format=_fmt(), max_tokens=80, temperature=1.0, seed=5, n=3,
-        stream=True, stream_options={"include_usage": True},
+        model="tiny",
+        messages=MESSAGES,
+        response_format=_fmt(),
+        max_tokens=80,
+        temperature=1.0,
+        seed=5,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     texts, finish, usage = {}, {}, None
     for chunk in stream:
@@ -129,7 +150,10 @@ def test_response_format_streams_and_n_choices(client):
 
 def test_json_object(client):
     r = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "config = "}], response_format={"type": "json_object"}, max_tokens=100
+        model="tiny",
+        messages=[{"role": "user", "content": "config = "}],
+        response_format={"type": "json_object"},
+        max_tokens=100,
     )
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
@@ -235,7 +259,9 @@ def test_penalties_and_logit_bias_match_mlx_lm(client, oracle):
     ],
 )
 def test_bad_input_is_a_400_naming_the_parameter(server, body, param):
-    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **body})
+    r = httpx.post(
+        f"{server}/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **body}
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err

@@ -69,7 +69,11 @@ def test_tiny_renders_tools_and_its_text_tokenizes_like_the_template():
     messages = [
         {"role": "system", "content": "S"},
         {"role": "user", "content": "hi, Paris!"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}],
+        },
         {"role": "tool", "tool_call_id": "1", "content": "done"},
     ]
     for t in (None, tools):

@@ -414,6 +414,8 @@ def test_demote_idle_stops_at_the_first_entry_in_use_and_scans_after_a_clock_wen
             else:
                 idle = rng.choice([5.0, 20.0, 60.0])
                 assert pc.demote_idle(idle) == scan(idle)
-            assert [(k, e.last_used) for k, e in pc._entries.items()] == [(k, e.last_used) for k, e in ref._entries.items()]
+            assert [(k, e.last_used) for k, e in pc._entries.items()] == [
+                (k, e.last_used) for k, e in ref._entries.items()
+            ]
         assert [s[0] for s in got.got] == [s[0] for s in want.got] and len(got.got) > 10
         assert pc._use_ordered is not back

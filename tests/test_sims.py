@@ -39,13 +39,22 @@ def ran(result, name: str) -> inv.Checker:
 # The CI sweep and determinism.
 
 
-@pytest.mark.parametrize("name, seed", [("agent", 1), ("agent", 2), ("chat", 1), ("chat", 2), ("crash", 1), ("crash", 2), ("crash", 3), ("slow-disk", 1)])
+@pytest.mark.parametrize(
+    "name, seed",
+    [("agent", 1), ("agent", 2), ("chat", 1), ("chat", 2), ("crash", 1), ("crash", 2), ("crash", 3), ("slow-disk", 1)],
+)
 def test_ci_scenarios_pass(name, seed):
     r = run_scenario(name, seed)
     assert r.ok, r.summary()
     assert r.counters["answered"] == r.counters["requests"]
     # the checkers that guard the tiers actually ran
-    for checker in ("tokens-match-cold-prefill", "admission-never-waits", "liveness", "no-write-during-step", "spill-queue-bounded"):
+    for checker in (
+        "tokens-match-cold-prefill",
+        "admission-never-waits",
+        "liveness",
+        "no-write-during-step",
+        "spill-queue-bounded",
+    ):
         assert ran(r, checker).ran and ran(r, checker).checked > 0, checker
     assert ran(r, "tokens-match-cold-prefill").with_cache > 0  # prefixes were restored, not only cold prefills
     assert r.summary().splitlines()[-1] == f"digest: {r.digest}"
@@ -78,7 +87,9 @@ def test_digest_does_not_depend_on_the_process_hash_seed():
     cmd = [sys.executable, "-m", "sims.run", "--scenario", "agent", "--seed", "3", "--trace", "agent-small"]
     digests = []
     for hashseed in ("1", "2"):
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": hashseed}, timeout=120)
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": hashseed}, timeout=120
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         digests.append(out.stdout.strip().splitlines()[-1])
     assert digests[0] == digests[1] and digests[0].startswith("digest: ")
@@ -146,9 +157,15 @@ def test_admission_checker_flags_a_late_admission_and_waiting_senders():
         healed_at = None
 
     c = inv.AdmissionNeverWaits(View())
-    ev = [("sim_up", 0.0, {"gen": 1}), ("step", 0.0, {"n": 1}), ("sim_submit", 0.001, {"gen": 1, "rid": 7}),
-          ("step_end", 0.01, {"n": 1}), ("admit", 0.01, {"rid": 7}),  # on time: at the end of the running step
-          ("sim_submit", 0.02, {"gen": 1, "rid": 8}), ("admit", 0.05, {"rid": 8})]  # idle engine, 30 ms late
+    ev = [
+        ("sim_up", 0.0, {"gen": 1}),
+        ("step", 0.0, {"n": 1}),
+        ("sim_submit", 0.001, {"gen": 1, "rid": 7}),
+        ("step_end", 0.01, {"n": 1}),
+        ("admit", 0.01, {"rid": 7}),  # on time: at the end of the running step
+        ("sim_submit", 0.02, {"gen": 1, "rid": 8}),
+        ("admit", 0.05, {"rid": 8}),
+    ]  # idle engine, 30 ms late
     for kind, t, f in ev:
         c.on_event(kind, t, f)
     assert c.checked == 2 and len(c.findings) == 1 and "rid=8" in c.findings[0].message
@@ -195,8 +212,15 @@ def test_admission_checker_sees_a_task_waiting_to_send_into_the_scheduler_inbox(
 
 def test_write_checker_flags_ungated_writes_and_steps_begun_while_busy():
     c = inv.NoWriteDuringStep()
-    for kind, t, f in [("step", 0.0, {"n": 1}), ("disk_write", 0.001, {"path": "/x"}), ("step_end", 0.01, {"n": 1}),
-                       ("step", 0.02, {"n": 2}), ("write_start", 0.03, {}), ("write_end", 0.035, {}), ("step_end", 0.04, {"n": 2})]:
+    for kind, t, f in [
+        ("step", 0.0, {"n": 1}),
+        ("disk_write", 0.001, {"path": "/x"}),
+        ("step_end", 0.01, {"n": 1}),
+        ("step", 0.02, {"n": 2}),
+        ("write_start", 0.03, {}),
+        ("write_end", 0.035, {}),
+        ("step_end", 0.04, {"n": 2}),
+    ]:
         c.on_event(kind, t, f)
     assert [f.message.split(" ")[0] for f in c.findings] == ["disk_write", "write"]
     assert "outside any gated write step" in c.findings[0].message and "during GPU step 2" in c.findings[1].message
@@ -247,8 +271,14 @@ def test_write_checker_lets_the_in_flight_write_step_finish_under_a_new_gpu_step
     # A write step begun while idle is overlapped by a request's GPU step: the step
     # must not wait for it (admission never waits), and its own I/O may land then.
     c = inv.NoWriteDuringStep()
-    for kind, t, f in [("write_start", 0.0, {}), ("step", 0.01, {"n": 1}), ("disk_write", 0.02, {"path": "/x"}),
-                       ("disk_fsync", 0.03, {"path": "/x"}), ("write_end", 0.04, {}), ("step_end", 0.05, {"n": 1})]:
+    for kind, t, f in [
+        ("write_start", 0.0, {}),
+        ("step", 0.01, {"n": 1}),
+        ("disk_write", 0.02, {"path": "/x"}),
+        ("disk_fsync", 0.03, {"path": "/x"}),
+        ("write_end", 0.04, {}),
+        ("step_end", 0.05, {"n": 1}),
+    ]:
         c.on_event(kind, t, f)
     assert not c.findings and c.overlapped_steps == 1 and c.overlap_io == 2
     c.on_event("step", 0.06, {"n": 2})
@@ -293,9 +323,16 @@ def test_oracle_matches_expected_tokens_and_seeded_sampling_is_reproducible():
     assert got == [t for t in want if t != 256] and len(got) < 40  # EOS ends it, as the engine does
     # continuing from the prompt's hash gives the same tokens as hashing from scratch
     more = prompt + got + list(b" next")
-    assert o.expect(more, SamplingParams(max_tokens=5), (o.extend(h, got), len(prompt) + len(got)))[0] == o.expect(more, SamplingParams(max_tokens=5))[0]
+    assert (
+        o.expect(more, SamplingParams(max_tokens=5), (o.extend(h, got), len(prompt) + len(got)))[0]
+        == o.expect(more, SamplingParams(max_tokens=5))[0]
+    )
     sp = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=5)
-    assert o.expect(prompt, sp)[0] == o.expect(prompt, sp)[0] != o.expect(prompt, SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=6))[0]
+    assert (
+        o.expect(prompt, sp)[0]
+        == o.expect(prompt, sp)[0]
+        != o.expect(prompt, SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=6))[0]
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -387,10 +424,26 @@ def test_replay_report_math():
     from sims.trace import Header, Trace
 
     assert pct([], 50) is None and pct([3.0, 1.0, 2.0], 50) == 2.0 and pct([1.0, 2.0, 3.0, 4.0], 99) == 4.0
-    a = Sample(id=0, session="a", start=0.0, end=2.0, ttft_s=0.1, itl_s=[0.01, 0.03], completion_tokens=10, prompt_tokens=100, cached_tokens=80, ok=True, attempts=1)
-    b = Sample(id=1, session="b", start=1.0, end=4.0, errors=["HTTP 503: draining", "ConnectError: refused"], attempts=2)
+    a = Sample(
+        id=0,
+        session="a",
+        start=0.0,
+        end=2.0,
+        ttft_s=0.1,
+        itl_s=[0.01, 0.03],
+        completion_tokens=10,
+        prompt_tokens=100,
+        cached_tokens=80,
+        ok=True,
+        attempts=1,
+    )
+    b = Sample(
+        id=1, session="b", start=1.0, end=4.0, errors=["HTTP 503: draining", "ConnectError: refused"], attempts=2
+    )
     m = summarize([a, b])
     assert m["ok"] == 1 and m["failed"] == 1 and m["errors"] == {"HTTP 503": 1, "ConnectError": 1}
     assert m["span_s"] == 4.0 and m["tokens_per_s"] == 2.5 and m["cached_ratio"] == 0.8
-    text = report_markdown("http://x", Trace(Header(kind="k")), 1.0, [a, b], [Mark(1.5, "crash", "exit status -9")], None)
+    text = report_markdown(
+        "http://x", Trace(Header(kind="k")), 1.0, [a, b], [Mark(1.5, "crash", "exit status -9")], None
+    )
     assert "| 1.5 | crash | exit status -9 |" in text and "80.0% (80 of 100" in text

@@ -271,7 +271,7 @@ def test_rejections_across_the_cache_step_roll_back_per_row():
     try:
         with open(os.__file__, encoding="utf-8") as f:
             ids = backend.tokenizer.encode(f.read())
-        a_prompt, b_prompt = ids[:BOUNDARY - 2], ids[1000:1100]
+        a_prompt, b_prompt = ids[: BOUNDARY - 2], ids[1000:1100]
         vocab = backend.info.vocab_size
 
         # mlx-lm's own load of the checkpoint: the backend's model may have its

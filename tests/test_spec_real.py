@@ -101,8 +101,14 @@ async def _sample(engine, prompt, seeds, gamma):
     sem = asyncio.Semaphore(32)
 
     async def one(seed: int) -> None:
-        sp = SamplingParams(max_tokens=5, temperature=1.0, top_k=3, seed=seed, ignore_eos=True,
-                            **({"speculate": False} if gamma == 0 else {"num_draft_tokens": gamma}))
+        sp = SamplingParams(
+            max_tokens=5,
+            temperature=1.0,
+            top_k=3,
+            seed=seed,
+            ignore_eos=True,
+            **({"speculate": False} if gamma == 0 else {"num_draft_tokens": gamma}),
+        )
         async with sem:
             c = await engine.acomplete(prompt, sp)
         out[tuple(c.token_ids)] += 1

@@ -37,7 +37,13 @@ def test_writes_serially_in_enqueue_order_and_releases_each_once():
         q.settle(nxt, ok=True)
     assert order == [it.tokens for it in items]
     assert [c.releases for c in clones] == [1, 1, 1]
-    assert q.stats() == {"pending_spills": 0, "pending_spill_bytes": 0, "dropped_spills": 0, "failed_spills": 0, "stored_spills": 3}
+    assert q.stats() == {
+        "pending_spills": 0,
+        "pending_spill_bytes": 0,
+        "dropped_spills": 0,
+        "failed_spills": 0,
+        "stored_spills": 3,
+    }
 
 
 def test_over_cap_drops_the_oldest_queued_not_in_flight_not_newest_and_releases_it_at_once():

@@ -27,7 +27,7 @@ async def _never_disconnect():
 
 
 def _events(body: bytes) -> list[str]:
-    return [e[len("data: "):] for e in body.decode().split("\n\n") if e.startswith("data: ")]
+    return [e[len("data: ") :] for e in body.decode().split("\n\n") if e.startswith("data: ")]
 
 
 def _collector():
@@ -76,8 +76,15 @@ async def test_a_writer_that_keeps_up_sends_each_delta_as_it_comes():
         for i, text in enumerate(["a", "b", "c"]):
             await anyio.sleep(0.01)
             last = i == 2
-            tx.send_nowait(Delta(rid=1, text=text, token_ids=[i], finish_reason="stop" if last else None,
-                                 usage=Usage(prompt_tokens=1, completion_tokens=3) if last else None))
+            tx.send_nowait(
+                Delta(
+                    rid=1,
+                    text=text,
+                    token_ids=[i],
+                    finish_reason="stop" if last else None,
+                    usage=Usage(prompt_tokens=1, completion_tokens=3) if last else None,
+                )
+            )
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(produce)
@@ -91,13 +98,17 @@ async def test_an_idle_stream_sends_keepalives_until_its_delta_comes():
 
     async def produce():
         await anyio.sleep(0.25)  # five keep-alive periods with nothing to send
-        tx.send_nowait(Delta(rid=1, text="a", token_ids=[0], finish_reason="stop",
-                             usage=Usage(prompt_tokens=1, completion_tokens=1)))
+        tx.send_nowait(
+            Delta(
+                rid=1, text="a", token_ids=[0], finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=1)
+            )
+        )
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(produce)
-        await EventStream(RequestStream(_Gateway(), 1, rx), CompletionRenderer("m", include_usage=True),
-                          keepalive_s=0.04)({"type": "http"}, _never_disconnect, send)
+        await EventStream(
+            RequestStream(_Gateway(), 1, rx), CompletionRenderer("m", include_usage=True), keepalive_s=0.04
+        )({"type": "http"}, _never_disconnect, send)
     keepalives = [w for w in writes if w == b": keepalive\n\n"]
     assert 3 <= len(keepalives) <= 7, writes
     assert writes.index(keepalives[-1]) < len(writes) - 2  # then the delta (+ usage), then [DONE]
@@ -127,7 +138,8 @@ async def test_a_stream_that_ends_without_a_finish_fails_the_writer_not_hangs_it
     async with anyio.create_task_group() as tg:
         tg.start_soon(end)
         with anyio.fail_after(5):
-            await EventStream(RequestStream(_Gateway(), 1, rx), CompletionRenderer("m", include_usage=True),
-                              keepalive_s=60)({"type": "http"}, _never_disconnect, send)
+            await EventStream(
+                RequestStream(_Gateway(), 1, rx), CompletionRenderer("m", include_usage=True), keepalive_s=60
+            )({"type": "http"}, _never_disconnect, send)
     body = b"".join(writes)
     assert b'"error"' in body and body.endswith(b"data: [DONE]\n\n"), body

@@ -54,7 +54,14 @@ def model():
 
 
 class MlxCacheBackend:
-    info = ModelInfo(model_id="tiny", vocab_size=2048, context_length=16384, config_fingerprint="fp", tokenizer_hash="tok", num_layers=6)
+    info = ModelInfo(
+        model_id="tiny",
+        vocab_size=2048,
+        context_length=16384,
+        config_fingerprint="fp",
+        tokenizer_hash="tok",
+        num_layers=6,
+    )
 
     def cache_nbytes(self, cache):
         return kvfile.cache_bytes(cache)
@@ -69,7 +76,9 @@ class MlxCacheBackend:
 @pytest.fixture
 async def tier(tmp_path):
     be = MlxCacheBackend()
-    store = ColdStore(RealDisk(), str(tmp_path), model_id="tiny", config_fingerprint="fp", tokenizer_hash="tok", max_bytes=1 << 30)
+    store = ColdStore(
+        RealDisk(), str(tmp_path), model_id="tiny", config_fingerprint="fp", tokenizer_hash="tok", max_bytes=1 << 30
+    )
     clock = LoopClock()
     t = ColdTier(store, be, InlineDevice(clock), clock, io=run_inline)
     async with anyio.create_task_group() as tg:
@@ -307,7 +316,17 @@ async def test_restart_restores_a_demoted_prefix_from_ssd(tmp_path):
         assert toks == expect(b) and cached >= 20
         s = engine.stats()["ssd_cache"]
         assert s["restores"] >= 1 and s["corrupt_deleted"] == 0
-        for key in ("dir", "entries", "bytes", "max_bytes", "restores", "spills", "restore_ms_last", "demotions", "corrupt_deleted"):
+        for key in (
+            "dir",
+            "entries",
+            "bytes",
+            "max_bytes",
+            "restores",
+            "spills",
+            "restore_ms_last",
+            "demotions",
+            "corrupt_deleted",
+        ):
             assert key in s
 
 
@@ -347,7 +366,9 @@ async def test_ram_evictions_spill_and_come_back_from_ssd(tmp_path):
         s = engine.stats()
         assert s["prompt_cache"]["evictions"] == 2 and s["ssd_cache"]["spills"] >= 2
         toks, cached = await run(engine, prompts[0] + [1, 2])
-        assert toks == expect(prompts[0] + [1, 2]) and cached == len(prompts[0])  # diverges at the first generated token
+        assert toks == expect(prompts[0] + [1, 2]) and cached == len(
+            prompts[0]
+        )  # diverges at the first generated token
         assert engine.stats()["ssd_cache"]["restores"] == 1
 
 
@@ -371,7 +392,9 @@ async def test_mlx_engine_restart_restores_the_prefix_and_matches_the_cold_run(t
         prompt = engine.encode("def restore(cache, tokens):\n    " * 20)[:300]
         cold = await engine.acomplete(prompt, sp)
         assert cold.usage.cached_tokens == 0
-        await engine.acomplete(engine.encode("x = 1"), SamplingParams(max_tokens=2))  # its first step closes the row above into RAM
+        await engine.acomplete(
+            engine.encode("x = 1"), SamplingParams(max_tokens=2)
+        )  # its first step closes the row above into RAM
         assert engine.stats()["prompt_cache"]["puts"] >= 1
         # A row that continues from a view of the stored entry, before the
         # entry is written to SSD: the snapshot shares the entry, so the row

@@ -102,11 +102,14 @@ def test_restart_trace_has_graceful_restarts_crashes_and_a_flush_before_a_crash(
 
 
 def test_sessions_resolve_text_and_token_continuations():
-    text = Trace(Header(), [
-        Request(id=0, t=0.0, session="a", text="hello ", max_tokens=3),
-        Request(id=1, t=1.0, session="a", continues="a", text=" again", max_tokens=3),
-        Request(id=2, t=1.5, session="b", continues="a", text=" forked", max_tokens=3),
-    ])
+    text = Trace(
+        Header(),
+        [
+            Request(id=0, t=0.0, session="a", text="hello ", max_tokens=3),
+            Request(id=1, t=1.0, session="a", continues="a", text=" again", max_tokens=3),
+            Request(id=2, t=1.5, session="b", continues="a", text=" forked", max_tokens=3),
+        ],
+    )
     s = Sessions(tr.validate(text.header, text.events))
     p0 = s.prompt(text.events[0])
     s.done(text.events[0], p0, "world")
@@ -134,16 +137,55 @@ def test_a_context_is_dropped_once_its_last_continuation_read_it():
     "body, message",
     [
         ("", "empty"),
-        ('{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":1}', "line 1: the first record must be the header"),
+        (
+            '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":1}',
+            "line 1: the first record must be the header",
+        ),
         ('{"type":"header","version":9}', "version 9 is not supported"),
-        (lines(HEADER, '{"type":"request","id":0,"t":1,"session":"a","text":"x","max_tokens":1}', '{"type":"flush","t":0.5}'), "line 3: time 0.5 goes back"),
-        (lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":1}', '{"type":"request","id":0,"t":1,"session":"b","text":"y","max_tokens":1}'), "line 3: request id 0 is used twice"),
-        (lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","continues":"z","text":"x","max_tokens":1}'), "continues session 'z', which has no earlier turn"),
-        (lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"x","tokens":[1],"max_tokens":1}'), "exactly one of text or tokens"),
-        (lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":1}', '{"type":"request","id":1,"t":1,"session":"a","continues":"a","tokens":[1],"max_tokens":1}'), "mixes text and token prompts"),
-        (lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":0}'), "max_tokens must be >= 1"),
-        (lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"","max_tokens":2}'), "the prompt is empty"),
-        (lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":1,"temperature":1}'), "line 2: Object contains unknown field `temperature`"),
+        (
+            lines(
+                HEADER,
+                '{"type":"request","id":0,"t":1,"session":"a","text":"x","max_tokens":1}',
+                '{"type":"flush","t":0.5}',
+            ),
+            "line 3: time 0.5 goes back",
+        ),
+        (
+            lines(
+                HEADER,
+                '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":1}',
+                '{"type":"request","id":0,"t":1,"session":"b","text":"y","max_tokens":1}',
+            ),
+            "line 3: request id 0 is used twice",
+        ),
+        (
+            lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","continues":"z","text":"x","max_tokens":1}'),
+            "continues session 'z', which has no earlier turn",
+        ),
+        (
+            lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"x","tokens":[1],"max_tokens":1}'),
+            "exactly one of text or tokens",
+        ),
+        (
+            lines(
+                HEADER,
+                '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":1}',
+                '{"type":"request","id":1,"t":1,"session":"a","continues":"a","tokens":[1],"max_tokens":1}',
+            ),
+            "mixes text and token prompts",
+        ),
+        (
+            lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":0}'),
+            "max_tokens must be >= 1",
+        ),
+        (
+            lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"","max_tokens":2}'),
+            "the prompt is empty",
+        ),
+        (
+            lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":1,"temperature":1}'),
+            "line 2: Object contains unknown field `temperature`",
+        ),
         (lines(HEADER, '{"type":"boom","t":0}'), "line 2: Invalid value 'boom'"),
         (lines(HEADER, HEADER), "line 2: a second header"),
     ],
@@ -158,4 +200,9 @@ def test_restart_lines_always_say_whether_they_crash():
     data = t.encode().decode()
     assert '"crash":true' in data and '"crash":false' in data
     assert tr.loads(data).events == t.events
-    assert Sampling() == tr.loads(lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":1}')).requests[0].sampling
+    assert (
+        Sampling()
+        == tr.loads(lines(HEADER, '{"type":"request","id":0,"t":0,"session":"a","text":"x","max_tokens":1}'))
+        .requests[0]
+        .sampling
+    )

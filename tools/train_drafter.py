@@ -48,17 +48,65 @@ from pathlib import Path
 import numpy as np
 
 TOPICS = [
-    "binary search", "hash tables", "recursion", "linked lists", "unit testing", "git branches",
-    "HTTP status codes", "JSON parsing", "regular expressions", "SQL joins", "the CAP theorem",
-    "garbage collection", "Python decorators", "list comprehensions", "async and await", "Docker images",
-    "environment variables", "file permissions on Linux", "TCP handshakes", "caching", "rate limiting",
-    "logging", "exceptions in Python", "type hints", "virtual environments", "big-O notation", "sorting",
-    "photosynthesis", "the water cycle", "compound interest", "healthy sleep", "time management",
-    "the French Revolution", "volcanoes", "black holes", "vaccines", "climate change", "the stock market",
-    "writing a cover letter", "learning a language", "public speaking", "bread baking", "gardening",
-    "electric cars", "solar panels", "the immune system", "machine learning", "neural networks",
-    "prime numbers", "fractions", "probability", "the Pythagorean theorem", "matrices", "CSV files",
-    "command-line arguments", "dictionaries in Python", "string formatting", "dates and times", "APIs",
+    "binary search",
+    "hash tables",
+    "recursion",
+    "linked lists",
+    "unit testing",
+    "git branches",
+    "HTTP status codes",
+    "JSON parsing",
+    "regular expressions",
+    "SQL joins",
+    "the CAP theorem",
+    "garbage collection",
+    "Python decorators",
+    "list comprehensions",
+    "async and await",
+    "Docker images",
+    "environment variables",
+    "file permissions on Linux",
+    "TCP handshakes",
+    "caching",
+    "rate limiting",
+    "logging",
+    "exceptions in Python",
+    "type hints",
+    "virtual environments",
+    "big-O notation",
+    "sorting",
+    "photosynthesis",
+    "the water cycle",
+    "compound interest",
+    "healthy sleep",
+    "time management",
+    "the French Revolution",
+    "volcanoes",
+    "black holes",
+    "vaccines",
+    "climate change",
+    "the stock market",
+    "writing a cover letter",
+    "learning a language",
+    "public speaking",
+    "bread baking",
+    "gardening",
+    "electric cars",
+    "solar panels",
+    "the immune system",
+    "machine learning",
+    "neural networks",
+    "prime numbers",
+    "fractions",
+    "probability",
+    "the Pythagorean theorem",
+    "matrices",
+    "CSV files",
+    "command-line arguments",
+    "dictionaries in Python",
+    "string formatting",
+    "dates and times",
+    "APIs",
 ]
 TASKS = [
     "Explain {t} in simple terms.",
@@ -174,7 +222,9 @@ def stage_data(args: argparse.Namespace) -> None:
 def examples(args: argparse.Namespace) -> tuple[list, list, list, list]:
     """(inputs, labels, mask) rows for training and held-out evaluation.
     Chat rows: prompt + answer, labels only on the answer (the next greedy token)."""
-    rows = sorted((json.loads(ln) for ln in (args.work / "generated.jsonl").read_text().splitlines()), key=lambda r: r["i"])
+    rows = sorted(
+        (json.loads(ln) for ln in (args.work / "generated.jsonl").read_text().splitlines()), key=lambda r: r["i"]
+    )
     tf = json.loads((args.work / "teacher_forced.json").read_text())
     chat = []
     for r in rows:
@@ -277,9 +327,13 @@ def stage_train(args: argparse.Namespace) -> dict:
     mx.eval(model.parameters())
     covered = sum(int(full_to_small[t] >= 0) for _, y, m in local_eval + chat_eval for t, w in zip(y, m) if w)
     total = sum(int(w) for _, _, m in local_eval + chat_eval for w in m)
-    print(f"[train] {len(chat)} chat rows ×{args.chat_repeat} + {len(local)} local windows; head {len(ids)} ids "
-          f"cover {covered / max(1, total):.1%} of held-out labels; "
-          f"params {sum(v.size for _, v in tree_flatten(model.trainable_parameters())) / 1e6:.2f}M", file=sys.stderr, flush=True)
+    print(
+        f"[train] {len(chat)} chat rows ×{args.chat_repeat} + {len(local)} local windows; head {len(ids)} ids "
+        f"cover {covered / max(1, total):.1%} of held-out labels; "
+        f"params {sum(v.size for _, v in tree_flatten(model.trainable_parameters())) / 1e6:.2f}M",
+        file=sys.stderr,
+        flush=True,
+    )
 
     def loss_fn(model, x, y, m):
         logits = model(x)
@@ -288,8 +342,10 @@ def stage_train(args: argparse.Namespace) -> dict:
 
     warm = min(50, max(1, args.steps // 10))
     sched = optim.cosine_decay(args.lr, args.steps, end=args.lr * 0.05)
-    opt = optim.AdamW(learning_rate=optim.join_schedules([optim.linear_schedule(1e-5, args.lr, warm), sched], [warm]),
-                      weight_decay=0.01)
+    opt = optim.AdamW(
+        learning_rate=optim.join_schedules([optim.linear_schedule(1e-5, args.lr, warm), sched], [warm]),
+        weight_decay=0.01,
+    )
     step_fn = nn.value_and_grad(model, loss_fn)
     t0 = time.time()
     curve = []
@@ -310,9 +366,13 @@ def stage_train(args: argparse.Namespace) -> dict:
             print(f"[train] step {step} loss {float(loss):.3f} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     model.save_weights(str(args.work / "drafter.safetensors"))
     (args.work / "drafter_config.json").write_text(json.dumps(cfg))
-    return {"steps": step + 1, "seconds": round(time.time() - t0, 1), "loss_curve": curve,
-            "train_rows": {"chat": len(chat), "local": len(local)},
-            "head_covers_heldout_labels": round(covered / max(1, total), 4)}
+    return {
+        "steps": step + 1,
+        "seconds": round(time.time() - t0, 1),
+        "loss_curve": curve,
+        "train_rows": {"chat": len(chat), "local": len(local)},
+        "head_covers_heldout_labels": round(covered / max(1, total), 4),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -343,14 +403,17 @@ def stage_export(args: argparse.Namespace, train_log: dict) -> dict:
     if args.bits:
         nn.quantize(model, group_size=64, bits=args.bits)
         cfg["quantization"] = {"group_size": 64, "bits": args.bits}
-        measured[f"q{args.bits}"] = {"chat": agreement(model, chat_eval, 512),
-                                     "local": agreement(model, local_eval, args.window)}
+        measured[f"q{args.bits}"] = {
+            "chat": agreement(model, chat_eval, 512),
+            "local": agreement(model, local_eval, args.window),
+        }
     cfg["ember_vocab_sha256"] = target_vocab_digest(args.target)
     args.out.mkdir(parents=True, exist_ok=True)
     from mlx.utils import tree_flatten
 
-    mx.save_safetensors(str(args.out / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(args.out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+    )
     (args.out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     return measured
 
@@ -384,8 +447,13 @@ def main(argv: list[str] | None = None) -> None:
     stages = args.stages.split(",")
     log_path = args.work / "log.json"
     log = json.loads(log_path.read_text()) if log_path.exists() else {}
-    log.update({"command": "python tools/train_drafter.py " + " ".join(sys.argv[1:]), "seed": args.seed,
-                "hardware": f"{platform.machine()}, {os.cpu_count()} cpus, {platform.system()} (shared, nice 10)"})
+    log.update(
+        {
+            "command": "python tools/train_drafter.py " + " ".join(sys.argv[1:]),
+            "seed": args.seed,
+            "hardware": f"{platform.machine()}, {os.cpu_count()} cpus, {platform.system()} (shared, nice 10)",
+        }
+    )
     if "data" in stages:
         t0 = time.time()
         stage_data(args)
@@ -396,9 +464,13 @@ def main(argv: list[str] | None = None) -> None:
         log["heldout_agreement_with_target_greedy"] = stage_export(args, log.get("train", {}))
         rows = [json.loads(ln) for ln in (args.work / "generated.jsonl").read_text().splitlines()]
         tf = json.loads((args.work / "teacher_forced.json").read_text())
-        log["data"] = {"generated_seconds": round(json.loads((args.work / "generated_seconds.json").read_text()), 1),
-                       "generated_rows": len(rows), "generated_tokens": sum(len(r["answer"]) for r in rows),
-                       "teacher_forced_seconds": round(tf["seconds"], 1), "teacher_forced_windows": len(tf["inputs"])}
+        log["data"] = {
+            "generated_seconds": round(json.loads((args.work / "generated_seconds.json").read_text()), 1),
+            "generated_rows": len(rows),
+            "generated_tokens": sum(len(r["answer"]) for r in rows),
+            "teacher_forced_seconds": round(tf["seconds"], 1),
+            "teacher_forced_windows": len(tf["inputs"]),
+        }
         (args.out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
     log_path.write_text(json.dumps(log, indent=1))
     print(json.dumps(log.get("heldout_agreement_with_target_greedy"), indent=1))

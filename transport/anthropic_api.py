@@ -66,7 +66,9 @@ def error_bytes(e: ApiError) -> bytes:
     return _encode(ErrorBody(ErrorInfo(type=_ERROR_TYPES.get(e.status, "api_error"), message=message)))
 
 
-def _endpoint(route: str, handler: Callable[[Request, Any], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+def _endpoint(
+    route: str, handler: Callable[[Request, Any], Awaitable[Response]]
+) -> Callable[[Request], Awaitable[Response]]:
     """Errors in Anthropic's shape; every answer counted by status, like the OpenAI routes."""
 
     async def endpoint(request: Request) -> Response:
@@ -153,7 +155,14 @@ class MessagesRenderer:
                 content.append(ToolUseOut(id=e.id, name=e.name, input=tool_input(e.arguments)))
         reason, stop = self.stop_reason(c.finish_reason)
         return _encode(
-            MessageBody(id=self.id, model=self.model, content=content, stop_reason=reason, stop_sequence=stop, usage=self.usage(c.usage))
+            MessageBody(
+                id=self.id,
+                model=self.model,
+                content=content,
+                stop_reason=reason,
+                stop_sequence=stop,
+                usage=self.usage(c.usage),
+            )
         )
 
     # ---- streaming ---------------------------------------------------------
@@ -180,7 +189,9 @@ class MessagesRenderer:
         out = self._close()
         self._index += 1
         self._open = kind
-        return out + [_sse("content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block})]
+        return out + [
+            _sse("content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block})
+        ]
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return _sse("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
@@ -205,7 +216,12 @@ class MessagesRenderer:
             out += self._close()
             reason, stop = self.stop_reason(d.finish_reason)
             usage = msgspec.to_builtins(self.usage(d.usage))
-            out.append(_sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop}, "usage": usage}))
+            out.append(
+                _sse(
+                    "message_delta",
+                    {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop}, "usage": usage},
+                )
+            )
             out.append(_sse("message_stop", {"type": "message_stop"}))
         return out
 
@@ -228,7 +244,9 @@ async def messages(request: Request, host: Any) -> Response:
     prompt = await host.chat_prompt(engine, req.template_messages(), setup)
     params = chat_turn.tool_params(engine, req.sampling_params(engine.info.vocab_size), setup)
     stream = await chat_turn.submit(engine, prompt, params, "tool_choice")
-    renderer = MessagesRenderer(model, len(prompt), chat_turn.splitter(engine, setup, "toolu_"), engine.tokenizer, params.stop)
+    renderer = MessagesRenderer(
+        model, len(prompt), chat_turn.splitter(engine, setup, "toolu_"), engine.tokenizer, params.stop
+    )
     return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
 
 

@@ -101,7 +101,10 @@ class _Prompt(_Strict, kw_only=True):
         return self
 
     def tool_setup(self) -> ToolSetup:
-        tools = [check_tool(t.name, t.description, t.input_schema, f"tools[{i}]", "input_schema") for i, t in enumerate(self.tools or [])]
+        tools = [
+            check_tool(t.name, t.description, t.input_schema, f"tools[{i}]", "input_schema")
+            for i, t in enumerate(self.tools or [])
+        ]
         c = self.tool_choice
         mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[c.type] if c else "auto"
         parallel = not (c is not None and c.disable_parallel_tool_use)

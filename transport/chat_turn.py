@@ -105,7 +105,9 @@ def with_constraint(engine: Any, params: SamplingParams, constraint: Constraint 
     if params.constraint is not None:
         raise InvalidRequest("a forced tool call and a response format cannot both constrain the output", param)
     if not engine_enforces_constraints(engine):
-        raise InvalidRequest("this engine cannot enforce a grammar (constrained decoding), which this parameter needs", param)
+        raise InvalidRequest(
+            "this engine cannot enforce a grammar (constrained decoding), which this parameter needs", param
+        )
     return msgspec.structs.replace(params, constraint=constraint)
 
 
@@ -134,7 +136,9 @@ async def submit(engine: Any, prompt: list[int], params: SamplingParams, constra
         raise
 
 
-async def respond(request: Any, host: Any, engine: Any, prompt: Prompt, stream: Any, renderer: Any, streaming: bool, timer: Any) -> Any:
+async def respond(
+    request: Any, host: Any, engine: Any, prompt: Prompt, stream: Any, renderer: Any, streaming: bool, timer: Any
+) -> Any:
     """Send the answer — SSE or one body — and remember its ids for the next turn."""
     from starlette.responses import Response
 

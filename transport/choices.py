@@ -92,6 +92,7 @@ class ChoiceStream:
         ready = False
         with anyio.move_on_after(timeout):
             async with anyio.create_task_group() as tg:
+
                 async def one(s: RequestStream) -> None:
                     nonlocal ready
                     if await s.wait(timeout):
@@ -137,4 +138,3 @@ def merge_usage(usages: list[Usage | None]) -> Usage | None:
         cached_tokens=first.cached_tokens,
         speculation=first.speculation,
     )
-

@@ -37,7 +37,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="speculative decoding drafter: a model directory, tiny-draft, or ngram")
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
     p.add_argument("--fake-gpu", action="store_true", help="serve the deterministic fake GPU instead of a model")
-    p.add_argument("--max-kv-size", type=int, metavar="TOKENS", help="plain KV layers keep a sliding window of this many tokens")
+    p.add_argument(
+        "--max-kv-size", type=int, metavar="TOKENS", help="plain KV layers keep a sliding window of this many tokens"
+    )
     p.add_argument("--kv-bits", type=int, help="quantize the KV cache to this many bits (as mlx-lm's --kv-bits)")
     p.add_argument("--kv-group-size", type=int, help="group size of the KV quantization (default 64)")
 
@@ -57,31 +59,54 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssd-cache", metavar="DIR", help="directory of the SSD prompt-cache tier")
     s.add_argument("--ssd-cache-max", type=float, metavar="GIB", help="byte cap of the SSD tier")
     s.add_argument(
-        "--ssd-cache-verify", action=argparse.BooleanOptionalAction, default=None,
+        "--ssd-cache-verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="checksum every tensor restored from SSD (default: on; --no-ssd-cache-verify skips it)",
     )
-    s.add_argument("--spill-queue", type=float, metavar="GIB", help="cap of caches waiting to be written to SSD (default 2)")
+    s.add_argument(
+        "--spill-queue", type=float, metavar="GIB", help="cap of caches waiting to be written to SSD (default 2)"
+    )
     s.add_argument("--ssd-demote-idle", type=float, metavar="SECONDS", help="demote RAM entries idle this long to SSD")
     s.add_argument(
         "--distributed",
         choices=["tensor", "pipeline"],
         help="one model across the ranks of `mlx.launch -n N -- ember serve ...`: rank 0 serves HTTP (docs/distributed.md)",
     )
-    s.add_argument("--min-cached-prefix", type=int, metavar="TOKENS", help="shortest cached prefix worth reusing (default 16)")
+    s.add_argument(
+        "--min-cached-prefix", type=int, metavar="TOKENS", help="shortest cached prefix worth reusing (default 16)"
+    )
     s.add_argument(
         "--trust-gateway",
         action="store_true",
         help="accept the SGLang Model Gateway's extension fields (no_stop_trim, ...) in requests (docs/distributed.md)",
     )
     s.add_argument(
-        "--api-key", default=os.environ.get("EMBER_API_KEY") or None,
+        "--api-key",
+        default=os.environ.get("EMBER_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on every route but /health (default: $EMBER_API_KEY)",
     )
-    s.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="close a connection whose request head is not complete this long after it opened or after its last response")
-    s.add_argument("--idle-timeout", type=float, default=5.0, metavar="SECONDS", help="close a keep-alive connection idle this long")
-    s.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="abort a stream whose client reads nothing for this long (it would hold its slot)")
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose request head is not complete this long after it opened or after its last response",
+    )
+    s.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="close a keep-alive connection idle this long",
+    )
+    s.add_argument(
+        "--send-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="abort a stream whose client reads nothing for this long (it would hold its slot)",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=serve, parser=s)
 
@@ -96,8 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a GGUF file into an mlx-lm model directory")
     c.add_argument("gguf", help="a .gguf file (llama or gemma3 architecture)")
     c.add_argument("outdir", help="the directory to write (config.json, model.safetensors, tokenizer)")
-    c.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "quantized"], default="auto",
-                   help="weights: auto = this device's fastest (docs/gguf.md); quantized keeps Q4_0/Q4_1/Q8_0")
+    c.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16", "quantized"],
+        default="auto",
+        help="weights: auto = this device's fastest (docs/gguf.md); quantized keeps Q4_0/Q4_1/Q8_0",
+    )
     c.set_defaults(run=convert, parser=c)
     return parser
 
@@ -216,7 +245,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     app = build_app(
-        config, trust_gateway=args.trust_gateway, api_key=args.api_key, loopback_only=is_loopback(args.host),
+        config,
+        trust_gateway=args.trust_gateway,
+        api_key=args.api_key,
+        loopback_only=is_loopback(args.host),
         send_timeout_s=args.send_timeout,
     )
     server = uvicorn.Server(
@@ -301,7 +333,11 @@ async def _serve(server: Any, sock: socket.socket, state: Any, url: str) -> int:
     engine = state.engine
     if engine is not None and engine.shutdown_timed_out:
         # the engine logged the pending counters; the exit status says the cache may be short
-        print(f"ember: error: shutdown deadline of {engine.shutdown_timeout_s}s passed before the flush finished", file=sys.stderr, flush=True)
+        print(
+            f"ember: error: shutdown deadline of {engine.shutdown_timeout_s}s passed before the flush finished",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0
 

@@ -117,7 +117,9 @@ class ExtensionCounter(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
-            "ember_gateway_extension_fields", "SGLang extension fields accepted from a trusted gateway", labels=["field"]
+            "ember_gateway_extension_fields",
+            "SGLang extension fields accepted from a trusted gateway",
+            labels=["field"],
         )
         for name in SGLANG_EXTENSIONS:
             family.add_metric([name], self.seen[name])

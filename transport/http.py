@@ -158,7 +158,9 @@ class ServerState:
                     param,
                 )
 
-    async def chat_prompt(self, engine: Engine, messages: list[dict[str, Any]], setup: Any, param: str = "messages") -> Any:
+    async def chat_prompt(
+        self, engine: Engine, messages: list[dict[str, Any]], setup: Any, param: str = "messages"
+    ) -> Any:
         """``chat_turn.chat_prompt`` behind the byte bound and off the event
         loop: what every chat-shaped route (chat completions, Messages,
         Responses) renders its prompt with."""
@@ -196,7 +198,12 @@ class ServerState:
         aliases = (name, self.config.model) if self.config.backend == "mlx" else (name,)
         if requested is None or requested in aliases:
             return name
-        raise ApiError(404, f"the model {requested!r} does not exist (this server serves {name!r})", param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model {requested!r} does not exist (this server serves {name!r})",
+            param="model",
+            code="model_not_found",
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -305,13 +312,21 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
     if chat:
         renderer = ChatRenderer(
-            model, req.include_usage, rids=rids, token_bytes=engine.token_bytes, splitter=lambda: chat_turn.splitter(engine, tools)
+            model,
+            req.include_usage,
+            rids=rids,
+            token_bytes=engine.token_bytes,
+            splitter=lambda: chat_turn.splitter(engine, tools),
         )
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
     completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
     if req.stream:
         return EventStream(
-            stream, completion_renderer, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done,
+            stream,
+            completion_renderer,
+            keepalive_s=host.keepalive_s,
+            on_tokens=timer.tokens,
+            on_end=timer.done,
             send_timeout_s=host.send_timeout_s,
         )
     completion = await collect(stream, request.receive, timer)

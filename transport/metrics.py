@@ -63,9 +63,13 @@ class EngineCollector(Collector):
                 yield GaugeMetricFamily(f"ember_scheduler_{key}", doc, value=sched[key])
         gw = stats.get("gateway", {})
         if "in_flight" in gw:
-            yield GaugeMetricFamily("ember_requests_in_flight", "requests admitted and not finished", value=gw["in_flight"])
+            yield GaugeMetricFamily(
+                "ember_requests_in_flight", "requests admitted and not finished", value=gw["in_flight"]
+            )
         if "rejected" in gw:
-            rejected = CounterMetricFamily("ember_requests_rejected", "requests refused at admission", labels=["reason"])
+            rejected = CounterMetricFamily(
+                "ember_requests_rejected", "requests refused at admission", labels=["reason"]
+            )
             for reason, n in gw["rejected"].items():
                 rejected.add_metric([reason], n)
             yield rejected
@@ -86,7 +90,11 @@ def _numeric_leaves(prefix: str, d: dict[str, Any]) -> Iterator[Metric]:
             yield GaugeMetricFamily(name, f"engine.stats() {prefix}.{key}", value=value)
         elif isinstance(value, dict):
             yield from _numeric_leaves(name, value)
-        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        elif (
+            isinstance(value, list)
+            and value
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        ):
             # per-position series (e.g. accepted draft tokens by position) as one labelled gauge
             family = GaugeMetricFamily(name, f"engine.stats() {prefix}.{key} by position", labels=["pos"])
             for i, v in enumerate(value):
@@ -107,7 +115,10 @@ class Metrics:
             registry=self.registry,
         )
         self.itl = Histogram(
-            "ember_inter_token_latency_seconds", "time between a request's tokens", buckets=ITL_BUCKETS, registry=self.registry
+            "ember_inter_token_latency_seconds",
+            "time between a request's tokens",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
         )
         self.e2e = Histogram(
             "ember_request_duration_seconds",

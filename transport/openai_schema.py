@@ -84,7 +84,11 @@ class ChatMessage(_Strict):
             msg["name"] = self.name
         if self.tool_calls:
             msg["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": template_arguments(c.function.arguments)},
+                }
                 for c in self.tool_calls
             ]
         if self.tool_call_id is not None:
@@ -141,7 +145,9 @@ class ResponseFormat(_Strict):
             return Constraint(kind="json_object")
         js = self.json_schema
         if js is None:
-            raise InvalidRequest("response_format of type json_schema needs a json_schema", "response_format.json_schema")
+            raise InvalidRequest(
+                "response_format of type json_schema needs a json_schema", "response_format.json_schema"
+            )
         if not _SCHEMA_NAME.match(js.name):
             raise InvalidRequest(
                 "json_schema.name must be 1-64 characters of a-z, A-Z, 0-9, _ and -", "response_format.json_schema.name"
@@ -320,7 +326,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
                     raise InvalidRequest("a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
                 if m.tool_call_id not in calls:
                     raise InvalidRequest(
-                        f"tool_call_id {m.tool_call_id!r} matches no earlier assistant tool call", f"messages[{i}].tool_call_id"
+                        f"tool_call_id {m.tool_call_id!r} matches no earlier assistant tool call",
+                        f"messages[{i}].tool_call_id",
                     )
             elif m.tool_call_id is not None:
                 raise InvalidRequest("only tool messages carry tool_call_id", f"messages[{i}].tool_call_id")

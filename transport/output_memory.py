@@ -78,4 +78,9 @@ class OutputMemory:
             self._chars -= len(old)
 
     def stats(self) -> dict[str, int]:
-        return {"entries": len(self._entries), "chars": self._chars, "hits": self.hits, "reused_tokens": self.reused_tokens}
+        return {
+            "entries": len(self._entries),
+            "chars": self._chars,
+            "hits": self.hits,
+            "reused_tokens": self.reused_tokens,
+        }

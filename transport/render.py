@@ -139,7 +139,9 @@ class ChatRenderer(_Base):
                 fn = FunctionCallDelta(name=e.name, arguments="")
                 out.append(ChunkDelta(tool_calls=[ToolCallDelta(index=e.index, id=e.id, type="function", function=fn)]))
             elif isinstance(e, CallArgs):
-                out.append(ChunkDelta(tool_calls=[ToolCallDelta(index=e.index, function=FunctionCallDelta(arguments=e.text))]))
+                out.append(
+                    ChunkDelta(tool_calls=[ToolCallDelta(index=e.index, function=FunctionCallDelta(arguments=e.text))])
+                )
             # CallEnd: its pieces already went out
         return out
 
@@ -163,12 +165,17 @@ class ChatRenderer(_Base):
         return AssistantMessage(content=(text or None) if calls else text, tool_calls=calls or msgspec.UNSET)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageBody | None = None) -> bytes:
-        return event(_encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)))
+        return event(
+            _encode(
+                ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+            )
+        )
 
     def start(self) -> list[bytes]:
         # Sent at once, before the prefill: the client sees the stream open.
         return [
-            self._chunk([ChatChunkChoice(index=i, delta=ChunkDelta(role="assistant", content=""))]) for i in range(self.n)
+            self._chunk([ChatChunkChoice(index=i, delta=ChunkDelta(role="assistant", content=""))])
+            for i in range(self.n)
         ]
 
     def delta(self, d: Delta) -> list[bytes]:
@@ -214,7 +221,9 @@ class CompletionRenderer(_Base):
     prefix = "cmpl"
 
     def _chunk(self, choices: list[TextChoice], usage: UsageBody | None = None) -> bytes:
-        return event(_encode(TextCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)))
+        return event(
+            _encode(TextCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage))
+        )
 
     def start(self) -> list[bytes]:
         return []

@@ -109,32 +109,71 @@ class ResponsesRenderer:
         if isinstance(e, Text):
             item = self._text_item
             if item is None:
-                item = {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+                item = {
+                    "id": _id("msg"),
+                    "type": "message",
+                    "status": "in_progress",
+                    "role": "assistant",
+                    "content": [],
+                }
                 self._text_item = item
                 self.output.append(item)
                 idx = len(self.output) - 1
                 out.append(("response.output_item.added", {"output_index": idx, "item": _copy(item)}))
                 item["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                out.append(("response.content_part.added", {"item_id": item["id"], "output_index": idx, "content_index": 0, "part": part}))
+                out.append(
+                    (
+                        "response.content_part.added",
+                        {"item_id": item["id"], "output_index": idx, "content_index": 0, "part": part},
+                    )
+                )
             item["content"][0]["text"] += e.text
-            out.append(("response.output_text.delta", {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0, "delta": e.text, "logprobs": []}))
+            out.append(
+                (
+                    "response.output_text.delta",
+                    {
+                        "item_id": item["id"],
+                        "output_index": self.output.index(item),
+                        "content_index": 0,
+                        "delta": e.text,
+                        "logprobs": [],
+                    },
+                )
+            )
         elif isinstance(e, CallStart):
             self._close_text(out)
-            item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": e.id, "name": e.name, "arguments": ""}
+            item = {
+                "id": _id("fc"),
+                "type": "function_call",
+                "status": "in_progress",
+                "call_id": e.id,
+                "name": e.name,
+                "arguments": "",
+            }
             self._calls[e.index] = item
             self.output.append(item)
             out.append(("response.output_item.added", {"output_index": len(self.output) - 1, "item": _copy(item)}))
         elif isinstance(e, CallArgs):
             item = self._calls[e.index]
             item["arguments"] += e.text
-            out.append(("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": self.output.index(item), "delta": e.text}))
+            out.append(
+                (
+                    "response.function_call_arguments.delta",
+                    {"item_id": item["id"], "output_index": self.output.index(item), "delta": e.text},
+                )
+            )
         elif isinstance(e, CallEnd):
             item = self._calls[e.index]
             item["arguments"] = e.arguments
             item["status"] = "completed"
             idx = self.output.index(item)
-            out.append(("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx, "name": item["name"], "arguments": e.arguments}))
+            out.append(
+                (
+                    "response.function_call_arguments.done",
+                    {"item_id": item["id"], "output_index": idx, "name": item["name"], "arguments": e.arguments},
+                )
+            )
             out.append(("response.output_item.done", {"output_index": idx, "item": _copy(item)}))
 
     def _close_text(self, out: list[tuple[str, dict[str, Any]]]) -> None:
@@ -144,8 +183,18 @@ class ResponsesRenderer:
         idx = self.output.index(item)
         part = item["content"][0]
         item["status"] = "completed"
-        out.append(("response.output_text.done", {"item_id": item["id"], "output_index": idx, "content_index": 0, "text": part["text"], "logprobs": []}))
-        out.append(("response.content_part.done", {"item_id": item["id"], "output_index": idx, "content_index": 0, "part": _copy(part)}))
+        out.append(
+            (
+                "response.output_text.done",
+                {"item_id": item["id"], "output_index": idx, "content_index": 0, "text": part["text"], "logprobs": []},
+            )
+        )
+        out.append(
+            (
+                "response.content_part.done",
+                {"item_id": item["id"], "output_index": idx, "content_index": 0, "part": _copy(part)},
+            )
+        )
         out.append(("response.output_item.done", {"output_index": idx, "item": _copy(item)}))
 
     def _sse(self, kind: str, payload: dict[str, Any]) -> bytes:
@@ -212,4 +261,3 @@ async def responses(request: Request, host: Any) -> Response:
 def routes(endpoint: Any) -> list[Route]:
     """``endpoint`` is the OpenAI routes' wrapper (errors in OpenAI's shape)."""
     return [Route("/v1/responses", endpoint("responses", responses), methods=["POST"])]
-

@@ -60,9 +60,7 @@ def check_tool(name: Any, description: Any, parameters: Any, param: str, schema_
     """One tool definition, checked; ``param`` is where it sits in the request,
     ``schema_field`` what this API calls its schema."""
     if not isinstance(name, str) or not _NAME.match(name):
-        raise InvalidRequest(
-            "a tool name must be 1-64 letters, digits, '_', '-', '.' or ':'", f"{param}.name"
-        )
+        raise InvalidRequest("a tool name must be 1-64 letters, digits, '_', '-', '.' or ':'", f"{param}.name")
     if description is not None and not isinstance(description, str):
         raise InvalidRequest("a tool description must be a string", f"{param}.description")
     if parameters is None:

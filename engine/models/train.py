@@ -160,6 +160,7 @@ def build_tokenizer(texts, vocab_size: int, out_dir: Path):
     Returns the ``transformers`` fast tokenizer.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     PreTrainedTokenizerFast = _transformers().PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -292,6 +293,7 @@ def repeat_window(window: np.ndarray, rng, style: str = "jump") -> np.ndarray:
     s = int(rng.integers(0, p - n // 16))
     return np.concatenate([window[:p], window[s : s + n - p]])
 
+
 def copy_windows(tokens: np.ndarray, excerpt: int, max_windows: int) -> np.ndarray:
     """Held-out excerpts given twice: (2 * excerpt + 1)-token windows."""
     wins = eval_windows(tokens, excerpt, max_windows)[:, :excerpt]
@@ -420,9 +422,7 @@ def train_model(
     n_params = count_params(model)
     log(f"[{name}] {n_params / 1e6:.2f}M params, config {json.dumps(config)}")
 
-    optimizer = optim.AdamW(
-        learning_rate=lr, betas=[0.9, 0.95], eps=1e-8, weight_decay=weight_decay
-    )
+    optimizer = optim.AdamW(learning_rate=lr, betas=[0.9, 0.95], eps=1e-8, weight_decay=weight_decay)
 
     def loss_fn(model, x, y):
         return nn.losses.cross_entropy(model(x), y, reduction="mean")
@@ -626,8 +626,9 @@ def decode_step_ms(model, prompt_ids, warmup: int = 16, steps: int = 128) -> flo
     return 1000.0 * float(np.median(times))
 
 
-def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray,
-            heldout_tokens: np.ndarray | None = None) -> dict:
+def measure(
+    target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray, heldout_tokens: np.ndarray | None = None
+) -> dict:
     """Reload both models with mlx_lm.load and measure the acceptance numbers."""
     import mlx.core as mx
     from mlx_lm import generate, load
@@ -656,8 +657,10 @@ def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray,
             cw = copy_windows(heldout_tokens, excerpt, 64)
             res["heldout"][f"target_copy{excerpt}_top1"] = copy_top1(target, cw)
             res["heldout"][f"draft_copy{excerpt}_top1"] = copy_top1(draft, cw)
-        log("copy top-1 (second copy of a held-out excerpt): " + ", ".join(
-            f"{k} {v:.3f}" for k, v in res["heldout"].items() if "copy" in k))
+        log(
+            "copy top-1 (second copy of a held-out excerpt): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in res["heldout"].items() if "copy" in k)
+        )
     log(f"held-out: target loss {tl:.3f} top1 {ta:.3f} | draft loss {dl:.3f} top1 {da:.3f}")
 
     for p in DEMO_PROMPTS:
@@ -672,15 +675,19 @@ def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray,
             "draft_distinct4": distinct_ngram_ratio(dout, 4),
         }
         res["demos"].append(d)
-        log(f"--- prompt {p!r}: target distinct-4 {d['target_distinct4']:.3f}, "
-            f"draft distinct-4 {d['draft_distinct4']:.3f}")
+        log(
+            f"--- prompt {p!r}: target distinct-4 {d['target_distinct4']:.3f}, "
+            f"draft distinct-4 {d['draft_distinct4']:.3f}"
+        )
         log(p + d["target_text"])
     for who in ("target", "draft"):
         r = [d[f"{who}_distinct4"] for d in res["demos"]]
         res[f"mean_{who}_distinct4_first3"] = float(np.mean(r[:3]))
         res[f"mean_{who}_distinct4"] = float(np.mean(r))
-    log(f"mean target distinct-4: first 3 prompts {res['mean_target_distinct4_first3']:.3f}, "
-        f"all {len(r)} prompts {res['mean_target_distinct4']:.3f}")
+    log(
+        f"mean target distinct-4: first 3 prompts {res['mean_target_distinct4_first3']:.3f}, "
+        f"all {len(r)} prompts {res['mean_target_distinct4']:.3f}"
+    )
 
     ids = tok.encode("import os\n")
     # alternate, repeat, take the medians: the machine is shared and noisy
@@ -691,22 +698,20 @@ def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray,
     res["target_step_ms"] = float(np.median(tms))
     res["draft_step_ms"] = float(np.median(dms))
     res["step_ratio"] = res["target_step_ms"] / res["draft_step_ms"]
-    log(f"decode step: target {res['target_step_ms']:.2f} ms, draft "
-        f"{res['draft_step_ms']:.2f} ms, ratio {res['step_ratio']:.2f}")
+    log(
+        f"decode step: target {res['target_step_ms']:.2f} ms, draft "
+        f"{res['draft_step_ms']:.2f} ms, ratio {res['step_ratio']:.2f}"
+    )
 
     # plain mlx-lm entry points work on both
     for name, (m, t) in {"target": (target, tok), "draft": (draft, dtok)}.items():
-        chat = t.apply_chat_template(
-            [{"role": "user", "content": "hi"}], add_generation_prompt=True
-        )
+        chat = t.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
         text = generate(m, t, "def ", max_tokens=16)
         assert isinstance(text, str) and text, name
         assert chat, name
     text = generate(target, tok, "import os\n", max_tokens=16, draft_model=draft)
     assert text
-    res["files_bytes"] = {
-        str(d.name): (d / "model.safetensors").stat().st_size for d in (target_dir, draft_dir)
-    }
+    res["files_bytes"] = {str(d.name): (d / "model.safetensors").stat().st_size for d in (target_dir, draft_dir)}
     return res
 
 
@@ -715,48 +720,72 @@ def measure(target_dir: Path, draft_dir: Path, heldout_wins: np.ndarray,
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=None,
-                    help="parent dir for tiny/ and tiny-draft/ (default: the "
-                         "package dir; a temp dir with --quick)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="parent dir for tiny/ and tiny-draft/ (default: the package dir; a temp dir with --quick)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes-target", type=float, default=24.0)
     ap.add_argument("--minutes-draft", type=float, default=4.0)
-    ap.add_argument("--steps-target", type=int, default=None,
-                    help="exact step count (overrides --minutes-target)")
-    ap.add_argument("--steps-draft", type=int, default=None,
-                    help="exact step count (overrides --minutes-draft)")
+    ap.add_argument("--steps-target", type=int, default=None, help="exact step count (overrides --minutes-target)")
+    ap.add_argument("--steps-draft", type=int, default=None, help="exact step count (overrides --minutes-draft)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr-target", type=float, default=3e-3)
     ap.add_argument("--lr-draft", type=float, default=5e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
-    ap.add_argument("--measure-only", action="store_true",
-                    help="only re-measure the models already in --out (no training); "
-                         "updates 'measurements' in their training_log.json")
-    ap.add_argument("--quick", action="store_true",
-                    help="tiny smoke run (few files, few steps) into a temp dir")
-    ap.add_argument("--draft-only", action="store_true",
-                    help="keep the target (and tokenizer) already in --out/tiny; train only the drafter")
-    ap.add_argument("--distill", type=float, default=0.0,
-                    help="drafter loss weight on KL(target || drafter), 0..1 (0: corpus only)")
+    ap.add_argument(
+        "--measure-only",
+        action="store_true",
+        help="only re-measure the models already in --out (no training); "
+        "updates 'measurements' in their training_log.json",
+    )
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run (few files, few steps) into a temp dir")
+    ap.add_argument(
+        "--draft-only",
+        action="store_true",
+        help="keep the target (and tokenizer) already in --out/tiny; train only the drafter",
+    )
+    ap.add_argument(
+        "--distill", type=float, default=0.0, help="drafter loss weight on KL(target || drafter), 0..1 (0: corpus only)"
+    )
     ap.add_argument("--draft-layers", type=int, default=DRAFT_CONFIG["num_hidden_layers"])
-    ap.add_argument("--continue-target", action="store_true",
-                    help="keep training the target already in --out/tiny (same tokenizer) "
-                         "for --steps-target steps at --seq-len, then re-measure the pair")
-    ap.add_argument("--repeat-frac", type=float, default=0.0,
-                    help="share of training windows that are an excerpt repeated to the "
-                         "window's length (teaches copying from the context)")
-    ap.add_argument("--repeat-style", choices=("jump", "cycle"), default="jump",
-                    help="how a repeated window repeats (see repeat_window)")
-    ap.add_argument("--unlikelihood", type=float, default=0.0,
-                    help="with --continue-target: weight of sequence-level unlikelihood on the "
-                         "tokens of n-grams the model's own greedy continuation repeats")
-    ap.add_argument("--ul-ngram", type=int, default=4,
-                    help="n of the repeated n-grams --unlikelihood penalises")
-    ap.add_argument("--eval-seq-len", type=int, default=None,
-                    help="held-out window length for the recorded measurements "
-                         "(default: --seq-len)")
+    ap.add_argument(
+        "--continue-target",
+        action="store_true",
+        help="keep training the target already in --out/tiny (same tokenizer) "
+        "for --steps-target steps at --seq-len, then re-measure the pair",
+    )
+    ap.add_argument(
+        "--repeat-frac",
+        type=float,
+        default=0.0,
+        help="share of training windows that are an excerpt repeated to the "
+        "window's length (teaches copying from the context)",
+    )
+    ap.add_argument(
+        "--repeat-style",
+        choices=("jump", "cycle"),
+        default="jump",
+        help="how a repeated window repeats (see repeat_window)",
+    )
+    ap.add_argument(
+        "--unlikelihood",
+        type=float,
+        default=0.0,
+        help="with --continue-target: weight of sequence-level unlikelihood on the "
+        "tokens of n-grams the model's own greedy continuation repeats",
+    )
+    ap.add_argument("--ul-ngram", type=int, default=4, help="n of the repeated n-grams --unlikelihood penalises")
+    ap.add_argument(
+        "--eval-seq-len",
+        type=int,
+        default=None,
+        help="held-out window length for the recorded measurements (default: --seq-len)",
+    )
     args = ap.parse_args(argv)
 
     import mlx.core as mx
@@ -779,8 +808,7 @@ def main(argv=None):
         draft_cfg.update(vocab_size=512)
 
     if args.out is None:
-        args.out = (Path(tempfile.mkdtemp(prefix="ember-models-")) if args.quick
-                    else Path(__file__).resolve().parent)
+        args.out = Path(tempfile.mkdtemp(prefix="ember-models-")) if args.quick else Path(__file__).resolve().parent
     out = args.out
     log(f"python {sys.version.split()[0]}, stdlib {stdlib_dir()}, out {out}")
 
@@ -796,14 +824,34 @@ def main(argv=None):
             update_measurements(out / sub / "training_log.json", res)
         print(json.dumps({k: v for k, v in res.items() if k != "demos"}, indent=1))
         return res
-    log(f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files, "
-        f"{sum(len(t) for _, t in train_files) / 1e6:.1f}M train chars")
+    log(
+        f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files, "
+        f"{sum(len(t) for _, t in train_files) / 1e6:.1f}M train chars"
+    )
     if args.continue_target:
-        return continue_target(args, target_cfg, train_files, heldout_files, t_start,
-                               eval_n=eval_n, heldout_n=heldout_n, eval_every=eval_every, argv=argv)
+        return continue_target(
+            args,
+            target_cfg,
+            train_files,
+            heldout_files,
+            t_start,
+            eval_n=eval_n,
+            heldout_n=heldout_n,
+            eval_every=eval_every,
+            argv=argv,
+        )
     if args.draft_only:
-        return train_draft_only(args, draft_cfg, train_files, heldout_files, t_start,
-                                eval_n=eval_n, heldout_n=heldout_n, eval_every=eval_every, argv=argv)
+        return train_draft_only(
+            args,
+            draft_cfg,
+            train_files,
+            heldout_files,
+            t_start,
+            eval_n=eval_n,
+            heldout_n=heldout_n,
+            eval_every=eval_every,
+            argv=argv,
+        )
 
     t0 = time.time()
     with tempfile.TemporaryDirectory() as td:
@@ -812,19 +860,29 @@ def main(argv=None):
         eos_id = hf.convert_tokens_to_ids(EOS_TOKEN)
         train_tokens = encode_files(hf, train_files)
         heldout_tokens = encode_files(hf, heldout_files)
-        log(f"tokenizer + encode {time.time() - t0:.1f}s: {len(train_tokens) / 1e6:.2f}M train "
+        log(
+            f"tokenizer + encode {time.time() - t0:.1f}s: {len(train_tokens) / 1e6:.2f}M train "
             f"tokens, {len(heldout_tokens) / 1e6:.3f}M held-out tokens "
-            f"({sum(len(t) for _, t in train_files) / len(train_tokens):.2f} chars/token)")
+            f"({sum(len(t) for _, t in train_files) / len(train_tokens):.2f} chars/token)"
+        )
 
         eval_wins = eval_windows(heldout_tokens, args.seq_len, eval_n)
         heldout_wins = eval_windows(heldout_tokens, args.seq_len, heldout_n)
 
-        common = dict(batch=args.batch, seq_len=args.seq_len, warmup=args.warmup,
-                      weight_decay=0.1, eval_every=eval_every)
+        common = dict(
+            batch=args.batch, seq_len=args.seq_len, warmup=args.warmup, weight_decay=0.1, eval_every=eval_every
+        )
         target, trec = train_model(
-            "target", target_cfg, train_tokens, eval_wins, seed=args.seed,
-            minutes=args.minutes_target, steps=args.steps_target, lr=args.lr_target,
-            **common)
+            "target",
+            target_cfg,
+            train_tokens,
+            eval_wins,
+            seed=args.seed,
+            minutes=args.minutes_target,
+            steps=args.steps_target,
+            lr=args.lr_target,
+            **common,
+        )
         save_model_dir(target, target_cfg, tok_dir, out / "tiny", eos_id)
         del target
         teacher = None
@@ -833,22 +891,38 @@ def main(argv=None):
 
             teacher, _ = load(str(out / "tiny"))
         draft, drec = train_model(
-            "draft", draft_cfg, train_tokens, eval_wins, seed=args.seed + 1,
-            minutes=args.minutes_draft, steps=args.steps_draft, lr=args.lr_draft,
-            teacher=teacher, distill=args.distill, **common)
+            "draft",
+            draft_cfg,
+            train_tokens,
+            eval_wins,
+            seed=args.seed + 1,
+            minutes=args.minutes_draft,
+            steps=args.steps_draft,
+            lr=args.lr_draft,
+            teacher=teacher,
+            distill=args.distill,
+            **common,
+        )
         save_model_dir(draft, draft_cfg, tok_dir, out / "tiny-draft", eos_id)
         del draft
 
     train_wall = time.time() - t_start
     res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
     total_wall = time.time() - t_start
-    meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
-                    wall_s_until_saved=round(train_wall, 1), wall_s_total=round(total_wall, 1))
+    meta = run_meta(
+        args,
+        argv,
+        train_files,
+        heldout_files,
+        train_tokens,
+        heldout_tokens,
+        res,
+        wall_s_until_saved=round(train_wall, 1),
+        wall_s_total=round(total_wall, 1),
+    )
     for sub, rec in (("tiny", trec), ("tiny-draft", drec)):
-        (out / sub / "training_log.json").write_text(
-            json.dumps(dict(meta, training=rec), indent=1) + "\n")
-    log(f"done in {total_wall:.0f}s ({train_wall:.0f}s until both were saved); "
-        f"out {out}")
+        (out / sub / "training_log.json").write_text(json.dumps(dict(meta, training=rec), indent=1) + "\n")
+    log(f"done in {total_wall:.0f}s ({train_wall:.0f}s until both were saved); out {out}")
     return meta
 
 
@@ -906,18 +980,39 @@ def train_draft_only(args, draft_cfg, train_files, heldout_files, t_start, *, ev
 
     out = args.out
     eos_id, train_tokens, heldout_tokens, eval_wins, heldout_wins = shipped_tokenizer_data(
-        args, train_files, heldout_files, eval_n, heldout_n)
+        args, train_files, heldout_files, eval_n, heldout_n
+    )
     teacher = load(str(out / "tiny"))[0] if args.distill > 0 else None
     draft, drec = train_model(
-        "draft", draft_cfg, train_tokens, eval_wins, seed=args.seed + 1,
-        minutes=args.minutes_draft, steps=args.steps_draft, lr=args.lr_draft,
-        batch=args.batch, seq_len=args.seq_len, warmup=args.warmup, weight_decay=0.1,
-        eval_every=eval_every, teacher=teacher, distill=args.distill)
+        "draft",
+        draft_cfg,
+        train_tokens,
+        eval_wins,
+        seed=args.seed + 1,
+        minutes=args.minutes_draft,
+        steps=args.steps_draft,
+        lr=args.lr_draft,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        warmup=args.warmup,
+        weight_decay=0.1,
+        eval_every=eval_every,
+        teacher=teacher,
+        distill=args.distill,
+    )
     save_keeping_tokenizer(draft, draft_cfg, out, "tiny-draft", eos_id)
     del draft, teacher
     res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
-    meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
-                    wall_s_total=round(time.time() - t_start, 1))
+    meta = run_meta(
+        args,
+        argv,
+        train_files,
+        heldout_files,
+        train_tokens,
+        heldout_tokens,
+        res,
+        wall_s_total=round(time.time() - t_start, 1),
+    )
     (out / "tiny-draft" / "training_log.json").write_text(json.dumps(dict(meta, training=drec), indent=1) + "\n")
     update_measurements(out / "tiny" / "training_log.json", res)
     log(f"drafter done in {time.time() - t_start:.0f}s; out {out}")
@@ -940,19 +1035,42 @@ def continue_target(args, target_cfg, train_files, heldout_files, t_start, *, ev
 
     out = args.out
     eos_id, train_tokens, heldout_tokens, eval_wins, heldout_wins = shipped_tokenizer_data(
-        args, train_files, heldout_files, eval_n, heldout_n)
+        args, train_files, heldout_files, eval_n, heldout_n
+    )
     init, _ = load(str(out / "tiny"))
     target, trec = train_model(
-        "target", target_cfg, train_tokens, eval_wins, seed=args.seed + 2,
-        minutes=None if args.steps_target else args.minutes_target, steps=args.steps_target,
-        lr=args.lr_target, batch=args.batch, seq_len=args.seq_len, warmup=args.warmup,
-        weight_decay=0.1, eval_every=eval_every, init=init, repeat_frac=args.repeat_frac,
-        repeat_style=args.repeat_style, unlikelihood=args.unlikelihood, ul_ngram=args.ul_ngram)
+        "target",
+        target_cfg,
+        train_tokens,
+        eval_wins,
+        seed=args.seed + 2,
+        minutes=None if args.steps_target else args.minutes_target,
+        steps=args.steps_target,
+        lr=args.lr_target,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        warmup=args.warmup,
+        weight_decay=0.1,
+        eval_every=eval_every,
+        init=init,
+        repeat_frac=args.repeat_frac,
+        repeat_style=args.repeat_style,
+        unlikelihood=args.unlikelihood,
+        ul_ngram=args.ul_ngram,
+    )
     save_keeping_tokenizer(target, target_cfg, out, "tiny", eos_id)
     del target, init
     res = measure(out / "tiny", out / "tiny-draft", heldout_wins, heldout_tokens)
-    meta = run_meta(args, argv, train_files, heldout_files, train_tokens, heldout_tokens, res,
-                    wall_s_total=round(time.time() - t_start, 1))
+    meta = run_meta(
+        args,
+        argv,
+        train_files,
+        heldout_files,
+        train_tokens,
+        heldout_tokens,
+        res,
+        wall_s_total=round(time.time() - t_start, 1),
+    )
     f = out / "tiny" / "training_log.json"
     before = json.loads(f.read_text()) if f.exists() else {}
     # Earlier stages' records stay: this model is those runs plus this one.
