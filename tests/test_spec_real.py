@@ -118,7 +118,7 @@ async def _sample(engine, prompt, seeds, gamma):
 
 
 async def test_sampled_distribution_with_speculation_is_the_real_targets():
-    from test_spec_stats import homogeneity_p
+    from tests.test_spec_stats import homogeneity_p
 
     target = _target()
     cfg = EngineConfig(model=target, max_batch=32, prompt_cache_gib=0, draft_model="ngram")
