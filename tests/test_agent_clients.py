@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import anthropic
 import openai
 import pytest
 
-from tests.test_openai_client import _read_url
+from tests.live_server import ember_serve
 
 pytestmark = pytest.mark.slow
 
@@ -45,36 +42,8 @@ QUESTION = "What is the weather in Paris?"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "transport.cli",
-            "serve",
-            "--model",
-            MODEL,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        yield _read_url(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for f in (proc.stdout, proc.stderr):
-            if f is not None:
-                f.close()
+    with ember_serve("--model", MODEL) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ subprocess on 127.0.0.1, then SIGTERM: the server drains and exits 0."""
 
 from __future__ import annotations
 
-import os
 import selectors
 import signal
 import subprocess
@@ -45,35 +44,10 @@ def _read_url(proc: subprocess.Popen[str]) -> str:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "transport.cli",
-            "serve",
-            "--fake-gpu",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        yield proc, _read_url(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for f in (proc.stdout, proc.stderr):
-            if f is not None:
-                f.close()
+    from tests.live_server import ember_serve
+
+    with ember_serve("--fake-gpu") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,6 @@ parameter."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
@@ -21,7 +18,7 @@ mx = pytest.importorskip("mlx.core")
 jsonschema = pytest.importorskip("jsonschema")
 
 from engine.models import resolve_model  # noqa: E402
-from tests.test_openai_client import _read_url  # noqa: E402
+from tests.live_server import ember_serve  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,41 +41,8 @@ def server() -> Iterator[str]:
         resolve_model("tiny")
     except FileNotFoundError as exc:
         pytest.skip(f"no bundled model: {exc}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "transport.cli",
-            "serve",
-            "--model",
-            "tiny",
-            "--draft-model",
-            "ngram",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        yield _read_url(proc)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for f in (proc.stdout, proc.stderr):
-            if f is not None:
-                f.close()
+    with ember_serve("--model", "tiny", "--draft-model", "ngram") as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")
