@@ -5,11 +5,29 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
-from tests.test_openai_client import _read_url
+
+def read_url(proc: subprocess.Popen[str], timeout_s: float = 60) -> str:
+    """The URL ``ember serve`` prints once it is ready (it chose a free port itself)."""
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and sel.select(timeout=deadline - time.monotonic()):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("ember: serving"):
+            return line.split(" at ", 1)[1].split()[0]
+    proc.kill()
+    raise AssertionError(
+        f"ember serve did not print its URL (rc={proc.wait()}): {proc.stderr.read() if proc.stderr else ''}"
+    )
 
 
 @contextlib.contextmanager
@@ -21,7 +39,7 @@ def ember_serve(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        yield proc, _read_url(proc)
+        yield proc, read_url(proc)
     finally:
         if proc.poll() is None:
             proc.terminate()

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import os
-import selectors
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import anyio
 import pytest
 
 from engine import EngineConfig
+from tests.live_server import read_url
 from transport.http import build_app
 
 FAKE = EngineConfig(backend="fake", max_batch=1, max_queue=0, prefill_chunk=64)
@@ -90,20 +90,6 @@ async def test_a_client_that_stops_reading_is_aborted_after_the_send_timeout():
         assert out.token_ids
 
 
-def _read_url(proc: subprocess.Popen[str], timeout_s: float = 60) -> str:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and sel.select(timeout=deadline - time.monotonic()):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("ember: serving"):
-            return line.split(" at ", 1)[1].split()[0]
-    proc.kill()
-    raise AssertionError(f"ember serve did not print its URL (rc={proc.wait()}): {proc.stderr.read()}")
-
-
 def _closed_within(sock: socket.socket, seconds: float) -> float | None:
     """Seconds until the server closed ``sock`` (recv gives b""), or None."""
     t0 = time.monotonic()
@@ -141,7 +127,7 @@ def test_slowloris_and_silent_connections_are_closed_after_the_header_timeout():
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        url = _read_url(proc)
+        url = read_url(proc)
         host, port = url.removeprefix("http://").rsplit(":", 1)
         silent = socket.create_connection((host, int(port)))
         dribble = socket.create_connection((host, int(port)))

@@ -10,7 +10,6 @@ tokenized on a worker thread, off the event loop, and is a 400 after it.
 from __future__ import annotations
 
 import os
-import selectors
 import subprocess
 import sys
 import threading
@@ -19,19 +18,7 @@ import time
 import httpx
 import pytest
 
-
-def _read_url(proc: subprocess.Popen[str], timeout_s: float = 120) -> str:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and sel.select(timeout=deadline - time.monotonic()):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("ember: serving"):
-            return line.split(" at ", 1)[1].split()[0]
-    proc.kill()
-    raise AssertionError(f"ember serve did not print its URL (rc={proc.wait()}): {proc.stderr.read()}")
+from tests.live_server import read_url
 
 
 def _hostile(url: str, path: str, body: dict) -> tuple[float, int, list[float]]:
@@ -79,7 +66,7 @@ def test_an_8mb_prompt_is_a_quick_400_and_health_keeps_its_latency():
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        url = _read_url(proc)
+        url = read_url(proc, 120)
         big = "lorem ipsum dolor sit amet " * (8_000_000 // 27)  # ~8 MB, under the 8 MiB body cap
         took, status, lat = _hostile(url, "/v1/completions", {"prompt": big, "max_tokens": 1})
         print(

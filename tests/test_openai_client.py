@@ -3,11 +3,9 @@ subprocess on 127.0.0.1, then SIGTERM: the server drains and exits 0."""
 
 from __future__ import annotations
 
-import selectors
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -17,35 +15,14 @@ import pytest
 from engine.fake_gpu import ByteTokenizer, expected_tokens
 from engine.gguf_models import installed
 from engine.models import BUNDLED
+from tests.live_server import ember_serve, read_url
 
 TOK = ByteTokenizer()
 START_TIMEOUT_S = 60
 
 
-def _read_url(proc: subprocess.Popen[str]) -> str:
-    """The URL the server prints once it is ready (it chose a free port itself)."""
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if not sel.select(timeout=deadline - time.monotonic()):
-            break
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("ember: serving"):
-            return line.split(" at ", 1)[1].split()[0]
-    proc.kill()
-    raise AssertionError(
-        f"ember serve did not print its URL (rc={proc.wait()}): {proc.stderr.read() if proc.stderr else ''}"
-    )
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    from tests.live_server import ember_serve
-
     with ember_serve("--fake-gpu") as served:
         yield served
 
@@ -159,7 +136,7 @@ def test_ember_serve_without_model_serves_the_bundled_tiny_on_mlx():
         text=True,
     )
     try:
-        url = _read_url(proc)
+        url = read_url(proc, START_TIMEOUT_S)
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
             assert [m.id for m in c.models.list()] == ["tiny"]
             r = c.chat.completions.create(

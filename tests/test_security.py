@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import itertools
 import os
-import selectors
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from engine import EngineConfig
+from tests.live_server import read_url
 from transport.http import build_app
 from transport.security import host_name, is_loopback
 
@@ -122,21 +121,6 @@ def test_loopback_names():
     ]
 
 
-def _read_url(proc: subprocess.Popen[str], timeout_s: float = 60) -> str:
-    """The URL `ember serve` prints once it is ready."""
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and sel.select(timeout=deadline - time.monotonic()):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("ember: serving"):
-            return line.split(" at ", 1)[1].split()[0]
-    proc.kill()
-    raise AssertionError(f"ember serve did not print its URL (rc={proc.wait()}): {proc.stderr.read()}")
-
-
 @pytest.mark.slow
 def test_ember_serve_takes_the_key_from_the_flag_or_the_environment():
     """A real process and socket: EMBER_API_KEY is honoured, the key guards
@@ -150,7 +134,7 @@ def test_ember_serve_takes_the_key_from_the_flag_or_the_environment():
         env=env,
     )
     try:
-        url = _read_url(proc)
+        url = read_url(proc)
         with httpx.Client(base_url=url, timeout=30) as c:
             assert c.get("/health").status_code == 200
             assert c.get("/v1/models").status_code == 401
