@@ -236,9 +236,16 @@ class Engine:
         from actors.cold_tier import ColdStore, ColdTier, run_in_thread, run_inline
         from engine.disk import RealDisk
 
+        root = os.path.abspath(os.path.expanduser(cfg.ssd_cache_dir))
+        tier_class: Any = ColdTier
+        if cfg.distributed:  # every rank its own shard's files (engine.distributed_tier)
+            from engine.distributed_tier import DistributedColdTier, rank_root
+
+            grp = self.backend.link.group  # type: ignore[attr-defined]  # the LeaderBackend
+            root, tier_class = rank_root(root, grp.rank(), grp.size()), DistributedColdTier
         store = ColdStore(
             RealDisk(),
-            os.path.abspath(os.path.expanduser(cfg.ssd_cache_dir)),
+            root,
             model_id=self.info.model_id,
             config_fingerprint=self.info.config_fingerprint,
             tokenizer_hash=self.info.tokenizer_hash,
@@ -246,7 +253,7 @@ class Engine:
             verify=cfg.ssd_cache_verify,
             max_tokens=self.info.context_length,
         )
-        cold = ColdTier(
+        cold = tier_class(
             store,
             self.backend,
             self.device,

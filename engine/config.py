@@ -53,7 +53,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     draft_model: str | None = None  # path, "tiny-draft" or "ngram"
     num_draft_tokens: int | None = None  # None: adaptive
     # one model across ranks launched by mlx.launch: "tensor" or "pipeline"
-    # (engine.mlx_distributed; the RAM tier in lock-step, no SSD tier)
+    # (engine.mlx_distributed; the RAM tier in lock-step, the SSD tier per rank: engine.distributed_tier)
     distributed: str | None = None
     # misc
     seed: int = 0
@@ -95,8 +95,3 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest(f"unknown distributed mode {self.distributed!r} (tensor or pipeline)", "distributed")
         if self.backend != "mlx":
             raise InvalidRequest("distributed serving needs the MLX backend, not the fake GPU", "distributed")
-        # a restored entry would be rank 0's shard only (engine.mlx_distributed)
-        if self.ssd_cache_dir:
-            raise InvalidRequest(
-                "the SSD cache tier is not supported in distributed mode (the RAM tier is)", "ssd_cache_dir"
-            )

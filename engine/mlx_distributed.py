@@ -22,12 +22,13 @@ What is off in this mode, and why:
 * running ahead (``MLXBackend.run_ahead``): it computes a step on the MLX
   thread when the thread is idle, a timing decision each rank would take
   differently, and a collective issued by one rank alone deadlocks the group;
-* the SSD tier: a restore builds a cache from rank 0's file, rank 0's shard
-  only; ``EngineConfig.validate`` refuses ``--ssd-cache`` with ``--distributed``.
-  The RAM tier works in lock-step: rank 0 names every cache it keeps
+* nothing else: the RAM tier works in lock-step: rank 0 names every cache it keeps
   (``TrackedCache``, the row id it closed from), each follower keeps its own
   shard of the same row's cache under that name, a hit goes on the wire as the
-  name, and the names rank 0 lets go of are sent with the next plan.
+  name, and the names rank 0 lets go of are sent with the next plan. The SSD
+  tier (``engine.distributed_tier``): each rank writes and reads its own
+  shard's files when rank 0 says so, a write durable and a restore served
+  only when every rank's part succeeded.
 
 Speculation works, unlike ``mlx_lm.server`` (which refuses draft models when
 distributed): the drafter (a draft model, whole and unsharded, or n-gram
@@ -75,7 +76,7 @@ HEARTBEAT_S = 1.0
 FOLLOWER_SILENCE_S = 30.0
 DEFAULT_STEP_TIMEOUT_S = 60.0
 
-_STOP, _PLAN, _BEAT = 0, 1, 2
+_STOP, _PLAN, _BEAT, _TIER = 0, 1, 2, 3  # _TIER: an SSD-tier op (engine.distributed_tier)
 
 
 def group() -> Any:
@@ -101,6 +102,7 @@ class RankLink:
         self.group = grp
         self.sent = 0
         self.bytes = 0
+        self.tier_ops = 0
 
     def _all_sum(self, x: Any) -> Any:
         import mlx.core as mx
@@ -114,16 +116,25 @@ class RankLink:
 
         self._all_sum(mx.array([kind, length], dtype=mx.int32))
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, *, tier: bool = False) -> None:
         import mlx.core as mx
 
-        self._header(_PLAN, len(data))
+        self._header(_TIER if tier else _PLAN, len(data))
         self._all_sum(mx.array(np.frombuffer(data, dtype=np.uint8)))
+        if tier:
+            self.tier_ops += 1
+            return
         self.sent += 1
         self.bytes += len(data)
 
     def beat(self) -> None:
         self._header(_BEAT, 0)
+
+    def agree(self, ok: bool) -> bool:
+        """Every rank says whether its part succeeded; True only if all did."""
+        import mlx.core as mx
+
+        return int(self._all_sum(mx.array([0 if ok else 1], dtype=mx.int32)).item()) == 0
 
     def stop(self) -> None:
         self._header(_STOP, 0)
@@ -132,7 +143,7 @@ class RankLink:
         import mlx.core as mx
 
         kind, length = (int(v) for v in self._all_sum(mx.zeros((2,), dtype=mx.int32)).tolist())
-        if kind != _PLAN:
+        if kind not in (_PLAN, _TIER):
             return kind, b""
         data = self._all_sum(mx.zeros((length,), dtype=mx.uint8))
         return kind, bytes(np.array(data, copy=False))
@@ -165,8 +176,8 @@ def encode_wire(plan: StepPlan, drops: list[int]) -> bytes:
                 continue
             src = o.cache.cache if isinstance(o.cache, CachePrefix) else o.cache
             if not isinstance(src, TrackedCache):
-                # not a cache every rank holds (an SSD restore, say): refuse
-                # rather than let the ranks diverge
+                # not a cache every rank holds (an SSD restore is one: it is
+                # tracked, engine.distributed_tier): refuse rather than let the ranks diverge
                 raise RuntimeError("a step plan with a cache the other ranks do not hold cannot be shared")
             opened.append(OpenRow(o.rid, o.sampling, src.origin, o.cached))
         plan = dataclasses.replace(plan, open=opened)
@@ -307,6 +318,7 @@ class LeaderBackend:
             "plans_sent": self.link.sent,
             "plan_bytes": self.link.bytes,
             "caches_shared": self.tracked,
+            "tier_ops": self.link.tier_ops,
             "caches_dropped_pending": len(self._dropped),
         }
 
@@ -394,6 +406,7 @@ def run_follower(config: EngineConfig) -> int:
     me = grp.rank()
     backend = load_sharded(config)
     link = RankLink(grp)
+    tier = follower_tier(config, backend, link)
     log.info("[distributed] rank %d/%d following (%s)", me, grp.size(), config.distributed)
     waiting_since: list[float | None] = [time.monotonic()]  # None while a step runs (it may be long)
 
@@ -420,11 +433,20 @@ def run_follower(config: EngineConfig) -> int:
             if kind == _BEAT:
                 continue
             waiting_since[0] = None
+            if kind == _TIER:
+                with mx.stream(generation_stream):
+                    tier.handle(data, stored)
+                continue
             plan, drops = _decode_wire(data)
             for name in drops:
                 stored.pop(name, None)
             for o in plan.open:
-                if o.cache is not None:  # a KeyError ends this rank: never a step on the wrong cache
+                if o.cache is None:
+                    continue
+                # a KeyError ends this rank: never a step on the wrong cache
+                if o.cache < 0:  # an SSD restore: rank 0 opens the row on the restored cache itself
+                    o.cache = stored.pop(o.cache)
+                else:
                     o.cache = CachePrefix(stored[o.cache], o.cached)
             with mx.stream(generation_stream):
                 try:
@@ -438,3 +460,21 @@ def run_follower(config: EngineConfig) -> int:
     except RuntimeError as exc:
         log.error("[distributed] rank %d: the group failed: %s", me, exc)
         return 1
+
+
+def follower_tier(config: EngineConfig, backend: Any, link: RankLink) -> Any:
+    """This follower's side of the SSD tier (engine.distributed_tier)."""
+    from engine.distributed_tier import FollowerTier, rank_store
+
+    store = None
+    if config.ssd_cache_dir:
+        grp = link.group
+        store = rank_store(
+            config.ssd_cache_dir,
+            backend.info,
+            rank=grp.rank(),
+            size=grp.size(),
+            max_bytes=int(config.ssd_cache_max_gib * (1 << 30)),
+            verify=config.ssd_cache_verify,
+        )
+    return FollowerTier(store, link)

@@ -24,7 +24,6 @@ def test_the_flag_keeps_the_ram_tier_and_arms_the_step_watchdog():
 @pytest.mark.parametrize(
     "flags, says",
     [
-        (["--ssd-cache", "/tmp/x"], "SSD cache tier is not supported in distributed mode"),
         (["--fake-gpu"], "needs the MLX backend"),
     ],
 )
@@ -34,6 +33,14 @@ def test_refused_combinations_exit_2(flags, says, capsys):
         engine_config(args, args.parser)
     assert e.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_ssd_tier_is_accepted_with_its_ram_tier():
+    # each rank persists its own shard (engine.distributed_tier); the RAM tier it spills from is still required
+    args = build_parser().parse_args(["serve", "--distributed", "tensor", "--ssd-cache", "/tmp/x"])
+    assert engine_config(args, args.parser).ssd_cache_dir == "/tmp/x"
+    with pytest.raises(InvalidRequest, match="needs the RAM tier"):
+        EngineConfig(distributed="tensor", ssd_cache_dir="/tmp/x", prompt_cache_gib=0).validate()
 
 
 def test_unknown_mode_is_refused():

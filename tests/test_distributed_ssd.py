@@ -1,0 +1,107 @@
+"""The SSD tier of a distributed engine (engine/distributed_tier.py): each rank
+persists its own shard under ``DIR/rank{r}of{n}/``; the tier round-trips across
+a restart of both ranks, and one rank's bad file is a miss on every rank.
+
+Oracle: mlx-lm's ``stream_generate`` in one process, greedy, never persisted.
+Two ranks of the ring backend on localhost (tests/test_distributed.py starts
+them as ``mlx.launch`` would), the bundled llama split by tensor.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.test_distributed import Ranks, reference
+
+pytestmark = pytest.mark.slow
+
+N = 16
+# two long prompts (hundreds of tokens) with nothing in common at their start
+PROMPT_A = "def fib(n):\n    " + "".join(f"# step {i}: add the two previous numbers\n    " for i in range(40))
+PROMPT_B = "The weather report for the coast. " + " ".join(f"Station {i} reports light wind." for i in range(40))
+
+
+def ask(url: str, prompt: str) -> dict[str, Any]:
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": N, "ignore_eos": True}, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(resp: dict[str, Any]) -> int:
+    return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def flush(url: str) -> dict[str, Any]:
+    r = httpx.post(url + "/admin/cache/flush", json={}, timeout=180)
+    assert r.status_code == 200, r.text
+    assert r.json()["durable"] is True, r.json()
+    return r.json()
+
+
+def files(root: Path, rank: int) -> set[Path]:
+    return set((root / f"rank{rank}of2").rglob("*.kv"))
+
+
+def stop_both(ranks: Ranks) -> None:
+    ranks.procs[0].send_signal(signal.SIGTERM)  # rank 0 drains and tells the follower to stop
+    assert ranks.procs[0].wait(timeout=60) == 0, ranks.logs()
+    assert ranks.procs[1].wait(timeout=30) == 0, ranks.logs()
+
+
+def ssd(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/stats", timeout=10).json()["ssd_cache"]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    from engine.models import resolve_model
+
+    return str(resolve_model("tiny"))
+
+
+def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, tiny):
+    want_a, want_b = reference(tiny, [PROMPT_A, PROMPT_B], N)
+    root = tmp_path / "ssd"
+    flags = ["--ssd-cache", str(root)]
+    run1, run2 = tmp_path / "run1", tmp_path / "run2"  # each launch's hostfile and logs
+    run1.mkdir()
+    run2.mkdir()
+
+    # 1. serve both prompts, each followed by a flush: durable only when both ranks' files are
+    with Ranks(run1, tiny, "tensor", extra=flags) as ranks:
+        assert ask(ranks.url, PROMPT_A)["choices"][0]["text"] == want_a
+        flush(ranks.url)
+        a0, a1 = files(root, 0), files(root, 1)
+        assert a0 and a1, (a0, a1)  # every rank wrote its shard
+        assert ask(ranks.url, PROMPT_B)["choices"][0]["text"] == want_b
+        flush(ranks.url)
+        b0, b1 = files(root, 0) - a0, files(root, 1) - a1
+        assert len(b0) == len(b1) == 1, (b0, b1)
+        assert {p.name for p in b0} == {p.name for p in b1}  # the same entry, one shard per rank
+        stats = ssd(ranks.url)
+        assert stats["shard_write_failures"] == 0 and stats["spills"] >= 2, stats
+        stop_both(ranks)
+
+    # 2. rank 1's file of B goes bad (a flipped byte in a tensor): B must be a miss on both ranks
+    [bad] = b1
+    raw = bytearray(bad.read_bytes())
+    raw[-100] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+
+    # 3. restart both: A comes back from SSD on every rank, B is computed again; both equal mlx-lm
+    with Ranks(run2, tiny, "tensor", extra=flags) as ranks:
+        ra = ask(ranks.url, PROMPT_A)
+        assert cached(ra) > 0, ra["usage"]
+        assert ra["choices"][0]["text"] == want_a
+        rb = ask(ranks.url, PROMPT_B)
+        assert cached(rb) == 0, rb["usage"]
+        assert rb["choices"][0]["text"] == want_b
+        stats = ssd(ranks.url)
+        assert stats["restores"] == 1 and stats["shard_misses"] == 1, stats
+        assert not (files(root, 0) & b0) and not (files(root, 1) & b1)  # every rank deleted its file of B
+        stop_both(ranks)
