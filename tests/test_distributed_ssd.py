@@ -4,7 +4,9 @@ a restart of both ranks, and one rank's bad file is a miss on every rank.
 
 Oracle: mlx-lm's ``stream_generate`` in one process, greedy, never persisted.
 Two ranks of the ring backend on localhost (tests/test_distributed.py starts
-them as ``mlx.launch`` would), the bundled llama split by tensor.
+them as ``mlx.launch`` would): the bundled llama split by tensor (rank 1's file
+corrupted), the tiny random qwen2 split by pipeline stage (rank 1's file
+deleted). Two launches each, about 30 s each on the shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_distributed import Ranks, reference
+from tests.test_distributed import Ranks, qwen2_dir, reference  # noqa: F401 - qwen2_dir: a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +66,12 @@ def tiny() -> str:
     return str(resolve_model("tiny"))
 
 
-def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, tiny):
-    want_a, want_b = reference(tiny, [PROMPT_A, PROMPT_B], N)
+@pytest.mark.parametrize("mode, fault", [("tensor", "corrupt"), ("pipeline", "delete")])
+def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, request, mode, fault):
+    """tensor: the bundled llama, each rank its KV heads; pipeline: the tiny
+    random qwen2 of tests/test_distributed.py, each rank its layers."""
+    model = request.getfixturevalue("tiny" if mode == "tensor" else "qwen2_dir")
+    want_a, want_b = reference(model, [PROMPT_A, PROMPT_B], N)
     root = tmp_path / "ssd"
     flags = ["--ssd-cache", str(root)]
     run1, run2 = tmp_path / "run1", tmp_path / "run2"  # each launch's hostfile and logs
@@ -73,7 +79,7 @@ def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, tiny):
     run2.mkdir()
 
     # 1. serve both prompts, each followed by a flush: durable only when both ranks' files are
-    with Ranks(run1, tiny, "tensor", extra=flags) as ranks:
+    with Ranks(run1, model, mode, extra=flags) as ranks:
         assert ask(ranks.url, PROMPT_A)["choices"][0]["text"] == want_a
         flush(ranks.url)
         a0, a1 = files(root, 0), files(root, 1)
@@ -87,14 +93,17 @@ def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, tiny):
         assert stats["shard_write_failures"] == 0 and stats["spills"] >= 2, stats
         stop_both(ranks)
 
-    # 2. rank 1's file of B goes bad (a flipped byte in a tensor): B must be a miss on both ranks
+    # 2. rank 1's file of B goes bad (a flipped byte in a tensor, or gone): B must be a miss on both ranks
     [bad] = b1
-    raw = bytearray(bad.read_bytes())
-    raw[-100] ^= 0xFF
-    bad.write_bytes(bytes(raw))
+    if fault == "corrupt":
+        raw = bytearray(bad.read_bytes())
+        raw[-100] ^= 0xFF
+        bad.write_bytes(bytes(raw))
+    else:
+        bad.unlink()
 
     # 3. restart both: A comes back from SSD on every rank, B is computed again; both equal mlx-lm
-    with Ranks(run2, tiny, "tensor", extra=flags) as ranks:
+    with Ranks(run2, model, mode, extra=flags) as ranks:
         ra = ask(ranks.url, PROMPT_A)
         assert cached(ra) > 0, ra["usage"]
         assert ra["choices"][0]["text"] == want_a
