@@ -21,6 +21,7 @@ import asyncio
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -364,6 +365,10 @@ class Actor(Generic[M]):
         self.ref: ActorRef[M] = ActorRef(self.name, self._inbox_send)
         self.stopped = anyio.Event()
         self.current: Envelope[M] | None = None  # the envelope being handled
+        # What stopped the whole engine, if anything (the Engine sets it): an actor
+        # cancelled because another crashed tells its waiters that cause instead
+        # of its own cancellation.
+        self.cause: Callable[[], BaseException | None] | None = None
 
     async def started(self) -> None:
         """Hook run inside the actor task before the first message."""
@@ -384,6 +389,8 @@ class Actor(Generic[M]):
             reason = exc
             raise
         finally:
+            if isinstance(reason, anyio.get_cancelled_exc_class()) and self.cause is not None:
+                reason = self.cause() or reason
             with anyio.CancelScope(shield=True):
                 self._fail_queued(reason)
                 try:

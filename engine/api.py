@@ -325,6 +325,7 @@ class Engine:
             task_status.started()
 
     async def _supervise(self, actor: Actor[Any], *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        actor.cause = lambda: self.dead  # what its waiters are told if it is cancelled by a crash
         try:
             await actor.run(task_status=task_status)
         except Exception as exc:  # an actor crashed: the engine is dead, waiters get EngineDead

@@ -308,6 +308,7 @@ def test_a_rank_that_dies_ends_open_requests_and_health(tmp_path, tiny):
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])["error"]
         assert err["code"] == "engine_dead", err
+        assert "rank was lost" in err["message"] or "[ring]" in err["message"], err  # the cause, not a cancellation
         assert ended < DEATH_BOUND_S, ended
         print(f"stream ended {ended:.2f} s after the kill")
         while (h := httpx.get(ranks.url + "/health", timeout=5)).status_code == 200:

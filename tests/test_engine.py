@@ -153,13 +153,17 @@ async def test_a_crashing_actor_gives_engine_dead_to_every_waiter():
             try:
                 await engine.acomplete([i + 1] * 10, SamplingParams(max_tokens=100))
                 outcomes.append("finished")
-            except EngineDead:
+            except EngineDead as exc:
                 outcomes.append("dead")
+                messages.append(str(exc))
 
+        messages: list[str] = []
         async with anyio.create_task_group() as tg:
             for i in range(5):
                 tg.start_soon(client, i)
         assert outcomes == ["dead"] * 5
+        # every waiter is told the cause, not the cancellation that stopped the other actors
+        assert all("GPU driver bug" in m for m in messages), messages
         assert engine.dead is not None and "GPU driver bug" in repr(engine.dead)
         with pytest.raises(EngineDead):
             await engine.acomplete([1], SamplingParams(max_tokens=1))
