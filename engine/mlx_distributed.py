@@ -384,7 +384,30 @@ def load_distributed_backend(config: EngineConfig) -> tuple[LeaderBackend, Leade
         raise
     backend = LeaderBackend(inner, RankLink(group()))
     device.backend = backend
+    watch_parent()
     return backend, device
+
+
+PARENT_POLL_S = 1.0
+
+
+def watch_parent(poll_s: float = PARENT_POLL_S) -> None:
+    """Stop rank 0 gracefully (SIGTERM to itself: drain, then the followers
+    are told to stop) when the process that started it goes away.
+
+    ``mlx.launch`` execs each rank as its child and forwards no SIGTERM (mlx
+    0.32): a SIGTERM to the launcher killed it and left both ranks serving.
+    A rank whose parent died is re-parented, so a changed ``getppid`` means the
+    launcher is gone. Polled, not ``PR_SET_PDEATHSIG``: that is Linux only."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.warning("[distributed] the launcher (pid %d) is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ember-parent-watch", daemon=True).start()
 
 
 # ---------------------------------------------------------------------------

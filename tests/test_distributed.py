@@ -317,3 +317,46 @@ def test_a_rank_that_dies_ends_open_requests_and_health(tmp_path, tiny):
         assert h.status_code == 503 and h.json()["status"] == "dead"
         r = httpx.post(ranks.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie not yet reaped by whoever adopted it counts as exited)."""
+    st = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return st == "" or st.startswith("Z")
+
+
+def test_sigterm_to_mlx_launch_stops_every_rank(tmp_path, tiny):
+    """``mlx.launch`` forwards no SIGTERM: it dies and its ranks are adopted.
+    Rank 0 notices its parent is gone and stops gracefully, telling rank 1."""
+    launcher = shutil.which("mlx.launch", path=os.path.dirname(sys.executable))
+    if launcher is None:
+        pytest.skip("no mlx.launch next to this Python")
+    port = free_port()
+    argv = [launcher, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "transport.cli", "serve"]
+    argv += ["--model", tiny, "--distributed", "tensor", "--port", str(port)]
+    with open(tmp_path / "launch.log", "wb") as log:
+        launch = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and launch.poll() is None, (tmp_path / "launch.log").read_text()
+            time.sleep(0.2)
+        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(launch.pid)], capture_output=True, text=True).stdout.split()]
+        assert len(ranks) == 2, ranks
+        launch.send_signal(signal.SIGTERM)
+        launch.wait(timeout=30)
+        stopped = time.monotonic()
+        while not all(_gone(p) for p in ranks):
+            assert time.monotonic() - stopped < 30, "ranks still running after the launcher's SIGTERM"
+            time.sleep(0.2)
+        print(f"both ranks gone {time.monotonic() - stopped:.1f} s after SIGTERM to mlx.launch")
+    finally:
+        try:
+            os.killpg(launch.pid, signal.SIGKILL)  # the ranks share the launcher's process group
+        except ProcessLookupError:
+            pass
