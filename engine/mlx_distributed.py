@@ -164,6 +164,16 @@ class TrackedCache(list):
     origin: int
 
 
+CHECKPOINT_NAMES = 1 << 40  # above any row id (the names of closed caches); restores are negative
+
+
+def checkpoint_names(plan_no: int, rids: Any) -> dict[int, int]:
+    """The names of the checkpoints plan number ``plan_no`` (1-based, counted
+    alike by rank 0 and every follower) asks for: from the plan alone, so the
+    ranks agree without a word on the wire."""
+    return {rid: CHECKPOINT_NAMES + (plan_no << 16) + i for i, rid in enumerate(sorted(rids))}
+
+
 def encode_wire(plan: StepPlan, drops: list[int]) -> bytes:
     """The plan with each prefix cache replaced by its name, and the names to drop."""
     from engine.mlx_backend import CachePrefix
@@ -265,6 +275,7 @@ class LeaderBackend:
         # names of closed caches rank 0 no longer holds (appended by finalizers on any thread)
         self._dropped: collections.deque[int] = collections.deque()
         self.tracked = 0
+        self.plans = 0  # plans sent: every follower counts them alike (checkpoint_names)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -275,19 +286,31 @@ class LeaderBackend:
         drops = []
         while self._dropped:
             drops.append(self._dropped.popleft())
+        data = encode_wire(plan, drops)  # outside the try: a refused plan is not a lost rank
         try:
-            self.link.send(encode_wire(plan, drops))
+            self.link.send(data)
         except RuntimeError as exc:
             self._lose(exc)
             raise
+        self.plans += 1
         res = self.inner.step(plan)
         for rid, cache in res.closed.items():
-            tracked = TrackedCache(cache)
-            tracked.origin = rid
-            weakref.finalize(tracked, self._dropped.append, rid)
-            res.closed[rid] = tracked
-            self.tracked += 1
+            res.closed[rid] = self._track(cache, rid)
+        # checkpoints (caches that cannot be trimmed back: sliding windows, SSM
+        # state) are RAM-tier entries too; every rank names them after the plan
+        for rid, name in checkpoint_names(self.plans, plan.checkpoint).items():
+            if rid in res.checkpoints:
+                res.checkpoints[rid] = self._track(res.checkpoints[rid], name)
+            else:  # copied on the followers but not here: let theirs go
+                self._dropped.append(name)
         return res
+
+    def _track(self, cache: Any, name: int) -> TrackedCache:
+        tracked = TrackedCache(cache)
+        tracked.origin = name
+        weakref.finalize(tracked, self._dropped.append, name)
+        self.tracked += 1
+        return tracked
 
     def beat(self) -> None:
         if self.lost is not None:
@@ -479,6 +502,9 @@ def run_follower(config: EngineConfig) -> int:
                     log.warning("[distributed] rank %d: step failed: %r", me, exc)
                 else:
                     stored.update(res.closed)
+                    for rid, name in checkpoint_names(steps + 1, plan.checkpoint).items():
+                        if rid in res.checkpoints:
+                            stored[name] = res.checkpoints[rid]
             steps += 1
     except RuntimeError as exc:
         log.error("[distributed] rank %d: the group failed: %s", me, exc)

@@ -90,7 +90,11 @@ class _Link:
 
 
 class _Inner:
-    """Closes every row it is told to, keeping its cache: what MLXBackend hands back."""
+    """Closes every row it is told to, keeping its cache, and copies the
+    checkpoints asked for (but those of ``fail``): what MLXBackend hands back."""
+
+    def __init__(self, fail: frozenset[int] = frozenset()):
+        self.fail = fail
 
     def step(self, plan: StepPlan) -> Any:
         from engine.ports import StepResult
@@ -99,6 +103,8 @@ class _Inner:
         for rid in plan.close:
             if rid in plan.keep_cache:
                 res.closed[rid] = [f"kv-of-{rid}"]
+        for rid in plan.checkpoint - self.fail:
+            res.checkpoints[rid] = [f"checkpoint-of-{rid}"]
         return res
 
 
@@ -124,3 +130,22 @@ def test_rank0_names_the_caches_it_keeps_and_tells_when_it_drops_them():
     leader.step(StepPlan())
     _, drops = _decode_wire(link.sent[-1])
     assert drops == [8]
+
+
+def test_rank0_names_checkpoints_as_every_follower_does():
+    """Checkpoints (caches of sliding windows or SSM state, which cannot be
+    trimmed back) are RAM-tier entries: named from the plan number and the
+    plan's rows, which every follower knows, so nothing more goes on the wire."""
+    from engine.mlx_distributed import CHECKPOINT_NAMES, LeaderBackend, _decode_wire, checkpoint_names
+
+    link = _Link()
+    leader = LeaderBackend(_Inner(fail=frozenset({4})), link)  # type: ignore[arg-type]
+    leader.step(StepPlan())
+    res = leader.step(StepPlan(checkpoint={5, 3, 4}))
+    names = checkpoint_names(2, {3, 4, 5})
+    assert {rid: c.origin for rid, c in res.checkpoints.items()} == {3: names[3], 5: names[5]}
+    assert len(set(names.values())) == 3 and min(names.values()) > CHECKPOINT_NAMES  # never a row id
+    # row 4's copy failed here: the followers' copy of it is let go with the next plan
+    leader.step(StepPlan())
+    assert _decode_wire(link.sent[-1])[1] == [names[4]]
+    assert checkpoint_names(3, {3}) != checkpoint_names(2, {3})  # a later plan, another name
