@@ -238,8 +238,8 @@ class Engine:
 
         root = os.path.abspath(os.path.expanduser(cfg.ssd_cache_dir))
         tier_class: Any = ColdTier
-        if cfg.distributed:  # every rank its own shard's files (engine.distributed_tier)
-            from engine.distributed_tier import DistributedColdTier, rank_root
+        if cfg.distributed:  # every rank its own shard's files (actors.distributed_tier)
+            from actors.distributed_tier import DistributedColdTier, rank_root
 
             grp = self.backend.link.group  # type: ignore[attr-defined]  # the LeaderBackend
             root, tier_class = rank_root(root, grp.rank(), grp.size()), DistributedColdTier

@@ -53,7 +53,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     draft_model: str | None = None  # path, "tiny-draft" or "ngram"
     num_draft_tokens: int | None = None  # None: adaptive
     # one model across ranks launched by mlx.launch: "tensor" or "pipeline"
-    # (engine.mlx_distributed; the RAM tier in lock-step, the SSD tier per rank: engine.distributed_tier)
+    # (engine.mlx_distributed; the RAM tier in lock-step, the SSD tier per rank: actors.distributed_tier)
     distributed: str | None = None
     # misc
     seed: int = 0

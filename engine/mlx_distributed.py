@@ -26,7 +26,7 @@ What is off in this mode, and why:
   (``TrackedCache``, the row id it closed from), each follower keeps its own
   shard of the same row's cache under that name, a hit goes on the wire as the
   name, and the names rank 0 lets go of are sent with the next plan. The SSD
-  tier (``engine.distributed_tier``): each rank writes and reads its own
+  tier (``actors.distributed_tier``): each rank writes and reads its own
   shard's files when rank 0 says so, a write durable and a restore served
   only when every rank's part succeeded.
 
@@ -76,7 +76,7 @@ HEARTBEAT_S = 1.0
 FOLLOWER_SILENCE_S = 30.0
 DEFAULT_STEP_TIMEOUT_S = 60.0
 
-_STOP, _PLAN, _BEAT, _TIER = 0, 1, 2, 3  # _TIER: an SSD-tier op (engine.distributed_tier)
+_STOP, _PLAN, _BEAT, _TIER = 0, 1, 2, 3  # _TIER: an SSD-tier op (actors.distributed_tier)
 
 
 def group() -> Any:
@@ -187,7 +187,7 @@ def encode_wire(plan: StepPlan, drops: list[int]) -> bytes:
             src = o.cache.cache if isinstance(o.cache, CachePrefix) else o.cache
             if not isinstance(src, TrackedCache):
                 # not a cache every rank holds (an SSD restore is one: it is
-                # tracked, engine.distributed_tier): refuse rather than let the ranks diverge
+                # tracked, actors.distributed_tier): refuse rather than let the ranks diverge
                 raise RuntimeError("a step plan with a cache the other ranks do not hold cannot be shared")
             opened.append(OpenRow(o.rid, o.sampling, src.origin, o.cached))
         plan = dataclasses.replace(plan, open=opened)
@@ -437,8 +437,23 @@ def watch_parent(poll_s: float = PARENT_POLL_S) -> None:
 # Ranks 1..N-1.
 
 
-def run_follower(config: EngineConfig) -> int:
+class _NoTier:
+    """A follower without an SSD tier: says no to every op (each asks one agreement)."""
+
+    def __init__(self, link: RankLink):
+        self.link = link
+
+    def handle(self, data: bytes, stored: dict[int, Any]) -> None:
+        self.link.agree(False)
+
+
+def run_follower(config: EngineConfig, make_tier: Callable[[EngineConfig, Any, RankLink], Any] | None = None) -> int:
     """Load this rank's shard and execute rank 0's step plans until it says stop.
+
+    ``make_tier(config, backend, link)``: this rank's side of the SSD tier
+    (``actors.distributed_tier.follower_tier``, handed in from above the
+    engine layer); without it every tier op rank 0 sends fails here, which
+    makes it fail on every rank.
 
     Exit status: 0 on rank 0's stop; 1 when the group fails (a rank was
     lost); 3 when rank 0 went silent for ``FOLLOWER_SILENCE_S``."""
@@ -452,7 +467,7 @@ def run_follower(config: EngineConfig) -> int:
     me = grp.rank()
     backend = load_sharded(config)
     link = RankLink(grp)
-    tier = follower_tier(config, backend, link)
+    tier = make_tier(config, backend, link) if make_tier is not None else _NoTier(link)
     log.info("[distributed] rank %d/%d following (%s)", me, grp.size(), config.distributed)
     waiting_since: list[float | None] = [time.monotonic()]  # None while a step runs (it may be long)
 
@@ -509,21 +524,3 @@ def run_follower(config: EngineConfig) -> int:
     except RuntimeError as exc:
         log.error("[distributed] rank %d: the group failed: %s", me, exc)
         return 1
-
-
-def follower_tier(config: EngineConfig, backend: Any, link: RankLink) -> Any:
-    """This follower's side of the SSD tier (engine.distributed_tier)."""
-    from engine.distributed_tier import FollowerTier, rank_store
-
-    store = None
-    if config.ssd_cache_dir:
-        grp = link.group
-        store = rank_store(
-            config.ssd_cache_dir,
-            backend.info,
-            rank=grp.rank(),
-            size=grp.size(),
-            max_bytes=int(config.ssd_cache_max_gib * (1 << 30)),
-            verify=config.ssd_cache_verify,
-        )
-    return FollowerTier(store, link)

@@ -335,7 +335,9 @@ def test_sigterm_to_mlx_launch_stops_every_rank(tmp_path, tiny):
     argv = [launcher, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "transport.cli", "serve"]
     argv += ["--model", tiny, "--distributed", "tensor", "--port", str(port)]
     with open(tmp_path / "launch.log", "wb") as log:
-        launch = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        launch = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -346,7 +348,8 @@ def test_sigterm_to_mlx_launch_stops_every_rank(tmp_path, tiny):
                 pass
             assert time.monotonic() < deadline and launch.poll() is None, (tmp_path / "launch.log").read_text()
             time.sleep(0.2)
-        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(launch.pid)], capture_output=True, text=True).stdout.split()]
+        children = subprocess.run(["pgrep", "-P", str(launch.pid)], capture_output=True, text=True).stdout
+        ranks = [int(p) for p in children.split()]
         assert len(ranks) == 2, ranks
         launch.send_signal(signal.SIGTERM)
         launch.wait(timeout=30)

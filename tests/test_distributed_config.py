@@ -36,7 +36,7 @@ def test_refused_combinations_exit_2(flags, says, capsys):
 
 
 def test_the_ssd_tier_is_accepted_with_its_ram_tier():
-    # each rank persists its own shard (engine.distributed_tier); the RAM tier it spills from is still required
+    # each rank persists its own shard (actors.distributed_tier); the RAM tier it spills from is still required
     args = build_parser().parse_args(["serve", "--distributed", "tensor", "--ssd-cache", "/tmp/x"])
     assert engine_config(args, args.parser).ssd_cache_dir == "/tmp/x"
     with pytest.raises(InvalidRequest, match="needs the RAM tier"):

@@ -1,4 +1,4 @@
-"""The SSD tier of a distributed engine (engine/distributed_tier.py): each rank
+"""The SSD tier of a distributed engine (actors/distributed_tier.py): each rank
 persists its own shard under ``DIR/rank{r}of{n}/``; the tier round-trips across
 a restart of both ranks, and one rank's bad file is a miss on every rank.
 

@@ -1,4 +1,4 @@
-"""A follower's side of the distributed SSD tier (engine/distributed_tier.py),
+"""A follower's side of the distributed SSD tier (actors/distributed_tier.py),
 in one process: the real files, caches and store, with the group's agreement
 played by a stub link (the two-rank engine itself: tests/test_distributed_ssd.py).
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from engine.distributed_tier import FollowerTier, PersistOp, RestoreOp, encode_op, rank_root, rank_store
+from actors.distributed_tier import FollowerTier, PersistOp, RestoreOp, encode_op, rank_root, rank_store
 from engine.ports import ModelInfo
 
 INFO = ModelInfo("m", 100, 4096, "fp", "tok", 2)

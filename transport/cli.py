@@ -231,7 +231,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         if rank() != 0:  # the other ranks execute rank 0's step plans; no HTTP
             logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-            return run_follower(config)
+            from actors.distributed_tier import follower_tier
+
+            return run_follower(config, make_tier=follower_tier)
     try:
         sock = _bind(args.host, args.port)
     except OSError as exc:

@@ -184,6 +184,22 @@ def settle_restore(store: ColdStore, op: RestoreOp, mine_ok: bool, agreed: bool)
 # Ranks 1..N-1: ``run_follower`` hands each tier message here.
 
 
+def follower_tier(config: Any, backend: Any, link: Any) -> FollowerTier:
+    """This follower's side of the SSD tier (``run_follower``'s ``make_tier``)."""
+    store = None
+    if config.ssd_cache_dir:
+        grp = link.group
+        store = rank_store(
+            config.ssd_cache_dir,
+            backend.info,
+            rank=grp.rank(),
+            size=grp.size(),
+            max_bytes=int(config.ssd_cache_max_gib * (1 << 30)),
+            verify=config.ssd_cache_verify,
+        )
+    return FollowerTier(store, link)
+
+
 class FollowerTier:
     """A follower's side of the tier: its store (None without ``--ssd-cache``:
     it then fails every write and restore, which makes them misses on every rank)."""
@@ -201,7 +217,7 @@ class FollowerTier:
             cache = stored.get(op.name)  # always held (rank 0 keeps it alive until written); else fail
             prepared = prepare_write(store, op, cache) if store is not None and cache is not None else None
             ok = False
-            if prepared is not None:
+            if store is not None and prepared is not None:
                 writer, sources = prepared
                 victims = store.reserve(writer.path, writer.file_bytes)
                 if victims is None:  # over this rank's cap
@@ -210,7 +226,7 @@ class FollowerTier:
                     store.delete_files([v.path for v in victims])
                     ok = commit_write(store, writer, sources)
             agreed = self.link.agree(ok)
-            if prepared is not None:
+            if store is not None and prepared is not None:
                 store.delete_files([g.path for g in settle_write(store, prepared[0], ok, agreed)])
             elif store is not None:
                 _drop(store, store.path_for(as_tokens(op.tokens), op.ns))
@@ -240,6 +256,7 @@ class DistributedColdTier(ColdTier):
 
     def __init__(self, store: ColdStore, backend: Any, *args: Any, **kw: Any):
         super().__init__(store, backend, *args, **kw)
+        self.leader = backend  # the LeaderBackend (``self.backend`` is typed as any Backend)
         self._restore_names = 0
         for key in ("unshared", "shard_misses", "shard_write_failures"):
             store.counters.setdefault(key, 0)
@@ -326,24 +343,25 @@ class DistributedColdTier(ColdTier):
             layers = read_shard(self.store, op)
         except Exception as exc:  # noqa: BLE001 - a miss on every rank
             log.warning("[distributed_tier] restore of rank 0's shard failed: %r", exc)
-        if not self._agree(layers is not None):
+        agreed = self._agree(layers is not None)
+        if layers is None or not agreed:
             return None, layers is not None
         tracked = TrackedCache(layers)
         tracked.origin = op.name
-        weakref.finalize(tracked, self.backend._dropped.append, op.name)
+        weakref.finalize(tracked, self.leader._dropped.append, op.name)
         return tracked, True
 
     # ---- the wire ------------------------------------------------------------------
     def _send(self, op: TierOp) -> None:
         try:
-            self.backend.link.send(encode_op(op), tier=True)
+            self.leader.link.send(encode_op(op), tier=True)
         except RuntimeError as exc:
-            self.backend._lose(exc)
+            self.leader._lose(exc)
             raise
 
     def _agree(self, ok: bool) -> bool:
         try:
-            return self.backend.link.agree(ok)
+            return self.leader.link.agree(ok)
         except RuntimeError as exc:
-            self.backend._lose(exc)
+            self.leader._lose(exc)
             raise
