@@ -17,18 +17,18 @@ same path through ``step`` and issues the model's collectives (the tensor
 shards' ``all_sum``, the pipeline's send/recv/all_gather) in the same order,
 and every rank's KV caches stay in lock-step.
 
-What is off in this mode, and why:
+Off in this mode: running ahead (``MLXBackend.run_ahead``): it computes a
+step on the MLX thread when the thread is idle, a timing decision each rank
+would take differently, and a collective issued by one rank alone deadlocks
+the group.
 
-* running ahead (``MLXBackend.run_ahead``): it computes a step on the MLX
-  thread when the thread is idle, a timing decision each rank would take
-  differently, and a collective issued by one rank alone deadlocks the group;
-* nothing else: the RAM tier works in lock-step: rank 0 names every cache it keeps
-  (``TrackedCache``, the row id it closed from), each follower keeps its own
-  shard of the same row's cache under that name, a hit goes on the wire as the
-  name, and the names rank 0 lets go of are sent with the next plan. The SSD
-  tier (``actors.distributed_tier``): each rank writes and reads its own
-  shard's files when rank 0 says so, a write durable and a restore served
-  only when every rank's part succeeded.
+The tiers work. The RAM tier in lock-step: rank 0 names every cache it keeps
+(``TrackedCache``: the row id it closed from, or ``checkpoint_names`` for a
+checkpoint), each follower keeps its own shard of the same cache under that
+name, a hit goes on the wire as the name, and the names rank 0 lets go of are
+sent with the next plan. The SSD tier (``actors.distributed_tier``): each rank
+writes and reads its own shard's files when rank 0 says so, a write durable
+and a restore served only when every rank's part succeeded.
 
 Speculation works, unlike ``mlx_lm.server`` (which refuses draft models when
 distributed): the drafter (a draft model, whole and unsharded, or n-gram
