@@ -25,9 +25,10 @@ from tests.test_distributed import Ranks, qwen2_dir, reference  # noqa: F401 - q
 pytestmark = pytest.mark.slow
 
 N = 16
-# two long prompts (hundreds of tokens) with nothing in common at their start
+# three long prompts (hundreds of tokens) with nothing in common at their start
 PROMPT_A = "def fib(n):\n    " + "".join(f"# step {i}: add the two previous numbers\n    " for i in range(40))
 PROMPT_B = "The weather report for the coast. " + " ".join(f"Station {i} reports light wind." for i in range(40))
+PROMPT_C = "Dear committee,\n" + " ".join(f"Item {i} of the agenda was postponed." for i in range(40))
 
 
 def ask(url: str, prompt: str) -> dict[str, Any]:
@@ -93,7 +94,7 @@ def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, request, mode
     random qwen2 of tests/test_distributed.py, each rank its layers; and the
     sliding-window llama, whose entries are checkpoints."""
     model = request.getfixturevalue(model_fixture)
-    want_a, want_b = reference(model, [PROMPT_A, PROMPT_B], N)
+    want_a, want_b, want_c = reference(model, [PROMPT_A, PROMPT_B, PROMPT_C], N)
     root = tmp_path / "ssd"
     flags = ["--ssd-cache", str(root)]
     run1, run2 = tmp_path / "run1", tmp_path / "run2"  # each launch's hostfile and logs
@@ -114,12 +115,16 @@ def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, request, mode
         # the same entries, one shard per rank: B's cache, and for the sliding
         # model also B's checkpoint (its cache cannot be trimmed back to the prompt)
         assert b0 and {p.name for p in b0} == {p.name for p in b1}, (b0, b1)
+        assert ask(ranks.url, PROMPT_C)["choices"][0]["text"] == want_c
+        flush(ranks.url)
+        c0, c1 = files(root, 0) - a0 - b0, files(root, 1) - a1 - b1
         stats = ssd(ranks.url)
-        assert stats["shard_write_failures"] == 0 and stats["spills"] >= 2, stats
+        assert stats["shard_write_failures"] == 0 and stats["spills"] >= 3, stats
         stop_both(ranks)
 
-    # 2. rank 1's file of B goes bad (a flipped byte in a tensor, or gone): B must be a miss on both ranks
-    for bad in b1:
+    # 2. rank 1's files of B and rank 0's of C go bad (a flipped byte in a tensor, or gone):
+    # B and C must be misses on both ranks
+    for bad in (*b1, *c0):
         if fault == "corrupt":
             raw = bytearray(bad.read_bytes())
             raw[-100] ^= 0xFF
@@ -135,8 +140,16 @@ def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, request, mode
         rb = ask(ranks.url, PROMPT_B)
         assert cached(rb) == 0, rb["usage"]
         assert rb["choices"][0]["text"] == want_b
+        rc = ask(ranks.url, PROMPT_C)
+        assert cached(rc) == 0, rc["usage"]
+        assert rc["choices"][0]["text"] == want_c
         stats = ssd(ranks.url)
-        assert stats["restores"] == 1 and stats["shard_misses"] == 1, stats
+        # B: rank 0's copy was fine, rank 1's not; C: rank 0's own copy was bad
+        assert (stats["restores"], stats["shard_misses"]) == (1, 1), stats
+        if fault == "corrupt":  # a deleted file is not in rank 0's index at all: nothing to try
+            assert stats["corrupt_deleted"] == 1, stats
+            left0, left1 = {p.name for p in files(root, 0) & c0}, {p.name for p in files(root, 1) & c1}
+            assert left0 == left1 and len(left0) < len(c0), (left0, left1, c0)  # rank 1 deleted its copy too
         # every rank deleted its file of the entry B tried; the ranks still hold the same entries
         left0, left1 = {p.name for p in files(root, 0) & b0}, {p.name for p in files(root, 1) & b1}
         assert left0 == left1 and len(left0) < len(b0), (left0, left1, b0)
