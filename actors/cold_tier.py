@@ -1,6 +1,6 @@
 """ColdTier: the SSD tier of the prompt cache ("files are the database").
 
-Layout ``<dir>/<config_fingerprint>/<ns_hash>/<id>.kv``, one ``engine.kvfile``
+Layout ``<dir>/<config_fingerprint>/<ns_hash>/<id>.kv``, one ``engine.kv.kvfile``
 file per entry; the token prefix lives in each file's header, and the index
 is rebuilt at startup by reading headers only. ``ColdStore`` is the sync core
 (index, lookup, byte cap, naming; its I/O methods touch no index state so
@@ -48,12 +48,12 @@ import numpy as np
 from actors.events import EngineBusy, EngineIdle
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
 from actors.scheduler import Demote, Restored
-from engine import kvfile
-from engine.disk import Disk, FileStat, NotRegularFile
 from engine.errors import EngineDead
-from engine.kvfile import KvHeader, KvMeta, KvReader, KvWriter
+from engine.kv import kvfile
+from engine.kv.disk import Disk, FileStat, NotRegularFile
+from engine.kv.kvfile import KvHeader, KvMeta, KvReader, KvWriter
+from engine.kv.prompt_cache import PrefixIndex, as_tokens, token_bytes, usable_prefix
 from engine.ports import Backend, Clock, Device
-from engine.prompt_cache import PrefixIndex, as_tokens, token_bytes, usable_prefix
 
 log = logging.getLogger("ember.cold_tier")
 

@@ -1,7 +1,7 @@
 """Drafter: proposes γ tokens per speculating row, two kinds behind one protocol.
 
-* ``ngram`` — prompt lookup (``engine.ngram``): no model, no device time.
-* a draft model (``engine.draft_model``) — a smaller model with the target's
+* ``ngram`` — prompt lookup (``engine.spec.ngram``): no model, no device time.
+* a draft model (``engine.spec.draft_model``) — a smaller model with the target's
   tokenizer and its own cache, run on the engine's device (the same MLX thread
   as the target).
 
@@ -24,9 +24,9 @@ from typing import Any, Protocol, assert_never
 import msgspec
 
 from actors.runtime import Actor
-from engine.draft_model import DraftModel
-from engine.ngram import NgramIndex
 from engine.ports import Clock, Device
+from engine.spec.draft_model import DraftModel
+from engine.spec.ngram import NgramIndex
 
 log = logging.getLogger("ember.drafter")
 

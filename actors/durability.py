@@ -53,9 +53,9 @@ from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure, InboxFull
 from actors.scheduler import Scheduler, Settle, Snapshot
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
+from engine.kv.prompt_cache import token_bytes
+from engine.kv.spill_queue import SpillItem
 from engine.ports import Clock, LoopClock
-from engine.prompt_cache import token_bytes
-from engine.spill_queue import SpillItem
 
 log = logging.getLogger("ember.durability")
 

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 import msgspec
 
 from engine.eventlog import EventLog
+from engine.kv.prompt_cache import token_bytes
+from engine.kv.spill_queue import GIB, ItemState, SpillItem, SpillQueue
 from engine.ports import Clock
-from engine.prompt_cache import token_bytes
-from engine.spill_queue import GIB, ItemState, SpillItem, SpillQueue
 
 log = logging.getLogger("ember.durability")
 

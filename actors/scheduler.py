@@ -137,7 +137,7 @@ class RowDelta(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PrefixCache(Protocol):
-    """The RAM prompt-cache tier as the Scheduler uses it (see engine.prompt_cache)."""
+    """The RAM prompt-cache tier as the Scheduler uses it (see engine.kv.prompt_cache)."""
 
     def take(self, tokens: list[int], ns: str, min_len: int = 1) -> tuple[Any, int]: ...
 

@@ -73,7 +73,7 @@ class SpecRounds:
     # ---- rows ------------------------------------------------------------
     def admit(self, rid: int, params: SamplingParams) -> None:
         if params.speculate is False or params.num_draft_tokens == 0 or params.logprobs is not None:
-            return  # logprobs ride on plain decode steps only (engine.spec_build.check_request)
+            return  # logprobs ride on plain decode steps only (ember.spec_build.check_request)
         self.rows[rid] = RowSpec(fixed=params.num_draft_tokens)
 
     def finish(self, rid: int) -> SpecUsage | None:

@@ -41,7 +41,7 @@ from typing import Any, assert_never
 import msgspec
 
 from actors.runtime import Actor
-from engine.speculation import GammaPolicy, RowPolicy, SpecCounters
+from engine.spec.policy import GammaPolicy, RowPolicy, SpecCounters
 
 log = logging.getLogger("ember.verifier")
 

@@ -1,41 +1,8 @@
-"""Ember: an LLM inference engine on MLX built as asyncio actors."""
+"""The floor of Ember: machine parts that know nothing of the actors above.
 
-from engine.config import EngineConfig
-from engine.errors import (
-    EngineBusy,
-    EngineDead,
-    EngineDraining,
-    EngineError,
-    EngineOverloaded,
-    InvalidRequest,
-    RequestFailed,
-)
-from engine.fake_gpu import FakeGPUConfig
-from engine.types import Delta, SamplingParams, Usage
-
-__all__ = [
-    "Completion",
-    "Delta",
-    "Engine",
-    "EngineBusy",
-    "EngineConfig",
-    "EngineDead",
-    "EngineDraining",
-    "EngineError",
-    "EngineOverloaded",
-    "FakeGPUConfig",
-    "InvalidRequest",
-    "RequestFailed",
-    "SamplingParams",
-    "Usage",
-]
-
-
-def __getattr__(name: str):
-    # Engine lives above the actors (which import engine.errors/types), so it is
-    # imported lazily to keep `import engine.x` free of import cycles.
-    if name in ("Engine", "Completion"):
-        from engine import api
-
-        return getattr(api, name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+``engine.kv`` (prompt cache, SSD file format, disk), ``engine.mlx`` (the MLX
+backend), ``engine.fake`` (the deterministic fake GPU), ``engine.spec``
+(speculation parts), and the shared vocabulary at this level: ``types``,
+``errors``, ``config``, ``ports``. The public API lives one floor up, in
+``ember``.
+"""

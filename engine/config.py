@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.fake_gpu import FakeGPUConfig
+from engine.fake.gpu import FakeGPUConfig
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -22,7 +22,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     batch_prefill: bool = True
     # on MLX's CPU backend, store Linear weights as W.T once at load: OpenBLAS's
     # few-row GEMM (decode, verify windows) is faster on that layout
-    # (engine.cpu_layout); logits ~1e-5 from mlx-lm's layout. No effect on GPUs.
+    # (engine.mlx.cpu_layout); logits ~1e-5 from mlx-lm's layout. No effect on GPUs.
     cpu_pretranspose: bool = True
     # KV cache options as mlx-lm has them (docs/compat-matrix.md): a sliding
     # window of this many tokens for models without their own cache layout
@@ -53,7 +53,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     draft_model: str | None = None  # path, "tiny-draft" or "ngram"
     num_draft_tokens: int | None = None  # None: adaptive
     # one model across ranks launched by mlx.launch: "tensor" or "pipeline"
-    # (engine.mlx_distributed; the RAM tier in lock-step, the SSD tier per rank: actors.distributed_tier)
+    # (engine.mlx.distributed; the RAM tier in lock-step, the SSD tier per rank: actors.distributed_tier)
     distributed: str | None = None
     # misc
     seed: int = 0

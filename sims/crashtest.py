@@ -115,15 +115,15 @@ def tmp_files(root: str | Path) -> list[Path]:
 
 
 class FakeOracle:
-    """The fake GPU's cache-free continuation (``engine.fake_gpu.expected_tokens``)."""
+    """The fake GPU's cache-free continuation (``engine.fake.gpu.expected_tokens``)."""
 
     def __init__(self) -> None:
-        from engine.fake_gpu import ByteTokenizer
+        from engine.fake.gpu import ByteTokenizer
 
         self.tok = ByteTokenizer()
 
     def answer(self, prompt: list[int], max_tokens: int) -> str:
-        from engine.fake_gpu import expected_tokens
+        from engine.fake.gpu import expected_tokens
 
         return self.tok.decode(expected_tokens(prompt, max_tokens))
 

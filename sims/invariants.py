@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engine.fake_gpu import (
+from engine.fake.gpu import (
     ByteTokenizer,
     FakeGPUConfig,
     _advance,
@@ -26,7 +26,7 @@ from engine.fake_gpu import (
 from engine.types import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.api import Engine
+    from ember.api import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,7 +349,7 @@ class TokensMatchColdPrefill(Checker):
 
 def find_spill_queue(engine: Engine) -> Any:
     """The engine's SpillQueue, wherever the durability actor keeps it."""
-    from engine.spill_queue import SpillQueue
+    from engine.kv.spill_queue import SpillQueue
 
     for holder in (getattr(engine, "durability", None), getattr(getattr(engine, "durability", None), "core", None)):
         if holder is None:

@@ -1,7 +1,7 @@
 """Load check: many concurrent streaming clients against a live ``ember serve``.
 
     python -m sims.loadcheck                          # 32 clients, 60 s, bundled tiny model
-    python -m sims.loadcheck --record docs/loadcheck.md
+    python -m sims.loadcheck --record docs/bench/loadcheck.md
     python -m sims.loadcheck --fake-gpu --duration 10 # the harness itself, no model
 
 Starts ``ember serve`` on 127.0.0.1 (a free port), warms it up with one

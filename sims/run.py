@@ -31,12 +31,12 @@ import anyio
 import async_solipsism
 import msgspec
 
-from engine.api import Engine
+from ember.api import Engine
 from engine.config import EngineConfig
-from engine.disk import FaultyDisk
 from engine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
 from engine.eventlog import EventLog
-from engine.fake_gpu import FakeBackend
+from engine.fake.gpu import FakeBackend
+from engine.kv.disk import FaultyDisk
 from engine.types import SamplingParams
 from sims import invariants as inv
 from sims.scenarios import SCENARIOS, Scenario

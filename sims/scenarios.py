@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.fake_gpu import FakeGPUConfig
+from engine.fake.gpu import FakeGPUConfig
 from sims import gen
 from sims.trace import Trace
 
@@ -36,7 +36,7 @@ class GpuFaults:
 
 @dataclass(frozen=True)
 class DiskFaults:
-    """``engine.disk.FaultyDisk`` knobs plus what the simulator does to it.
+    """``engine.kv.disk.FaultyDisk`` knobs plus what the simulator does to it.
 
     ``power_loss_rate_per_s``: random crashes (unsynced writes dropped or torn)
     besides the trace's own restarts; ``rot_per_crash``: how many stored bytes

@@ -241,8 +241,8 @@ def main() -> int:
 def _kv_bytes_per_token(url: str, ssd_dir: str) -> int:
     """KV bytes per token of the served model, from an entry the warm-up wrote
     (flushed first); 0 if none can be read."""
-    from engine import kvfile
-    from engine.disk import RealDisk
+    from engine.kv import kvfile
+    from engine.kv.disk import RealDisk
 
     req = urllib.request.Request(
         url + "/admin/cache/flush", data=b"{}", headers={"content-type": "application/json"}, method="POST"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import async_solipsism
 
-from engine.api import Engine
+from ember.api import Engine
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
 
@@ -97,7 +97,7 @@ class PowerLoss(EngineDead):
 
 
 class RecordingDisk:
-    """Delegates to ``engine.disk.FaultyDisk`` and records each mutation, so
+    """Delegates to ``engine.kv.disk.FaultyDisk`` and records each mutation, so
     checkers see disk writes in the same order as GPU steps.
 
     Consecutive mutations with no other record between them are one ``disk``

@@ -13,7 +13,7 @@ import os
 import async_solipsism
 import pytest
 
-from engine.blas import maybe_reexec_with_openblas, reexec_env
+from engine.mlx.blas import maybe_reexec_with_openblas, reexec_env
 
 
 def pytest_configure(config):

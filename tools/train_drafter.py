@@ -16,7 +16,7 @@ Three stages, each skipped when its output already exists in ``--work``:
      forward per window (a prefill: ~20× cheaper per token than generating).
 2. ``train``: a narrow llama (hidden ``--hidden``, ``--layers`` layers) with
    its own small head over the ``--head-vocab`` target ids the labels use
-   most (``engine.draft_model.small_head_drafter``), whose embedding starts
+   most (``engine.spec.draft_model.small_head_drafter``), whose embedding starts
    as the target's projected on its top principal directions, trained with
    cross-entropy on the target's argmax labels (hard distillation: the
    acceptance rule only ever asks whether the drafter's argmax equals the
@@ -24,7 +24,7 @@ Three stages, each skipped when its output already exists in ``--work``:
 3. ``export``: the weights quantized to ``--bits`` (mlx-lm's affine
    quantization) into an mlx-lm directory without a tokenizer (the drafter
    borrows the target's; ``config.json`` records a digest of the target's
-   vocabulary that ``engine.draft_model`` checks), with ``training_log.json``:
+   vocabulary that ``engine.spec.draft_model`` checks), with ``training_log.json``:
    the command, seed, hardware, wall time per stage and the held-out
    agreement with the target's greedy token per position (teacher-forced,
    on chat answers to held-out instructions and on held-out local text).
@@ -123,7 +123,7 @@ TASKS = [
 def gen_instructions(n: int, seed: int) -> list[str]:
     combos = [task.format(t=t) for t in TOPICS for task in TASKS]
     random.Random(seed).shuffle(combos)
-    from sims.spec_workloads import CHAT_PROMPTS
+    from bench.spec_workloads import CHAT_PROMPTS
 
     held = set(CHAT_PROMPTS)
     return [c for c in combos if c not in held][:n]
@@ -133,7 +133,7 @@ def local_texts() -> list[str]:
     """Text on this machine: the stdlib's sources (code with docstrings and
     comments, like the code an assistant writes) and the repo's docs (prose)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    from sims.spec_workloads import EDIT_FILES
+    from bench.spec_workloads import EDIT_FILES
 
     bench_files = {f for f, _, _ in EDIT_FILES}  # the edit/agent workloads' files stay held out
     files = sorted(p for p in stdlib.glob("*.py") if p.stat().st_size < 200_000 and p.name not in bench_files)
@@ -155,7 +155,7 @@ async def _generate(target: str, prompts: list[str], max_tokens: int, batch: int
     """Greedy chat answers, appended to ``path`` (JSON lines) as they finish,
     so an interrupted run resumes where it stopped. A wide batch: decode is
     bound by reading the weights, so 32 rows cost little more than one."""
-    from engine import Engine, EngineConfig, SamplingParams
+    from ember import Engine, EngineConfig, SamplingParams
 
     done = {json.loads(ln)["i"] for ln in path.read_text().splitlines()} if path.exists() else set()
     todo = [(i, p) for i, p in enumerate(prompts) if i not in done]
@@ -301,7 +301,7 @@ def stage_train(args: argparse.Namespace) -> dict:
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
-    from engine.draft_model import small_head_drafter
+    from engine.spec.draft_model import small_head_drafter
 
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -383,7 +383,7 @@ def target_vocab_digest(target: Path) -> str:
     """The target tokenizer's vocabulary digest, as the engine computes it."""
     from transformers import AutoTokenizer
 
-    from engine.draft_model import vocab_digest
+    from engine.spec.draft_model import vocab_digest
 
     return vocab_digest(AutoTokenizer.from_pretrained(str(target)).get_vocab())
 
@@ -392,7 +392,7 @@ def stage_export(args: argparse.Namespace, train_log: dict) -> dict:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from engine.draft_model import small_head_drafter
+    from engine.spec.draft_model import small_head_drafter
 
     cfg = json.loads((args.work / "drafter_config.json").read_text())
     model = small_head_drafter(cfg)
@@ -419,7 +419,7 @@ def stage_export(args: argparse.Namespace, train_log: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.blas import maybe_reexec_with_openblas
+    from engine.mlx.blas import maybe_reexec_with_openblas
 
     maybe_reexec_with_openblas()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

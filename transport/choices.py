@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from engine.api import RequestStream
+from ember.api import RequestStream
 from engine.errors import EngineError, InvalidRequest
 from engine.types import Delta, SamplingParams, Usage
 from transport.openai_schema import rename_param

@@ -22,8 +22,8 @@ import socket
 import sys
 from typing import Any
 
-from engine.blas import maybe_reexec_with_openblas
 from engine.errors import EngineError, InvalidRequest
+from engine.mlx.blas import maybe_reexec_with_openblas
 
 log = logging.getLogger("ember.cli")
 
@@ -159,7 +159,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if getattr(args, "ssd_cache_verify", None) is not None:
         fields["ssd_cache_verify"] = args.ssd_cache_verify
     if getattr(args, "distributed", None):
-        from engine.mlx_distributed import DEFAULT_STEP_TIMEOUT_S
+        from engine.mlx.distributed import DEFAULT_STEP_TIMEOUT_S
 
         fields["distributed"] = args.distributed
         fields["step_timeout_s"] = DEFAULT_STEP_TIMEOUT_S  # a hung rank ends as engine_dead, not a hang
@@ -185,7 +185,7 @@ def default_model(args: argparse.Namespace) -> str:
     bundled toy, saying so. The fake GPU ignores the model."""
     if args.model:
         return args.model
-    from engine.gguf_models import installed
+    from engine.mlx.gguf_models import installed
 
     if args.fake_gpu:
         return "tiny"
@@ -212,7 +212,7 @@ def _import_mlx_on_main_thread(config: Any) -> None:
 
         # and the engine's MLX modules: `serve` loads the model on a worker
         # thread, and whatever their import runs must not run first there
-        import engine.mlx_backend  # noqa: F401
+        import engine.mlx.backend  # noqa: F401
 
 
 # ---------------------------------------------------------------------------
@@ -227,7 +227,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     config = engine_config(args, parser)
     if config.distributed:
-        from engine.mlx_distributed import rank, run_follower
+        from engine.mlx.distributed import rank, run_follower
 
         if rank() != 0:  # the other ranks execute rank 0's step plans; no HTTP
             logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -271,7 +271,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     url = f"http://{host}:{sock.getsockname()[1]}"
     # Plain asyncio, not uvloop: under uvloop a SIGTERM reached the drain only
     # after requests already in the socket were answered (/health said 200 right
-    # after the signal; tests/test_durability_engine.py).
+    # after the signal; tests/ember/test_durability_engine.py).
     rc = asyncio.run(_serve(server, sock, app.state.ember, url))
     _exit_now(rc)
     return rc  # not reached
@@ -377,7 +377,7 @@ def _drain_first(server: Any, state: Any) -> None:
 
 
 def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from engine.api import Engine
+    from ember.api import Engine
     from engine.types import SamplingParams
 
     config = engine_config(args, parser)
@@ -411,8 +411,8 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def convert(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import pathlib
 
-    from engine.gguf_convert import GGUFError, default_dtype
-    from engine.gguf_convert import convert as convert_gguf
+    from engine.mlx.gguf_convert import GGUFError, default_dtype
+    from engine.mlx.gguf_convert import convert as convert_gguf
 
     src = pathlib.Path(args.gguf).expanduser()
     if not src.is_file():

@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.api import Completion, Engine, RequestStream, build_backend
+from ember.api import Completion, Engine, RequestStream, build_backend
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest
 from engine.eventlog import EventLog

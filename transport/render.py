@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from engine.api import Completion
+from ember.api import Completion
 from engine.errors import EngineError
 from engine.types import Delta, TokenLogprob, Usage
 from transport.choices import merge_usage

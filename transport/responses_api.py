@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine.api import Completion
+from ember.api import Completion
 from engine.errors import EngineError
 from engine.types import Delta
 from transport import chat_turn

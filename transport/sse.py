@@ -18,7 +18,7 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from engine.api import RequestStream
+from ember.api import RequestStream
 from engine.errors import EngineError
 from engine.types import Delta
 

@@ -1,7 +1,7 @@
 """Ember's bundled models.
 
 ``tiny`` is a small llama target and ``tiny-draft`` a 1-layer drafter for it.
-Both share one tokenizer and are trained by ``python -m engine.models.train``
+Both share one tokenizer and are trained by ``python -m tools.train_tiny``
 (see docs/models.md). They ship as package data in mlx-lm's standard layout,
 so ``mlx_lm.load(resolve_model("tiny"))`` works.
 """
@@ -18,7 +18,7 @@ BUNDLED: dict[str, pathlib.Path] = {
 }
 
 # Drafters for targets that are not bundled: no tokenizer of their own (they
-# name the target's by digest, engine.draft_model.vocab_digest), so
+# name the target's by digest, engine.spec.draft_model.vocab_digest), so
 # ``mlx_lm.load`` alone cannot open them; the engine's drafter can.
 DRAFTERS: dict[str, pathlib.Path] = {
     "smollm2-draft": _HERE / "smollm2-draft",  # for SmolLM2-135M-Instruct (tools/train_drafter.py)
@@ -29,16 +29,16 @@ def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
     """Map a bundled model name to its directory; anything else is a path.
 
     A short name of a packaged real model (``smollm2-135m``, ``gemma3-270m``:
-    ``engine.gguf_models``) or a ``.gguf`` file resolves to its converted
-    mlx-lm directory, converting it on first use (``engine.gguf_convert``).
+    ``engine.mlx.gguf_models``) or a ``.gguf`` file resolves to its converted
+    mlx-lm directory, converting it on first use (``engine.mlx.gguf_convert``).
     Raises FileNotFoundError when the resulting directory does not exist.
     """
     key = str(name_or_path)
-    from engine.gguf_models import PACKAGED
+    from engine.mlx.gguf_models import PACKAGED
 
     if key in PACKAGED or (key.endswith(".gguf") and pathlib.Path(key).expanduser().is_file()):
-        from engine.gguf_convert import cached_conversion
-        from engine.gguf_models import packaged_gguf
+        from engine.mlx.gguf_convert import cached_conversion
+        from engine.mlx.gguf_models import packaged_gguf
 
         return cached_conversion(packaged_gguf(key) if key in PACKAGED else key)
     if key in BUNDLED or key in DRAFTERS:
@@ -46,7 +46,7 @@ def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
         if not path.is_dir():
             raise FileNotFoundError(
                 f"bundled model {key!r} is missing at {path}; rebuild it with "
-                "`python -m engine.models.train` (see docs/models.md)"
+                "`python -m tools.train_tiny` (see docs/models.md)"
             )
         return path
     path = pathlib.Path(name_or_path).expanduser()

@@ -1,0 +1,169 @@
+"""Build speculative decoding from ``EngineConfig.draft_model`` (off when None).
+
+``draft_model`` names the drafter:
+
+* ``"ngram"`` — prompt lookup, any backend (``"ngram:MIN:MAX"`` sets the
+  shortest and longest match tried, default 2 and 4);
+* ``"tiny-draft"`` or a directory — an mlx-lm draft model (``backend="mlx"``),
+  loaded on the engine's MLX thread from its own directory; it must share the
+  target's tokenizer and must not be the target itself;
+* ``"fake-draft"`` or ``"fake-draft:0.8"`` — the fake GPU's drafter
+  (``backend="fake"``), agreeing with the target's greedy token with the given
+  probability (default 0.7).
+
+``num_draft_tokens`` fixes γ; None makes it adaptive (``engine.spec.policy``).
+A request's ``speculate=False`` or ``num_draft_tokens=0`` turns it off for that
+request; asking for speculation from an engine without a drafter is an error,
+never silently ignored (``check_request``).
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+from actors.drafter import Drafter, DrafterCore, ModelDrafterCore, NgramDrafterCore
+from actors.spec_rounds import SpecRounds
+from actors.verifier import Verifier, VerifierCore
+from engine.errors import InvalidRequest
+from engine.spec.policy import FIXED_GAMMA_MAX, GammaPolicy
+from engine.types import SamplingParams
+
+log = logging.getLogger("ember.speculation")
+
+
+@dataclass(slots=True)
+class Speculation:
+    rounds: SpecRounds
+    drafter: Drafter
+    verifier: Verifier
+    name: str
+
+    def stats(self) -> dict[str, Any]:
+        core = self.drafter.core
+        extra = {"draft_cache_rebuilds": core.rebuilds} if isinstance(core, ModelDrafterCore) else {}
+        return {
+            "drafter": self.name,
+            "kind": core.kind,
+            "draft_faults": self.drafter.faults,
+            **extra,
+            **self.verifier.core.stats(),
+        }
+
+
+def check_request(params: SamplingParams, spec: Speculation | None) -> None:
+    """Refuse speculation settings the engine cannot honour."""
+    n = params.num_draft_tokens
+    if n is not None and not 0 <= n <= FIXED_GAMMA_MAX:
+        raise InvalidRequest(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}", "num_draft_tokens")
+    if spec is None and (params.speculate or (n is not None and n > 0)):
+        raise InvalidRequest(
+            "speculative decoding was asked for, but this engine has no drafter "
+            "(start it with draft_model='ngram', 'tiny-draft' or a model path)",
+            "speculate" if params.speculate else "num_draft_tokens",
+        )
+    if params.speculate and n == 0:
+        raise InvalidRequest("speculate=true with num_draft_tokens=0 contradicts itself", "num_draft_tokens")
+    if params.logprobs is not None and (params.speculate or (n is not None and n > 0)):
+        raise InvalidRequest(
+            "logprobs are computed on plain decode steps: a request asking for them does not speculate",
+            "speculate" if params.speculate else "num_draft_tokens",
+        )
+
+
+def _ngram_core(name: str) -> DrafterCore:
+    parts = name.split(":")[1:]
+    try:
+        sizes = [int(p) for p in parts]
+        if len(sizes) > 2:
+            raise ValueError
+        return NgramDrafterCore(**dict(zip(("min_n", "max_n"), sizes)))
+    except ValueError:
+        raise InvalidRequest(f"bad n-gram drafter {name!r}: use ngram or ngram:MIN:MAX", "draft_model") from None
+
+
+def _fake_core(name: str, fake_cfg: Any) -> DrafterCore:
+    from engine.spec.draft_model import FakeDraftModel
+
+    _, _, agree = name.partition(":")
+    try:
+        p = float(agree) if agree else 0.7
+    except ValueError:
+        raise InvalidRequest(f"bad fake drafter {name!r}: use fake-draft or fake-draft:0.8", "draft_model") from None
+    return ModelDrafterCore(FakeDraftModel(fake_cfg, agree=p), name=name)
+
+
+def _vocab(tok: Any) -> dict[str, int] | None:
+    inner = getattr(tok, "_tok", tok)  # engine.mlx.tokenizer.MLXTokenizer wraps mlx-lm's wrapper
+    for t in (inner, getattr(inner, "_tokenizer", None), getattr(inner, "tokenizer", None)):
+        if t is not None and hasattr(t, "get_vocab"):
+            return t.get_vocab()
+    return None
+
+
+def _same_tokenizer(target: Any, draft: Any) -> bool:
+    a, b = _vocab(target), _vocab(draft)
+    return a is not None and a == b
+
+
+def _shares_tokenizer(target_tok: Any, model: Any) -> bool:
+    """The drafter's own tokenizer equals the target's, or (shipped without
+    one) the vocabulary digest in its config.json matches the target's."""
+    if model.tokenizer is not None:
+        return _same_tokenizer(target_tok, model.tokenizer)
+    from engine.spec.draft_model import vocab_digest
+
+    vocab = _vocab(target_tok)
+    return vocab is not None and model.vocab_sha256 is not None and vocab_digest(vocab) == model.vocab_sha256
+
+
+def _mlx_core(config: Any, backend: Any, device: Any) -> DrafterCore:
+    from engine.models import resolve_model
+    from engine.spec.draft_model import MlxDraftModel
+
+    path = resolve_model(config.draft_model).resolve()
+    try:
+        target = resolve_model(config.model).resolve()
+    except FileNotFoundError:
+        target = None
+    if target is not None and path == target:
+        raise InvalidRequest(
+            "draft_model is the target model itself; a drafter must be a smaller model "
+            "(loading the target twice only doubles its memory)",
+            "draft_model",
+        )
+    model = device.call(MlxDraftModel, path)
+    if not _shares_tokenizer(backend.tokenizer, model):
+        raise InvalidRequest(f"draft model {path} does not share the target's tokenizer", "draft_model")
+    return ModelDrafterCore(model, name=str(config.draft_model))
+
+
+def build_speculation(config: Any, backend: Any, device: Any, clock: Any) -> Speculation | None:
+    name = config.draft_model
+    if not name:
+        if config.num_draft_tokens is not None:
+            raise InvalidRequest("num_draft_tokens needs a draft_model", "num_draft_tokens")
+        return None
+    if name == "ngram" or name.startswith("ngram:"):
+        core: DrafterCore = _ngram_core(name)
+    elif name.startswith("fake-draft"):
+        if config.backend != "fake":
+            raise InvalidRequest("the fake drafter runs only on the fake backend", "draft_model")
+        core = _fake_core(name, config.fake)
+    elif config.backend == "fake":
+        raise InvalidRequest("on the fake backend draft_model is 'ngram' or 'fake-draft[:p]'", "draft_model")
+    else:
+        core = _mlx_core(config, backend, device)
+    try:
+        policy = GammaPolicy(fixed=config.num_draft_tokens)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "num_draft_tokens") from None
+    log.info("[speculation] drafter=%s gamma=%s", name, config.num_draft_tokens or "adaptive")
+    return Speculation(
+        rounds=SpecRounds(context_length=backend.info.context_length),
+        drafter=Drafter(core, device, clock),
+        verifier=Verifier(VerifierCore(policy)),
+        name=str(pathlib.Path(name).name) if "/" in name else name,
+    )

@@ -1,0 +1,1 @@
+"""The deterministic fake GPU the actors are tested against in virtual time."""

@@ -1,0 +1,1 @@
+"""Speculative decoding parts: the gamma policy, prompt lookup and the draft models."""

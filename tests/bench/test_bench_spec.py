@@ -1,0 +1,41 @@
+"""The speculation benchmark's free-drafter ceiling: tokens per target call
+over the relative cost of the γ+1-token verify forward."""
+
+from bench.spec import ceiling
+
+
+def test_the_ceiling_divides_tokens_per_call_by_the_window_cost():
+    width = {1: 2.0, 2: 2.8, 3: 3.0, 4: 3.6, 5: 4.0}
+    assert ceiling(1.5, 2, width) == 1.5 / (3.0 / 2.0)
+    assert ceiling(2.8, 4, width) == 2.8 / 2.0
+    # a γ that accepts nothing is slower than plain decode by the window's cost
+    assert ceiling(1.0, 1, width) < 1.0
+    # a drafter's own steps come on top of the verify window
+    assert ceiling(1.5, 2, width, draft_step_ms=0.5) == 1.5 / ((3.0 + 2 * 0.5) / 2.0)
+
+
+def test_no_ceiling_without_a_fixed_gamma_or_a_measured_window():
+    width = {1: 2.0, 2: 2.8}
+    assert ceiling(None, 1, width) is None  # speculation off: no target calls counted
+    assert ceiling(1.4, None, width) is None  # adaptive γ mixes window widths
+    assert ceiling(1.4, 3, width) is None  # the 4-token window was not measured
+    assert ceiling(1.4, 1, None) is None
+
+
+def test_the_adaptive_bench_interval_is_a_t_interval_of_log_ratios():
+    import math
+    import statistics
+
+    from bench.adaptive import paired_interval, t95, verdict
+
+    ratios = [0.95, 1.02, 0.99, 1.04, 0.98, 1.01]
+    g, lo, hi = paired_interval(ratios)
+    logs = [math.log(r) for r in ratios]
+    half = 2.571 * statistics.stdev(logs) / math.sqrt(6)  # t(0.975, df=5)
+    assert g == math.exp(statistics.fmean(logs))
+    assert (lo, hi) == (math.exp(statistics.fmean(logs) - half), math.exp(statistics.fmean(logs) + half))
+    # between tabulated degrees of freedom the wider (lower-df) quantile is used
+    assert t95(11) == t95(10) > t95(12)
+    assert verdict(0.975, 1.01) == "**met**"
+    assert verdict(0.95, 1.01) == "not resolved"
+    assert verdict(0.90, 0.96) == "**missed**"

@@ -1,0 +1,328 @@
+"""Speculative decoding on MLX with the bundled pair (``tiny`` + ``tiny-draft``, fp32).
+
+Greedy speculation must be token-identical to decoding without it, for both
+drafters and γ = 1..4 and adaptive, with speculating rows verified inside the
+running batch next to a plain row, and with rounds that straddle the KV
+cache's 256-token allocation step. fp32 is what makes this exact: in bf16 a
+batched verify can drift from token-at-a-time decode at knife-edge ties (the
+reference's wrong-oracle lesson, docs/speculation.md).
+
+``EMBER_TEST_MODEL`` / ``EMBER_TEST_DRAFT_MODEL`` may point at another pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from ember import Engine, EngineConfig, InvalidRequest, SamplingParams  # noqa: E402
+from engine.models import resolve_model  # noqa: E402
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+MODEL = os.environ.get("EMBER_TEST_MODEL", "tiny")
+DRAFT = os.environ.get("EMBER_TEST_DRAFT_MODEL", "tiny-draft")
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # the MLX thread is a real thread
+
+
+def _paths():
+    try:
+        return resolve_model(MODEL), resolve_model(DRAFT)
+    except FileNotFoundError as exc:
+        pytest.skip(f"no model pair to test with: {exc}")
+
+
+def _fp32(path) -> bool:
+    cfg = json.loads((path / "config.json").read_text())
+    return cfg.get("torch_dtype", "float32") == "float32"
+
+
+def _base(**kw) -> EngineConfig:
+    model, _ = _paths()
+    if not _fp32(model):
+        pytest.skip(f"{model} is not fp32: greedy exactness of a batched verify is only claimed for fp32")
+    return EngineConfig(model=str(model), max_batch=8, prompt_cache_gib=0, **kw)
+
+
+TEXT = [
+    "def add(a, b):\n    return",
+    "for i in range(10):\n    print(i)\n" * 6,  # repetitive: prompt lookup proposes a lot
+    "import os\nimport sys\n\n",
+]
+
+
+def requests(tokenizer) -> list[tuple[list[int], SamplingParams]]:
+    with open(os.__file__, encoding="utf-8") as f:
+        long = tokenizer.encode(f.read())[:250]
+    reqs = [(tokenizer.encode(t), SamplingParams(max_tokens=40, ignore_eos=True)) for t in TEXT]
+    reqs.append((long, SamplingParams(max_tokens=24, ignore_eos=True)))  # rounds straddle offset 256
+    reqs.append((tokenizer.encode(TEXT[0]), SamplingParams(max_tokens=30, ignore_eos=True, speculate=False)))
+    return reqs
+
+
+BOUNDARY = 256  # mlx-lm's KVCache grows its buffers in steps of 256 tokens
+
+
+async def run_all(cfg: EngineConfig, crossings: list | None = None) -> tuple[list[list[int]], list, dict]:
+    async with Engine.open(cfg) as engine:
+        backend = engine.backend
+        step = backend.step
+
+        def watched(plan):
+            # (tokens in the cache before the window, window length) for windows
+            # that cross the boundary, and the rollbacks that cross it back
+            for v in plan.verify:
+                fed = backend._rows[v.rid].fed
+                if fed < BOUNDARY < fed + len(v.tokens) and crossings is not None:
+                    crossings.append(("window", v.rid, fed, len(v.tokens)))
+            for rid, n in plan.trim:
+                fed = backend._rows[rid].fed if rid in backend._rows else 0
+                if fed - n < BOUNDARY < fed and crossings is not None:
+                    crossings.append(("trim", rid, fed, n))
+            return step(plan)
+
+        backend.step = watched
+        reqs = requests(engine.tokenizer)
+        done = await asyncio.gather(*[engine.acomplete(p, sp) for p, sp in reqs])
+        stats = engine.stats().get("speculation", {})
+        backend_stats = dict(backend.stats())
+    return [c.token_ids for c in done], [c.usage for c in done], stats, backend_stats
+
+
+_REFERENCE: dict[str, list[list[int]]] = {}
+
+
+async def reference() -> list[list[int]]:
+    if "ref" not in _REFERENCE:
+        _REFERENCE["ref"], _, _, _ = await run_all(_base())
+    return _REFERENCE["ref"]
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4, None], ids=lambda g: f"gamma{g}")
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+async def test_greedy_speculation_is_token_identical(drafter, gamma):
+    _, draft = _paths()
+    want = await reference()
+    name = "ngram" if drafter == "ngram" else str(draft)
+    crossings: list = []
+    got, usages, stats, backend_stats = await run_all(_base(draft_model=name, num_draft_tokens=gamma), crossings)
+    assert got == want
+    if drafter == "ngram" and gamma == 2:
+        # prompt lookup proposes now and then: a window often follows a decode
+        # step run ahead, which serves as the window's first position
+        assert backend_stats["ahead_heads_windows"] > 0, backend_stats
+    if drafter == "draft-model" and gamma and gamma >= 2:
+        # the draft model drafts every round, so some window straddles the
+        # cache's 256-token step (a forced rejection across it is tested below)
+        assert any(k == "window" for k, *_ in crossings), crossings
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert usages[-1].speculation is None  # the plain row shared the batch
+    if gamma is not None:
+        assert max(int(g) for g in stats["gamma_chosen"]) <= gamma
+
+
+async def test_the_drafter_is_a_separate_smaller_model():
+    model, draft = _paths()
+    with pytest.raises(InvalidRequest, match="target model itself"):
+        async with Engine.open(_base(draft_model=str(model))):
+            pass
+    async with Engine.open(_base(draft_model=str(draft))) as engine:
+        dm = engine.speculation.drafter.core.model
+        from mlx.utils import tree_flatten
+
+        target = dict(tree_flatten(engine.backend.model.parameters()))
+        mine = dict(tree_flatten(dm.model.parameters()))
+        assert sum(v.size for v in mine.values()) < sum(v.size for v in target.values())
+        assert not {id(v) for v in mine.values()} & {id(v) for v in target.values()}
+        # its forwards run on the engine's one MLX thread
+        seen: set[int] = set()
+        orig = dm.generate_many
+
+        def generate_many(*a, **kw):
+            seen.add(threading.get_ident())
+            return orig(*a, **kw)
+
+        dm.generate_many = generate_many
+        c = await engine.acomplete(TEXT[1], SamplingParams(max_tokens=30, ignore_eos=True))
+        assert c.usage.speculation.drafted > 0
+        assert seen == {engine.device.thread_ident}
+
+
+async def test_a_drafter_without_a_tokenizer_is_checked_by_vocabulary_digest(tmp_path):
+    """A drafter may ship without tokenizer files (smollm2-draft): config.json
+    names the target's vocabulary by digest. The right digest drafts with the
+    same output as without speculation; a wrong or missing one is refused."""
+    from ember.spec_build import _vocab
+    from engine.spec.draft_model import vocab_digest
+
+    model, draft = _paths()
+    bare = tmp_path / "bare-draft"
+    bare.mkdir()
+    shutil.copy(draft / "model.safetensors", bare / "model.safetensors")
+    cfg = json.loads((draft / "config.json").read_text())
+    async with Engine.open(_base()) as plain:
+        want = (await plain.acomplete(TEXT[1], SamplingParams(max_tokens=24, ignore_eos=True))).token_ids
+        digest = vocab_digest(_vocab(plain.tokenizer))
+    for wrong in (None, "0" * 64):
+        (bare / "config.json").write_text(json.dumps({**cfg, **({"ember_vocab_sha256": wrong} if wrong else {})}))
+        with pytest.raises(InvalidRequest, match="share the target's tokenizer"):
+            async with Engine.open(_base(draft_model=str(bare))):
+                pass
+    (bare / "config.json").write_text(json.dumps({**cfg, "ember_vocab_sha256": digest}))
+    async with Engine.open(_base(draft_model=str(bare), num_draft_tokens=2)) as engine:
+        c = await engine.acomplete(TEXT[1], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert c.token_ids == want and c.usage.speculation.drafted > 0
+
+
+async def test_a_small_head_drafter_proposes_target_ids(tmp_path):
+    """A drafter with its own head over a subset of the target's ids (the
+    shape of smollm2-draft): its argmax is mapped back through ``head_ids``,
+    so the drafts are target ids and some are accepted (the head is the
+    target's own head rows for those ids, on a copy of the target's body);
+    output stays token-identical to plain decode."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from ember.spec_build import _vocab
+    from engine.spec.draft_model import small_head_drafter, vocab_digest
+
+    model, _ = _paths()
+    cfg = json.loads((model / "config.json").read_text())
+    async with Engine.open(_base()) as plain:
+        want = (await plain.acomplete(TEXT[1], SamplingParams(max_tokens=24, ignore_eos=True))).token_ids
+        digest = vocab_digest(_vocab(plain.tokenizer))
+    ids = np.arange(0, cfg["vocab_size"], 2, dtype=np.int32)  # every other id
+    ids = np.union1d(ids, np.array(want, np.int32))  # ...and the ones this text needs
+    dcfg = {**cfg, "tie_word_embeddings": False, "ember_head_vocab": len(ids), "ember_vocab_sha256": digest}
+    drafter = small_head_drafter(dcfg)
+    weights = mx.load(str(model / "model.safetensors"))
+    body = {k: v for k, v in weights.items() if k.startswith("model.")}
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    drafter.load_weights(list(body.items()) + [("head.weight", head[mx.array(ids)]), ("head_ids", mx.array(ids))])
+    out = tmp_path / "small-head"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(drafter.parameters())))
+    (out / "config.json").write_text(json.dumps(dcfg))
+    async with Engine.open(_base(draft_model=str(out), num_draft_tokens=3)) as engine:
+        c = await engine.acomplete(TEXT[1], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert c.token_ids == want
+    assert c.usage.speculation.accepted > 0
+
+
+async def test_sliding_window_target_falls_back_before_its_ring_wraps(tmp_path):
+    model, _ = _paths()
+    swa = tmp_path / "swa"
+    shutil.copytree(model, swa)
+    cfg = json.loads((swa / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention"] + ["full_attention"] * (cfg["num_hidden_layers"] - 1)
+    cfg["sliding_window"] = 64
+    (swa / "config.json").write_text(json.dumps(cfg))
+    base = EngineConfig(model=str(swa), prompt_cache_gib=0)
+    prompt, sp = TEXT[1][:60], SamplingParams(max_tokens=80, ignore_eos=True)
+    async with Engine.open(base) as engine:
+        want = (await engine.acomplete(prompt, sp)).token_ids
+    spec_cfg = EngineConfig(model=str(swa), prompt_cache_gib=0, draft_model="ngram", num_draft_tokens=3)
+    async with Engine.open(spec_cfg) as engine:
+        got = await engine.acomplete(prompt, sp)
+        stats = engine.stats()["speculation"]
+    assert got.token_ids == want
+    assert stats["fallbacks"] == 1  # once the ring would wrap: plain decode from then on
+    assert got.usage.speculation.drafted > 0  # it did speculate before that
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+async def test_sampled_speculation_is_reproducible_per_seed(drafter):
+    _, draft = _paths()
+    cfg = _base(draft_model="ngram" if drafter == "ngram" else str(draft), num_draft_tokens=3)
+    sp = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    async with Engine.open(cfg) as engine:
+        a = await engine.acomplete(TEXT[1], sp)
+        b = await engine.acomplete(TEXT[1], sp)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 40
+    assert a.usage.speculation.drafted > 0
+
+
+def test_rejections_across_the_cache_step_roll_back_per_row():
+    """Two rows in one batch: row A's window crosses offset 256 and is rejected
+    whole (trim 4 back across the step), row B accepts 2 of 3 (trim 1) — the
+    per-row rollback (common trim + right-padding roll). Both then decode
+    exactly like mlx-lm's generate_step, and A's KV equals a fresh prefill."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.mlx.backend import load_mlx_backend
+    from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan, VerifyRow
+
+    cfg = _base()
+    backend, device = load_mlx_backend(cfg)
+    try:
+        with open(os.__file__, encoding="utf-8") as f:
+            ids = backend.tokenizer.encode(f.read())
+        a_prompt, b_prompt = ids[: BOUNDARY - 2], ids[1000:1100]
+        vocab = backend.info.vocab_size
+
+        # mlx-lm's own load of the checkpoint: the backend's model may have its
+        # weights laid out for the CPU (engine.mlx.cpu_layout)
+        oracle = device.call(lambda: load(str(resolve_model(cfg.model)))[0])
+
+        def reference(prompt: list[int], n: int) -> list[int]:
+            return [t for t, _ in generate_step(mx.array(prompt), oracle, max_tokens=n)]
+
+        ref_a, ref_b = device.call(reference, a_prompt, 8), device.call(reference, b_prompt, 8)
+        greedy = SamplingParams(max_tokens=1000)
+        plan = StepPlan(
+            open=[OpenRow(1, greedy), OpenRow(2, greedy)],
+            prefill=[PrefillChunk(1, a_prompt[:-1]), PrefillChunk(2, b_prompt[:-1])],
+            decode=[DecodeRow(1, a_prompt[-1]), DecodeRow(2, b_prompt[-1])],
+        )
+        first = device.call(backend.step, plan).tokens
+        assert (first[1], first[2]) == (ref_a[0], ref_b[0])
+        assert device.call(lambda: backend._rows[1].fed) == BOUNDARY - 2  # the window starts at 254
+        wrong = [(t + 1) % vocab for t in ref_a[1:5]]
+        b_drafts = [ref_b[1], ref_b[2], (ref_b[3] + 1) % vocab]
+        res = device.call(
+            backend.step,
+            StepPlan(verify=[VerifyRow(1, [ref_a[0], *wrong]), VerifyRow(2, [ref_b[0], *b_drafts])]),
+        )
+        assert res.verified[1][0] == ref_a[1]  # the correction at the first position
+        assert res.verified[2][:3] == ref_b[1:4]  # two accepted, then the correction
+        out_a, out_b = [ref_a[0], ref_a[1]], [ref_b[0], *ref_b[1:4]]
+        plan = StepPlan(trim=[(1, 4), (2, 1)], decode=[DecodeRow(1, out_a[-1]), DecodeRow(2, out_b[-1])])
+        for _ in range(4):
+            toks = device.call(backend.step, plan).tokens
+            out_a.append(toks[1])
+            out_b.append(toks[2])
+            plan = StepPlan(decode=[DecodeRow(1, toks[1]), DecodeRow(2, toks[2])])
+        assert out_a == ref_a[: len(out_a)]
+        assert out_b == ref_b[: len(out_b)]
+
+        def kv_error() -> float:
+            mine = backend.row_cache(1)
+            fed = a_prompt + out_a[:-1]
+            ref = make_prompt_cache(oracle)
+            oracle(mx.array(fed)[None], cache=ref)
+            assert all(c.offset == len(fed) for c in mine)
+            n = len(fed)
+            return max(
+                mx.abs(getattr(m, f)[..., :n, :] - getattr(r, f)[..., :n, :]).max().item()
+                for m, r in zip(mine, ref)
+                for f in ("keys", "values")
+            )
+
+        assert device.call(kv_error) < 1e-3
+        device.call(backend.step, StepPlan(close=[1, 2]))
+    finally:
+        device.close()

@@ -1,0 +1,28 @@
+"""Every graceful SIGTERM of `ember serve` on the bundled model exits 0
+(issue #23 item 6: 4 of 71 ended in SIGABRT, "terminate called without an
+active exception"). 25 shutdowns, 2 at a time, each after serving a request
+with the SSD tier on (`sims.shutdowns`, which also runs them under gdb)."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+
+import pytest
+
+from sims.shutdowns import one
+
+
+@pytest.mark.slow
+def test_25_graceful_shutdowns_of_the_bundled_model_all_exit_0():
+    from engine.models import resolve_model
+
+    try:
+        resolve_model("tiny")
+    except FileNotFoundError:
+        pytest.skip("the bundled model is not built yet (python -m tools.train_tiny, docs/models.md)")
+    args = argparse.Namespace(model="tiny", ssd=True, requests=1, start_timeout=180.0, gdb=False)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda i: one(i, args), range(25)))
+    bad = [(i, rc, tail[-1500:]) for i, rc, tail in results if rc != 0]
+    assert not bad, f"{len(bad)} of 25 did not exit 0: {bad}"

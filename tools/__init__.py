@@ -1,0 +1,1 @@
+"""Training and conversion scripts (not imported by the runtime): python -m tools.<name>."""
