@@ -44,9 +44,9 @@ import msgspec
 import numpy as np
 
 from actors.cold_tier import ColdStore, ColdTier
-from engine import kvfile
-from engine.kvfile import KvReader, KvWriter
-from engine.prompt_cache import as_tokens
+from engine.kv import kvfile
+from engine.kv.kvfile import KvReader, KvWriter
+from engine.kv.prompt_cache import as_tokens
 
 log = logging.getLogger("ember.distributed_tier")
 
@@ -77,7 +77,7 @@ def rank_root(root: str, rank: int, size: int) -> str:
 
 
 def rank_store(root: str, info: Any, *, rank: int, size: int, max_bytes: int, verify: bool) -> ColdStore:
-    from engine.disk import RealDisk
+    from engine.kv.disk import RealDisk
 
     return ColdStore(
         RealDisk(),
@@ -263,7 +263,7 @@ class DistributedColdTier(ColdTier):
 
     # ---- writes --------------------------------------------------------------------
     async def store_entry(self, tokens: list[int], ns: str, cache: Any, *, wait_turn: Any = None) -> bool:
-        from engine.mlx_distributed import TrackedCache
+        from engine.mlx.distributed import TrackedCache
 
         store = self.store
         if not isinstance(cache, TrackedCache):  # not an entry every rank holds: never a lone shard on disk
@@ -335,7 +335,7 @@ class DistributedColdTier(ColdTier):
     def _restore_all(self, op: RestoreOp) -> tuple[Any, bool]:
         """On rank 0's MLX thread: every rank reads its shard, then all agree.
         Touches no index state (the loop's lookups read it meanwhile)."""
-        from engine.mlx_distributed import TrackedCache
+        from engine.mlx.distributed import TrackedCache
 
         self._send(op)
         layers = None

@@ -1,6 +1,6 @@
 """A follower's side of the distributed SSD tier (actors/distributed_tier.py),
 in one process: the real files, caches and store, with the group's agreement
-played by a stub link (the two-rank engine itself: tests/test_distributed_ssd.py).
+played by a stub link (the two-rank engine itself: tests/sims/test_distributed_ssd.py).
 
 What must hold whatever the other ranks answer: a write stays on disk only when
 every rank's write succeeded; a restore is kept only when every rank read a

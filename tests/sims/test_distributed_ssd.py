@@ -3,7 +3,7 @@ persists its own shard under ``DIR/rank{r}of{n}/``; the tier round-trips across
 a restart of both ranks, and one rank's bad file is a miss on every rank.
 
 Oracle: mlx-lm's ``stream_generate`` in one process, greedy, never persisted.
-Two ranks of the ring backend on localhost (tests/test_distributed.py starts
+Two ranks of the ring backend on localhost (tests/sims/test_distributed.py starts
 them as ``mlx.launch`` would): the bundled llama split by tensor (rank 1's file
 corrupted), the tiny random qwen2 split by pipeline stage (rank 1's file
 deleted). Two launches each, about 30 s each on the shared 2-core machine.
@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_distributed import Ranks, qwen2_dir, reference  # noqa: F401 - qwen2_dir: a fixture
+from tests.sims.test_distributed import Ranks, qwen2_dir, reference  # noqa: F401 - qwen2_dir: a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def sliding_dir(tmp_path_factory, tiny) -> str:
     """The bundled llama with every other layer a 32-token sliding window
     (mlx-lm's ``RotatingKVCache``): its caches cannot be trimmed back, so the
     prompt's end is kept as a checkpoint entry (actors/scheduler.py), which
-    the ranks must name alike (engine.mlx_distributed.checkpoint_names)."""
+    the ranks must name alike (engine.mlx.distributed.checkpoint_names)."""
     out = tmp_path_factory.mktemp("sliding") / "model"
     shutil.copytree(tiny, out)
     config = json.loads((out / "config.json").read_text())
@@ -91,7 +91,7 @@ def sliding_dir(tmp_path_factory, tiny) -> str:
 )
 def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, request, model_fixture, mode, fault):
     """tensor: the bundled llama, each rank its KV heads; pipeline: the tiny
-    random qwen2 of tests/test_distributed.py, each rank its layers; and the
+    random qwen2 of tests/sims/test_distributed.py, each rank its layers; and the
     sliding-window llama, whose entries are checkpoints."""
     model = request.getfixturevalue(model_fixture)
     want_a, want_b, want_c = reference(model, [PROMPT_A, PROMPT_B, PROMPT_C], N)

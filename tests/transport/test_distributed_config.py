@@ -136,7 +136,7 @@ def test_rank0_names_checkpoints_as_every_follower_does():
     """Checkpoints (caches of sliding windows or SSM state, which cannot be
     trimmed back) are RAM-tier entries: named from the plan number and the
     plan's rows, which every follower knows, so nothing more goes on the wire."""
-    from engine.mlx_distributed import CHECKPOINT_NAMES, LeaderBackend, _decode_wire, checkpoint_names
+    from engine.mlx.distributed import CHECKPOINT_NAMES, LeaderBackend, _decode_wire, checkpoint_names
 
     link = _Link()
     leader = LeaderBackend(_Inner(fail=frozenset({4})), link)  # type: ignore[arg-type]
