@@ -212,7 +212,9 @@ def _import_mlx_on_main_thread(config: Any) -> None:
 
         # and the engine's MLX modules: `serve` loads the model on a worker
         # thread, and whatever their import runs must not run first there
-        import engine.mlx.backend  # noqa: F401
+        from ember import preload_mlx
+
+        preload_mlx()
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +224,7 @@ def _import_mlx_on_main_thread(config: Any) -> None:
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
-    from actors.durability import settings_from
+    from ember import settings_from
     from transport.http import build_app
 
     config = engine_config(args, parser)
@@ -375,7 +377,7 @@ def _drain_first(server: Any, state: Any) -> None:
 
 
 def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ember.api import Engine
+    from ember import Engine
     from engine.types import SamplingParams
 
     config = engine_config(args, parser)
