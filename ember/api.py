@@ -9,8 +9,9 @@
         ...
     engine.stop()
 
-The actors start in one task group in dependency order; shutdown is the
-nesting order. An actor that crashes takes the engine down: every waiter gets
+``ember.assemble`` builds the parts (every actor and hook, once, from the
+config and the ports); this facade runs them. The actors start in one task
+group in dependency order; shutdown is the nesting order. An actor that crashes takes the engine down: every waiter gets
 ``EngineDead`` and the engine refuses new work.
 """
 
@@ -28,113 +29,18 @@ import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from actors.durability import Flush, FlushReport
-from actors.gateway import Cancel, Drain, Submit
+from actors.gateway import Drain, Submit
 from actors.runtime import Actor, Failure
 from ember.assemble import Parts, assemble, load_ports, preload_mlx
 from ember.spec_build import check_request
+from ember.stream import Completion, RequestStream
 from engine.config import EngineConfig
-from engine.errors import EngineDead, EngineError, InvalidRequest
+from engine.errors import EngineDead, InvalidRequest
 from engine.eventlog import EventLog
 from engine.ports import Backend, Clock, Device, InlineDevice, Ports
-from engine.types import Constraint, Delta, SamplingParams, TokenLogprob, Usage
+from engine.types import Constraint, Delta, SamplingParams
 
 log = logging.getLogger("ember.engine")
-
-
-class Completion:
-    """The collected result of one request."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.usage: Usage | None = None
-        self.logprobs: list[TokenLogprob] | None = None  # when the request asked for them
-
-    def add(self, d: Delta) -> None:
-        self.text += d.text
-        self.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + d.logprobs
-        if d.finish_reason is not None:
-            self.finish_reason = d.finish_reason
-            self.usage = d.usage
-
-
-class RequestStream:
-    """One admitted request's deltas, from ``Engine.asubmit``.
-
-    Receiving is cancel-safe (a timeout around ``__anext__`` loses no delta),
-    so a server can wait for a token with a deadline and send a keep-alive
-    instead. Closing the stream before the last delta cancels the request: the
-    Gateway aborts its row at the next step.
-    """
-
-    def __init__(self, gateway: Any, rid: int, recv: Any):
-        self.rid = rid
-        self._gateway = gateway
-        self._recv = recv
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            item = await self._recv.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self.finished = True
-            raise EngineDead("the request stream ended without a finish") from None
-        return self._take(item)
-
-    def next_nowait(self) -> Delta | None:
-        """The next delta if one is already queued, else None; never waits.
-        A writer that fell behind (a busy loop, many streams) drains what has
-        piled up and sends it in one write instead of one per token."""
-        if self.finished:
-            return None
-        try:
-            item = self._recv.receive_nowait()
-        except anyio.WouldBlock:
-            return None
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self.finished = True
-            raise EngineDead("the request stream ended without a finish") from None
-        return self._take(item)
-
-    async def wait(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for the next delta (or the end) to be
-        queued, without taking it: True if ``next_nowait``/``__anext__`` now
-        answers at once. The keep-alive of a streaming server, without a cancel
-        scope per token."""
-        if self.finished:
-            return True
-        return await self._recv.wait(timeout)
-
-    def _take(self, item: Any) -> Delta:
-        if isinstance(item, Failure):
-            self.finished = True
-            raise item.exc
-        if item.finish_reason is not None:
-            self.finished = True
-        return item
-
-    async def aclose(self) -> None:
-        self._recv.close()
-        if not self.finished:
-            self.finished = True
-            try:
-                self._gateway.tell_nowait(Cancel(rid=self.rid))
-            except EngineError:
-                pass
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()
 
 
 class Engine:
