@@ -1,4 +1,5 @@
-"""Build speculative decoding from ``EngineConfig.draft_model`` (off when None).
+"""Build speculative decoding from ``EngineConfig.draft_model`` (off when None):
+``build_speculation``, called only by ``ember.assemble``.
 
 ``draft_model`` names the drafter:
 
