@@ -11,6 +11,7 @@ feeds it messages, runs its plans on the device and sends what it returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections import deque
@@ -57,10 +58,6 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     reason: str = "abort"
 
 
-class Shutdown(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Engine → Scheduler: stop after the current step."""
-
-
 class Restored(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """ColdTier → Scheduler: the SSD restore asked for row ``rid`` is done.
     ``cache`` is a private cache trimmed to ``cached`` tokens, or None on a miss
@@ -98,7 +95,7 @@ class Settle(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     seen the row's last token, and a flush asked at that moment must not miss it."""
 
 
-Inbox = Admit | Abort | Shutdown | Restored | Demote | Snapshot | Settle
+Inbox = Admit | Abort | Restored | Demote | Snapshot | Settle
 
 
 # ---------------------------------------------------------------------------
@@ -596,29 +593,26 @@ class Scheduler(Actor[Inbox]):
             except Exception:  # a subscriber that cannot keep up loses an edge, never blocks us
                 log.warning("[scheduler] subscriber %s missed %s", ref.name, type(event).__name__)
 
-    def _handle(self, env: Envelope[Inbox]) -> bool:
+    def _handle(self, env: Envelope[Inbox]) -> None:
         msg = env.msg
         match msg:
             case Admit():
                 self.core.admit(msg)
             case Abort():
                 self.core.abort(msg.rid, msg.reason)
-            case Shutdown():
-                env.answer(None)
-                return False
             case Restored():
                 self.core.restored(msg)
             case Settle():
                 if self.core._closing:  # closed (and put) by the next step
                     self._settle_waiters.append(env)
-                    return True
+                    return
             case Snapshot():
                 try:
                     reply: Any = self.core.snapshot(msg)
                 except Exception as exc:  # a cache fault fails one write-behind attempt, never a request
                     reply = Failure(exc)
                 env.answer(reply)
-                return True
+                return
             case Demote():
                 n, due = self.core.demote(msg.idle_s)
                 if self.core.cold is not None:
@@ -626,7 +620,6 @@ class Scheduler(Actor[Inbox]):
             case _:
                 assert_never(msg)
         env.answer(None)
-        return True
 
     async def main(self) -> None:
         if not self.step_timeout_s:
@@ -670,8 +663,7 @@ class Scheduler(Actor[Inbox]):
                     break
                 except anyio.EndOfStream:
                     return
-                if not self._handle(env):
-                    return
+                self._handle(env)
             if not self.core.has_work():
                 if not self.core.restoring:  # a row waiting on SSD is work in flight
                     self._publish(False)
@@ -679,8 +671,7 @@ class Scheduler(Actor[Inbox]):
                     env = await self._inbox_recv.receive()
                 except anyio.EndOfStream:
                     return
-                if not self._handle(env):
-                    return
+                self._handle(env)
                 continue
             self._publish(True)
             await self._step()
@@ -705,7 +696,7 @@ class Scheduler(Actor[Inbox]):
                     self._watch_timer = loop.call_at(deadline, self._watch)
                 result = await self.device.run(core.backend.step, plan, cost_s=cost)
             else:
-                with anyio.fail_after(self.step_timeout_s) if self.step_timeout_s else _nullcontext():
+                with anyio.fail_after(self.step_timeout_s) if self.step_timeout_s else contextlib.nullcontext():
                     result = await self.device.run(core.backend.step, plan, cost_s=cost)
         except TimeoutError:
             raise EngineDead(f"GPU step {core.steps} hung past {self.step_timeout_s}s") from None
@@ -766,11 +757,3 @@ class Scheduler(Actor[Inbox]):
                 ref.tell_nowait(msg)
             except Exception:  # a full inbox only delays freeing a finished row's state
                 log.warning("[scheduler] %s missed Forget rids=%s", ref.name, rids)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
