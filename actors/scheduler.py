@@ -10,8 +10,6 @@ feeds it messages, runs its plans on the device and sends what it returns.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import enum
 import logging
 from collections import deque
@@ -28,6 +26,7 @@ from actors.events import EngineBusy, EngineIdle
 from actors.runtime import Actor, ActorRef, Envelope, Failure
 from actors.spec_rounds import SpecRounds
 from actors.verifier import Forget as VerifierForget
+from actors.watchdog import Watchdog
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
 from engine.ports import Backend, Clock, DecodeRow, Device, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
@@ -559,18 +558,12 @@ class Scheduler(Actor[Inbox]):
         self.device = device
         self.output = output
         self.subscribers = list(subscribers or [])
-        self.step_timeout_s = step_timeout_s
         self.drafter = drafter  # speculation: both set with core.spec, or neither
         self.verifier = verifier
         self.is_busy = False
         self._settle_waiters: list[Envelope[Inbox]] = []  # Settle asks held until the closes are put
-        # the step watchdog (``main``): the step in flight and its loop timer
-        self._step_n = 0
-        self._watch_loop: asyncio.AbstractEventLoop | None = None
-        self._watch_timer: asyncio.TimerHandle | None = None
-        self._hang_scope: anyio.CancelScope | None = None
-        self._hung: int | None = None  # the step the watchdog gave up on
-        self._exact_cost = False  # the device's runs take exactly their cost (``main``)
+        exact = bool(getattr(device, "exact_cost", False))  # the fake GPU's runs take exactly their cost
+        self.watchdog = Watchdog(step_timeout_s, core.clock, what="GPU step", exact_cost=exact)
 
     async def stopping(self, reason: BaseException | None) -> None:
         for env in self._settle_waiters:  # their closes will never be put
@@ -622,35 +615,7 @@ class Scheduler(Actor[Inbox]):
         env.answer(None)
 
     async def main(self) -> None:
-        if not self.step_timeout_s:
-            return await self._loop()
-        loop = asyncio._get_running_loop()
-        if loop is None:  # not asyncio: a ``fail_after`` per step (``_step``)
-            return await self._loop()
-        # The step watchdog: one cancel scope for the actor's life and, per
-        # GPU step, a bare loop timer at its deadline, cancelled when the step
-        # ends (a ``fail_after`` per step cost a scope, a generator context and
-        # the same timer: ~4% of a run). It fires at the instant the step's
-        # ``fail_after`` did. (A timer that outlived its step would stop the
-        # virtual clock at an instant of its own and move every later float time.)
-        self._watch_loop = loop
-        self._exact_cost = bool(getattr(self.device, "exact_cost", False))
-        try:
-            with anyio.CancelScope() as self._hang_scope:
-                await self._loop()
-        finally:
-            if self._watch_timer is not None:
-                self._watch_timer.cancel()
-                self._watch_timer = None
-        if self._hung is not None:
-            raise EngineDead(f"GPU step {self._hung} hung past {self.step_timeout_s}s")
-
-    def _watch(self) -> None:
-        """The watchdog timer: the step in flight reached its deadline."""
-        self._watch_timer = None
-        self._hung = self._step_n
-        assert self._hang_scope is not None  # the timer is set only inside main's scope
-        self._hang_scope.cancel()
+        await self.watchdog.run(self._loop)
 
     async def _loop(self) -> None:
         # The inbox is closed by Actor._fail_queued, which answers what is left.
@@ -683,31 +648,12 @@ class Scheduler(Actor[Inbox]):
         plan = core.plan()
         cost = core.backend.step_cost_s(plan)
         try:
-            if self._watch_loop is not None:  # the watchdog timer (``main``)
-                loop, now = self._watch_loop, core.clock.now()
-                assert self.step_timeout_s is not None  # main() sets _watch_loop only with a timeout
-                deadline = now + self.step_timeout_s
-                # A device whose run takes exactly its cost (the fake GPU's
-                # InlineDevice) finishes a step that ends a clock tick before
-                # the deadline: the timer could never fire, and is not set.
-                # asyncio's private _clock_resolution: the granularity its timers fire at
-                if not (self._exact_cost and now + cost + loop._clock_resolution < deadline):  # type: ignore[attr-defined]
-                    self._step_n = core.steps
-                    self._watch_timer = loop.call_at(deadline, self._watch)
+            with self.watchdog.armed(core.steps, cost):
                 result = await self.device.run(core.backend.step, plan, cost_s=cost)
-            else:
-                with anyio.fail_after(self.step_timeout_s) if self.step_timeout_s else contextlib.nullcontext():
-                    result = await self.device.run(core.backend.step, plan, cost_s=cost)
-        except TimeoutError:
-            raise EngineDead(f"GPU step {core.steps} hung past {self.step_timeout_s}s") from None
         except MemoryError as exc:
             log.warning("[scheduler] step %d failed: %r", core.steps, exc)
             core.fail_step(plan, f"{type(exc).__name__}: {exc}")
             result = None
-        finally:
-            if self._watch_timer is not None:
-                self._watch_timer.cancel()
-                self._watch_timer = None
         if result is not None:
             core.apply(plan, result)
             if core.spec is not None:
