@@ -29,7 +29,8 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from actors.durability import DurabilityCoordinator, Flush, FlushReport, build_coordinator, settings_from
 from actors.gateway import Cancel, Drain, Gateway, GatewayConfig, StepOutput, Submit
 from actors.runtime import Actor, Failure
-from actors.scheduler import RowDelta, Scheduler, SchedulerConfig, SchedulerCore
+from actors.scheduler import RowDelta, Scheduler
+from actors.scheduler_core import SchedulerConfig, SchedulerCore
 from ember.spec_build import build_speculation, check_request
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError, InvalidRequest

@@ -19,7 +19,8 @@ import anyio
 import pytest
 
 from actors.drafter import Draft, Drafted, DraftedRound, ModelDrafterCore
-from actors.scheduler import Admit, SchedulerConfig, SchedulerCore
+from actors.scheduler import Admit
+from actors.scheduler_core import SchedulerConfig, SchedulerCore
 from actors.spec_rounds import SpecRounds
 from actors.verifier import VerifierCore, Verify, Window, accept_window
 from ember import Engine, EngineConfig, InvalidRequest, SamplingParams
