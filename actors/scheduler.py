@@ -166,7 +166,6 @@ class Row:
     prompt: list[int]
     params: SamplingParams
     ns: str
-    admitted_at: float
     state: RowState = RowState.QUEUED
     generated: list[int] = field(default_factory=list)
     cached: int = 0  # prompt tokens served from the prompt cache

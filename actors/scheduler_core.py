@@ -83,7 +83,7 @@ class SchedulerCore:
     # ---- messages ----------------------------------------------------------
     def admit(self, msg: Admit) -> None:
         now = self.clock.now()
-        row = Row(msg.rid, list(msg.tokens), msg.params, msg.ns, now)
+        row = Row(msg.rid, list(msg.tokens), msg.params, msg.ns)
         row.stop = StopMatcher(msg.params.stop)
         self.rows[msg.rid] = row
         self.queue.append(msg.rid)
