@@ -18,7 +18,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.drafter import Draft, Drafted, DraftedRound, ModelDrafterCore
+from actors.drafter import Draft, Drafted, DraftedRound
+from actors.drafter_cores import ModelDrafterCore
 from actors.scheduler import Admit
 from actors.scheduler_core import SchedulerConfig, SchedulerCore
 from actors.spec_rounds import SpecRounds
