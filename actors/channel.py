@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 import anyio
 
+from actors.timers import deadline_timer
+
 _NONE = object()
 
 
@@ -218,7 +220,7 @@ class ChannelReceiver:
     async def wait(self, timeout: float) -> bool:
         """Wait until something is queued (an item, the end), at most
         ``timeout`` seconds; False when the time ran out first. Takes nothing.
-        A bare loop timer (``deadline_timer``) instead of an anyio cancel
+        A bare loop timer (``actors.timers.deadline_timer``) instead of an anyio cancel
         scope: a streamed token waits once, and the scope's enter and exit
         (task and backend lookups, a deadline, its own timer) cost about as
         much as the rest of that token's path through the loop (py-spy of
@@ -274,15 +276,3 @@ def channel(
     a reader that asked to be woken only at the end (``wake_at_end``)."""
     state = _ChannelState(size, max_streak, is_last)
     return ChannelSender(state), ChannelReceiver(state)
-
-
-def deadline_timer(loop: asyncio.AbstractEventLoop, delay: float, fut: asyncio.Future[None]) -> asyncio.TimerHandle:
-    """Resolve ``fut`` (with None) after ``delay`` seconds unless it is done
-    by then; cancel the handle when the wait ends. A bare loop timer: no
-    cancel scope, no task lookup."""
-    return loop.call_later(delay, _resolve, fut)
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)

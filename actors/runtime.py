@@ -16,7 +16,7 @@ caller hangs on a reply that will never come.
 
 The runtime's other parts: ``actors.channel`` (the inbox's type, which is
 also a request's stream of deltas from the Gateway to its caller, with a
-reader's deadline for a server's keep-alive) and ``actors.watchdog`` (a
+reader's deadline for a server's keep-alive) and ``actors.timers`` (a
 deadline on each of an actor's device calls: the Scheduler's GPU steps).
 """
 

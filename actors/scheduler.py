@@ -7,7 +7,7 @@ across all prefilling rows) so a long prompt cannot starve the decode of the
 others. The logic is the sync ``SchedulerCore`` (``actors.scheduler_core``);
 this module holds the Scheduler's messages, a row's lifecycle and the actor: a
 thin loop that feeds the core messages, runs its plans on the device under the
-step watchdog (``actors.watchdog``) and sends what they return.
+step watchdog (``actors.timers``) and sends what they return.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from actors.drafter import DraftRound
 from actors.drafter import Forget as DrafterForget
 from actors.events import EngineBusy, EngineIdle
 from actors.runtime import Actor, ActorRef, Envelope, Failure
+from actors.timers import Watchdog
 from actors.verifier import Forget as VerifierForget
-from actors.watchdog import Watchdog
 from engine.errors import EngineDead
 from engine.ports import Device, StepPlan, StepResult
 from engine.textstream import StopMatcher

@@ -1,4 +1,7 @@
-"""The step watchdog: a deadline on each long device call of an actor."""
+"""The runtime's timers: ``Watchdog``, a deadline on each long device call of
+an actor (the Scheduler's GPU steps), and ``deadline_timer``, a bare loop timer
+that resolves a future (a reader's wait with a deadline: a server's keep-alive,
+``actors.channel.ChannelReceiver.wait``)."""
 
 from __future__ import annotations
 
@@ -101,3 +104,15 @@ class Watchdog:
         self._hung = self._timed
         assert self._scope is not None  # the timer is set only inside run's scope
         self._scope.cancel()
+
+
+def deadline_timer(loop: asyncio.AbstractEventLoop, delay: float, fut: asyncio.Future[None]) -> asyncio.TimerHandle:
+    """Resolve ``fut`` (with None) after ``delay`` seconds unless it is done
+    by then; cancel the handle when the wait ends. A bare loop timer: no
+    cancel scope, no task lookup."""
+    return loop.call_later(delay, _resolve, fut)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -1,4 +1,4 @@
-"""The step watchdog (actors.watchdog): a deadline per device call, on the
+"""The step watchdog (actors.timers): a deadline per device call, on the
 virtual-time loop. The engine-level check (a hung GPU step kills the engine at
 its deadline only) is tests/ember/test_engine.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.watchdog import Watchdog
+from actors.timers import Watchdog
 from engine.errors import EngineDead
 from engine.ports import LoopClock
 
