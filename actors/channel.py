@@ -6,9 +6,9 @@ memory object stream, with the same exceptions (``WouldBlock``,
 ``ClosedResourceError`` after ``close``, ``BrokenResourceError`` once the
 reader has gone, ``EndOfStream``): that stream's ``receive`` and ``send`` each
 checkpointed (one event-loop turn) and built an event, a waiter and a typing
-generic per wait — ~5% of a run as an actor inbox, and most of the cost of each
-streamed token as a request's delta stream. The Gateway's delta streams and
-the actors' inboxes (``actors.runtime.inbox``) are this one type.
+generic per wait (what that cost: docs/sims.md, "Fourth round", and
+docs/bench/vs-mlx-lm.md). The actors' inboxes (``actors.runtime.inbox``) and
+the Gateway's delta streams (``actors.gateway.delta_stream``) are this one type.
 """
 
 from __future__ import annotations
@@ -80,15 +80,7 @@ MAX_STREAK = 64
 
 
 class ChannelSender:
-    """The sending end of a channel: a deque (bounded, or ``math.inf``), the
-    one reader woken through a bare asyncio future, waiting senders kept in
-    order. It replaces an anyio memory object stream (same exceptions:
-    ``WouldBlock``, ``ClosedResourceError`` after ``close``,
-    ``BrokenResourceError`` once the reader has gone, ``EndOfStream``) whose
-    ``receive`` and ``send`` each checkpointed (one event-loop turn) and built
-    an event, a waiter and a typing generic per wait: ~5% of a run as an
-    actor inbox, and most of the cost of each streamed token as a request's
-    delta stream."""
+    """The sending end of a channel (any number of senders share it)."""
 
     __slots__ = ("_state",)
 
@@ -220,11 +212,10 @@ class ChannelReceiver:
     async def wait(self, timeout: float) -> bool:
         """Wait until something is queued (an item, the end), at most
         ``timeout`` seconds; False when the time ran out first. Takes nothing.
-        A bare loop timer (``actors.timers.deadline_timer``) instead of an anyio cancel
-        scope: a streamed token waits once, and the scope's enter and exit
-        (task and backend lookups, a deadline, its own timer) cost about as
-        much as the rest of that token's path through the loop (py-spy of
-        ``ember serve`` at 8 streams). Cancel-safe like ``receive``."""
+        A bare loop timer (``actors.timers.deadline_timer``) instead of an
+        anyio cancel scope: a streamed token waits once, and the scope's enter
+        and exit were a large part of that token's path through the loop
+        (docs/bench/vs-mlx-lm.md). Cancel-safe like ``receive``."""
         s = self._state
         if s.items or s.send_closed or s.recv_closed:
             return True

@@ -23,11 +23,12 @@ class Watchdog:
     ``run(body)`` runs the actor's loop under it; ``with watchdog.armed(n,
     cost_s): await call`` guards call ``n``. On asyncio: one cancel scope for
     the actor's life and, per call, a bare loop timer at its deadline,
-    cancelled when the call ends (a ``fail_after`` per step cost a scope, a
-    generator context and the same timer: ~4% of a run); it fires at the
-    instant that ``fail_after`` did. (A timer that outlived its call would stop
-    the virtual clock at an instant of its own and move every later float
-    time.) Elsewhere: a ``fail_after`` per call. No ``timeout_s``: no deadline.
+    cancelled when the call ends, instead of a ``fail_after`` per step (a
+    scope, a generator context and the same timer: docs/sims.md); it fires
+    at the instant that ``fail_after`` did. (A timer that outlived its call
+    would stop the virtual clock at an instant of its own and move every
+    later float time.) Elsewhere: a ``fail_after`` per call. No
+    ``timeout_s``: no deadline.
     """
 
     def __init__(self, timeout_s: float | None, clock: Clock, *, what: str = "call", exact_cost: bool = False):
