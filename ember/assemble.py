@@ -30,7 +30,8 @@ from actors.durability import ColdTierPort, Completed, DurabilityCoordinator, Id
 from actors.durability_core import DurabilityCore, DurabilitySettings
 from actors.gateway import Gateway, GatewayConfig, StepOutput
 from actors.runtime import Actor
-from actors.scheduler import RowDelta, Scheduler, SchedulerConfig, SchedulerCore, Snapshot
+from actors.scheduler import RowDelta, Scheduler, Snapshot
+from actors.scheduler_core import SchedulerConfig, SchedulerCore
 from ember.spec_build import Speculation, build_speculation
 from engine.config import EngineConfig, FakeGPUConfig
 from engine.eventlog import EventLog
