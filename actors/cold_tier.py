@@ -37,7 +37,7 @@ import logging
 import posixpath
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, assert_never
 
@@ -53,7 +53,7 @@ from engine.kv import kvfile
 from engine.kv.disk import Disk, FileStat, NotRegularFile
 from engine.kv.kvfile import KvHeader, KvMeta, KvReader, KvWriter
 from engine.kv.prompt_cache import PrefixIndex, as_tokens, token_bytes, usable_prefix
-from engine.ports import Backend, Clock, Device
+from engine.ports import Backend, Clock, Device, IoRunner, run_in_thread, run_inline  # noqa: F401 - run_inline: the name tests import from here
 
 log = logging.getLogger("ember.cold_tier")
 
@@ -521,17 +521,7 @@ class ColdStore:
 # ---------------------------------------------------------------------------
 # Where work runs.
 
-Runner = Callable[..., Awaitable[Any]]
-
-
-async def run_inline(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run file I/O inline (virtual-time tests and sims, where no thread may run)."""
-    return fn(*args)
-
-
-async def run_in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run file I/O on a worker thread, off the event loop."""
-    return await anyio.to_thread.run_sync(fn, *args)
+Runner = IoRunner  # run_inline / run_in_thread live with the other ports (engine.ports)
 
 
 class ColdLink:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, assert_never
 
 import anyio
@@ -46,16 +46,14 @@ from actors.durability_core import (
     RecState,
     TakeSnapshot,
     WriteItem,
-    settings_from,
 )
 from actors.events import EngineBusy, EngineIdle
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure, InboxFull
-from actors.scheduler import Scheduler, Settle, Snapshot
+from actors.scheduler import Settle, Snapshot
 from engine.errors import EngineDead
-from engine.eventlog import EventLog
 from engine.kv.prompt_cache import token_bytes
 from engine.kv.spill_queue import SpillItem
-from engine.ports import Clock, LoopClock
+from engine.ports import LoopClock
 
 log = logging.getLogger("ember.durability")
 
@@ -72,12 +70,10 @@ __all__ = [
     "DurabilityCoordinator",
     "IdleGate",
     "ColdTierPort",
-    "build_coordinator",
     "DurabilityCore",
     "DurabilitySettings",
     "FlushReport",
     "RecState",
-    "settings_from",
 ]
 
 
@@ -499,7 +495,7 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Wiring into the engine.
+# The cold tier as the coordinator sees it (ember.assemble wires them).
 
 
 class ColdTierPort:
@@ -548,50 +544,3 @@ class ColdTierPort:
 
     async def store(self, ns: str, tokens: list[int], cache: Any, wait_turn: Callable[[], Awaitable[None]]) -> bool:
         return bool(await self.tier.store_now(list(tokens), ns, cache, wait_turn))
-
-
-def build_coordinator(
-    config: Any,
-    clock: Clock,
-    events: EventLog,
-    backend: Any,
-    scheduler: Scheduler,
-    cold_tier: ColdTier,
-    prefix_cache: Any,
-    environ: Mapping[str, str] | None = None,
-) -> DurabilityCoordinator:
-    """Make the coordinator and hook it in: the idle gate on the Scheduler's
-    idle/busy edges, ``Completed`` from the RAM tier's put hook and ``Spill``
-    from its eviction/demotion hook (both ``tell_nowait``: a full inbox loses
-    one write-behind, never blocks the Scheduler)."""
-    settings = settings_from(config, environ)
-    gate = IdleGate()
-    scheduler.subscribe(gate)  # type: ignore[arg-type]  # it takes only the tell_nowait of an ActorRef
-    port = ColdTierPort(cold_tier)
-    core = DurabilityCore(settings, clock, port, lambda: gate.busy, events)
-    sched_core = scheduler.core
-    coord = DurabilityCoordinator(
-        core,
-        scheduler.ref,
-        port,
-        gate,
-        snapshot_now=lambda ns, tokens: sched_core.snapshot(Snapshot(ns=ns, tokens=tokens)),
-    )
-    ref = coord.ref
-
-    def on_put(tokens: list[int], ns: str) -> None:
-        ref.tell_nowait(Completed(ns=ns, tokens=tokens))
-
-    def on_spill(tokens: list[int], ns: str, cache: Any) -> None:
-        ref.tell_nowait(Spill(ns=ns, tokens=tokens, cache=cache, nbytes=int(backend.cache_nbytes(cache))))
-
-    if settings.writebehind:
-        prefix_cache.on_put = on_put
-    prefix_cache.on_spill = on_spill
-    log.info(
-        "[durability] on writebehind=%s debounce_s=%s spill_queue_bytes=%d",
-        settings.writebehind,
-        settings.debounce_s,
-        settings.spill_queue_bytes,
-    )
-    return coord

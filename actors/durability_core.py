@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -46,7 +44,7 @@ class FlushReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # ---------------------------------------------------------------------------
-# Settings (config + environment, read once when the engine is built).
+# Settings (config + environment, read once when the engine is built: ember.assemble.settings_from).
 
 
 class DurabilitySettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,37 +53,6 @@ class DurabilitySettings(msgspec.Struct, frozen=True, kw_only=True):
     busy_retry_s: float = 5.0
     spill_queue_bytes: int = 2 * GIB
     shutdown_timeout_s: float = 120.0
-
-
-def settings_from(config: Any, environ: Mapping[str, str] | None = None) -> DurabilitySettings:
-    """``EngineConfig`` durability fields, overridden by ``EMBER_SSD_WRITEBEHIND=0``,
-    ``EMBER_SPILL_QUEUE_GB`` (finite >= 0) and ``EMBER_SHUTDOWN_TIMEOUT_S``
-    (finite > 0); an unusable value keeps the configured one, with a warning."""
-    env = os.environ if environ is None else environ
-    writebehind = bool(config.writebehind) and env.get("EMBER_SSD_WRITEBEHIND", "1").strip() != "0"
-    queue_gib = _env_float(env, "EMBER_SPILL_QUEUE_GB", config.spill_queue_gib, lambda v: v >= 0)
-    timeout_s = _env_float(env, "EMBER_SHUTDOWN_TIMEOUT_S", config.shutdown_timeout_s, lambda v: v > 0)
-    return DurabilitySettings(
-        writebehind=writebehind,
-        debounce_s=config.writebehind_debounce_s,
-        busy_retry_s=config.writebehind_busy_retry_s,
-        spill_queue_bytes=int(queue_gib * GIB),
-        shutdown_timeout_s=timeout_s,
-    )
-
-
-def _env_float(env: Mapping[str, str], name: str, default: float, ok: Callable[[float], bool]) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or not ok(value):
-        log.warning("[durability] ignoring %s=%r (unusable); using %s", name, raw, default)
-        return default
-    return value
 
 
 # ---------------------------------------------------------------------------

@@ -9,15 +9,14 @@ its stream only. While draining it admits nothing new.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-from collections import deque
 from typing import Any, assert_never
 
 import anyio
 import msgspec
 
+from actors.channel import ChannelReceiver, ChannelSender, channel
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
 from actors.scheduler import Abort, Admit, RowDelta
 from engine.errors import EngineDead, EngineDraining, EngineOverloaded, InvalidRequest, RequestFailed
@@ -61,131 +60,19 @@ Inbox = Submit | Cancel | StepOutput | Drain
 
 
 # ---------------------------------------------------------------------------
-# One request's stream of deltas.
+# One request's stream of deltas: a runtime channel, unbounded (a request emits
+# at most ``max_tokens`` deltas, and a slow reader must never stall routing for
+# everyone else) and read without yielding (a routed delta is taken at once).
 
 
-class _Channel:
-    __slots__ = ("items", "waiter", "send_closed", "recv_closed", "lazy")
-
-    def __init__(self) -> None:
-        self.items: deque[Any] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.send_closed = False
-        self.recv_closed = False
-        self.lazy = False  # wake the reader only for a last delta, a failure or the close
-
-    def wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+def _ends_stream(item: Any) -> bool:
+    """A delta with a finish reason, or a ``Failure`` (which has none), ends a stream."""
+    return getattr(item, "finish_reason", True) is not None
 
 
-class DeltaSender:
-    """The Gateway's end of one request's stream: unbounded (a request emits
-    at most ``max_tokens`` deltas, and a slow reader must never stall routing
-    for everyone else). Raises like an anyio memory stream: ``BrokenResourceError``
-    once the reader has gone, ``ClosedResourceError`` after ``close``."""
-
-    __slots__ = ("_ch",)
-
-    def __init__(self, ch: _Channel):
-        self._ch = ch
-
-    def send_nowait(self, item: Any) -> None:
-        ch = self._ch
-        if ch.send_closed:
-            raise anyio.ClosedResourceError
-        if ch.recv_closed:
-            raise anyio.BrokenResourceError
-        ch.items.append(item)
-        if not ch.lazy or getattr(item, "finish_reason", True) is not None:  # a Failure has none: it wakes
-            ch.wake()
-
-    def close(self) -> None:
-        self._ch.send_closed = True
-        self._ch.wake()
-
-
-class DeltaReceiver:
-    """The caller's end (``RequestStream`` reads it). Why not an anyio memory
-    object stream: its ``receive`` checkpoints before every item and builds
-    a waiter and an event per call, two wake-ups and most of the cost of each
-    streamed token. Here a routed delta is taken without yielding, and only
-    an empty stream waits (the cancellation point; a cancelled wait loses
-    nothing, the delta stays queued), on a bare asyncio future: the engine
-    runs on asyncio only, and an anyio Event is an asyncio Event, a future
-    and a backend lookup per wait."""
-
-    __slots__ = ("_ch",)
-
-    def __init__(self, ch: _Channel):
-        self._ch = ch
-
-    def receive_nowait(self) -> Any:
-        ch = self._ch
-        if ch.recv_closed:
-            raise anyio.ClosedResourceError
-        if ch.items:
-            return ch.items.popleft()
-        if ch.send_closed:
-            raise anyio.EndOfStream
-        raise anyio.WouldBlock
-
-    async def receive(self) -> Any:
-        ch = self._ch
-        while True:
-            try:
-                return self.receive_nowait()
-            except anyio.WouldBlock:
-                pass
-            ch.waiter = fut = asyncio.get_running_loop().create_future()
-            try:
-                await fut
-            finally:
-                if ch.waiter is fut:
-                    ch.waiter = None
-
-    async def wait(self, timeout: float) -> bool:
-        """Wait until something is queued (a delta, a failure, the end), at most
-        ``timeout`` seconds; False when the time ran out first. Takes nothing.
-        A bare loop timer instead of an anyio cancel scope: a streamed token
-        waits once, and the scope's enter and exit (task and backend lookups,
-        a deadline, its own timer) cost about as much as the rest of that
-        token's path through the loop (py-spy of ``ember serve`` at 8 streams).
-        Cancel-safe like ``receive``: a cancelled wait loses nothing."""
-        ch = self._ch
-        if ch.items or ch.send_closed or ch.recv_closed:
-            return True
-        loop = asyncio.get_running_loop()
-        ch.waiter = fut = loop.create_future()
-        timer = loop.call_later(timeout, _time_up, fut)
-        try:
-            await fut
-        finally:
-            timer.cancel()
-            if ch.waiter is fut:
-                ch.waiter = None
-        return bool(ch.items or ch.send_closed or ch.recv_closed)
-
-    def wake_at_end(self) -> None:
-        """Wake this reader only when the stream ends (a delta with a finish
-        reason, a failure, or the close), not for every delta: for a caller
-        that wants the whole answer (the simulator's clients), one wake-up
-        per request instead of one per token. Deltas still queue as routed."""
-        self._ch.lazy = True
-
-    def close(self) -> None:
-        self._ch.recv_closed = True
-        self._ch.items.clear()
-
-
-def _time_up(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def delta_stream() -> tuple[DeltaSender, DeltaReceiver]:
-    ch = _Channel()
-    return DeltaSender(ch), DeltaReceiver(ch)
+def delta_stream() -> tuple[ChannelSender, ChannelReceiver]:
+    """One request's stream: the Gateway sends, the caller (``RequestStream``) reads."""
+    return channel(math.inf, max_streak=math.inf, is_last=_ends_stream)
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -202,7 +89,7 @@ class Gateway(Actor[Inbox]):
         self.cfg = cfg
         self.info = info
         self.scheduler = scheduler
-        self.streams: dict[int, DeltaSender] = {}
+        self.streams: dict[int, ChannelSender] = {}
         self.next_rid = 1
         self.draining = False
         self._drain_waiters: list[Envelope[Any]] = []
@@ -263,7 +150,7 @@ class Gateway(Actor[Inbox]):
                 assert_never(msg)
         return None
 
-    def _submit(self, msg: Submit) -> tuple[int, DeltaReceiver]:
+    def _submit(self, msg: Submit) -> tuple[int, ChannelReceiver]:
         if self.draining:
             self.rejected["draining"] += 1
             raise EngineDraining("the engine is shutting down")

@@ -1,6 +1,6 @@
-"""The actor runtime: bounded inboxes, tell/ask envelopes, supervised shutdown.
+"""The actor runtime: inboxes, tell/ask envelopes, supervised shutdown.
 
-An actor is a plain object with a bounded inbox (``inbox``: a deque, the
+An actor is a plain object with a bounded inbox (an ``actors.channel``: a deque, the
 reader and waiting senders woken through bare asyncio futures) and one task
 that feeds each message to ``receive``. Senders hold an ``ActorRef``:
 
@@ -13,6 +13,11 @@ Failures travel back to the asker as values (``Failure``), never as a raw
 exception crossing an actor boundary. When an actor stops (clean stop or a
 crash) it fails every ask still queued in its inbox with ``EngineDead``, so no
 caller hangs on a reply that will never come.
+
+The runtime's other parts: ``actors.channel`` (the inbox's type, which is
+also a request's stream of deltas from the Gateway to its caller, with a
+reader's deadline for a server's keep-alive) and ``actors.timers`` (a
+deadline on each of an actor's device calls: the Scheduler's GPU steps).
 """
 
 from __future__ import annotations
@@ -20,14 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
 
+from actors.channel import ChannelReceiver, ChannelSender, ChannelStatistics, channel
 from engine.errors import EngineDead, EngineError
 
 log = logging.getLogger("ember.actors")
@@ -74,7 +79,6 @@ class _Reply:
 
 
 _UNANSWERED = object()
-_NONE = object()
 
 
 @dataclass(slots=True)
@@ -96,203 +100,15 @@ class Envelope(Generic[M]):
             self.reply.close()
 
 
-class InboxStatistics(NamedTuple):
-    """What ``anyio``'s ``MemoryObjectStreamStatistics`` says, for an inbox."""
-
-    current_buffer_used: int
-    max_buffer_size: float
-    open_send_streams: int
-    open_receive_streams: int
-    tasks_waiting_send: int
-    tasks_waiting_receive: int
-
-
-class _InboxState:
-    __slots__ = ("items", "size", "receiver", "waiting_senders", "send_closed", "recv_closed", "streak")
-
-    def __init__(self, size: float):
-        self.items: deque[Any] = deque()
-        self.size = size
-        self.receiver: asyncio.Future[None] | None = None  # the one reader, while it waits
-        # senders waiting for room, oldest first: (their wake-up, their item);
-        # a receive moves the oldest one's item into the buffer (anyio's order)
-        # a waiting sender's future: None once its item is in, or the error that woke it
-        self.waiting_senders: deque[tuple[asyncio.Future[BaseException | None], Any]] = deque()
-        self.send_closed = False
-        self.recv_closed = False
-        self.streak = 0  # items taken by ``receive`` without yielding
-
-    def wake_receiver(self) -> None:
-        r = self.receiver
-        if r is not None and not r.done():
-            r.set_result(None)
-
-
-MAX_STREAK = 64
-"""A reader takes at most this many queued items in a row without yielding."""
-
-
-class InboxSender:
-    """The sending end of an actor's inbox: a bounded deque, the one reader
-    woken through a bare asyncio future, waiting senders kept in order. It
-    replaces an anyio memory object stream (same exceptions: ``WouldBlock``,
-    ``ClosedResourceError``, ``BrokenResourceError``, ``EndOfStream``) whose
-    ``receive`` and ``send`` each checkpointed (one event-loop turn) and built
-    an event, a waiter and a typing generic per wait: ~5% of a run."""
-
-    __slots__ = ("_state",)
-
-    def __init__(self, state: _InboxState):
-        self._state = state
-
-    def send_nowait(self, item: Any) -> None:
-        s = self._state
-        if s.send_closed:
-            raise anyio.ClosedResourceError
-        if s.recv_closed:
-            raise anyio.BrokenResourceError
-        # room in the buffer, or (a zero-size inbox) a reader waiting on it empty
-        if len(s.items) < s.size or (not s.items and s.receiver is not None and not s.receiver.done()):
-            s.items.append(item)
-            s.wake_receiver()
-            return
-        raise anyio.WouldBlock
-
-    async def send(self, item: Any) -> None:
-        """Send, waiting for room (backpressure); a waiter counts in
-        ``statistics().tasks_waiting_send`` until its item is in the buffer."""
-        try:
-            self.send_nowait(item)
-            return
-        except anyio.WouldBlock:
-            pass
-        s = self._state
-        fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-        entry = (fut, item)
-        s.waiting_senders.append(entry)
-        try:
-            await fut
-        except BaseException:
-            try:
-                s.waiting_senders.remove(entry)
-            except ValueError:
-                pass
-            raise
-        error = fut.result()
-        if error is not None:  # woken by a close, the item not taken
-            raise error
-
-    def waiting_room(self) -> bool:
-        """True when a send would not wait and the reader is waiting for it."""
-        s = self._state
-        return s.receiver is not None and not s.receiver.done() and len(s.items) < s.size
-
-    def close(self) -> None:
-        s = self._state
-        s.send_closed = True
-        s.wake_receiver()
-
-    def statistics(self) -> InboxStatistics:
-        s = self._state
-        waiting_recv = int(s.receiver is not None and not s.receiver.done())
-        return InboxStatistics(
-            len(s.items), s.size, int(not s.send_closed), int(not s.recv_closed), len(s.waiting_senders), waiting_recv
-        )
-
-
-class InboxReceiver:
-    """The actor's end of its inbox (one reader). A queued item is taken
-    without yielding (up to ``MAX_STREAK`` in a row, then the reader yields
-    once so a busy inbox cannot starve the loop); only an empty inbox waits
-    (the cancellation point; a cancelled wait loses nothing)."""
-
-    __slots__ = ("_state",)
-
-    def __init__(self, state: _InboxState):
-        self._state = state
-
-    def receive_nowait(self) -> Any:
-        s = self._state
-        if s.recv_closed:
-            raise anyio.ClosedResourceError
-        if s.items:
-            item = s.items.popleft()
-            if s.waiting_senders:
-                waiting = self._take_sender()
-                if waiting is not _NONE:
-                    s.items.append(waiting)
-            return item
-        if s.waiting_senders:  # a zero-size inbox: take a waiting sender's item directly
-            waiting = self._take_sender()
-            if waiting is not _NONE:
-                return waiting
-        if s.send_closed:
-            raise anyio.EndOfStream
-        raise anyio.WouldBlock
-
-    def _take_sender(self) -> Any:
-        """The oldest waiting sender's item, that sender woken (a sender whose
-        wait was cancelled meanwhile is skipped: its item is not sent)."""
-        waiting = self._state.waiting_senders
-        while waiting:
-            fut, item = waiting.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return item
-        return _NONE
-
-    async def receive(self) -> Any:
-        s = self._state
-        if s.items and s.streak < MAX_STREAK:
-            s.streak += 1
-            return self.receive_nowait()
-        if s.items:
-            s.streak = 0
-            await asyncio.sleep(0)
-        while True:
-            try:
-                return self.receive_nowait()
-            except anyio.WouldBlock:
-                pass
-            s.streak = 0
-            if s.receiver is not None and not s.receiver.done():
-                raise RuntimeError("an actor inbox has one reader")
-            s.receiver = fut = asyncio.get_running_loop().create_future()
-            try:
-                await fut
-            finally:
-                if s.receiver is fut:
-                    s.receiver = None
-
-    def __aiter__(self) -> InboxReceiver:
-        return self
-
-    async def __anext__(self) -> Any:
-        try:
-            return await self.receive()
-        except anyio.EndOfStream:
-            raise StopAsyncIteration from None
-
-    def close(self) -> None:
-        """No more reading: waiting senders fail with ``BrokenResourceError``."""
-        s = self._state
-        s.recv_closed = True
-        while s.waiting_senders:
-            fut, _ = s.waiting_senders.popleft()
-            if not fut.done():
-                fut.set_result(anyio.BrokenResourceError())
-
-
-def inbox(size: float) -> tuple[InboxSender, InboxReceiver]:
+def inbox(size: float) -> tuple[ChannelSender, ChannelReceiver]:
     """A bounded actor inbox (``math.inf``: unbounded)."""
-    state = _InboxState(size)
-    return InboxSender(state), InboxReceiver(state)
+    return channel(size)
 
 
 class ActorRef(Generic[M]):
     """The sending side of an actor's inbox."""
 
-    def __init__(self, name: str, send: InboxSender):
+    def __init__(self, name: str, send: ChannelSender):
         self.name = name
         self._send = send
 
@@ -341,7 +157,7 @@ class ActorRef(Generic[M]):
             raise value.exc
         return value
 
-    def statistics(self) -> InboxStatistics:
+    def statistics(self) -> ChannelStatistics:
         """The inbox's statistics (tests assert nothing waits on send)."""
         return self._send.statistics()
 

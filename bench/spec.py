@@ -258,7 +258,7 @@ async def main_async(args: argparse.Namespace) -> str:
     async with contextlib_stack() as stack:
         for c in configs:
             cfg = EngineConfig(**base, draft_model=c.drafter, num_draft_tokens=c.gamma)
-            c.engine = await stack.enter_async_context(Engine.open(cfg))
+            c.engine = await stack.enter_async_context(Engine.open(cfg, ports=timing_ports(args)))
         tok = configs[0].engine.tokenizer
         prompts = workload_prompts(tok, args.prompts)
         workloads = [w for w in args.workloads.split(",") if w in prompts]
@@ -323,49 +323,54 @@ def verify_width_cost(
     return {int(n): ms for n, ms in width.items()}, draft
 
 
+class RoundTimes:
+    """The engines' phase observer (``ember.Ports.observer``, installed with
+    ``--anatomy``): the Drafter ask, the device step and the Verifier ask of
+    each round, while ``on``. A round starts at its draft ask (at the step
+    when nothing was drafted)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.rec: dict[str, list[float]] = {"draft": [], "step": [], "verify": []}
+        self.starts: list[float] = []
+        self._drafted: float | None = None
+
+    def phase(self, name: str, start: float, seconds: float) -> None:
+        if not self.on:
+            return
+        self.rec[name].append(seconds)
+        if name == "draft":
+            self._drafted = start
+        elif name == "step":
+            self.starts.append(start if self._drafted is None else self._drafted)
+            self._drafted = None
+
+
+def timing_ports(args: argparse.Namespace) -> Any:
+    """The ports an engine of this benchmark is opened with: a ``RoundTimes``
+    observer when the anatomy was asked for (None times nothing)."""
+    from ember import Ports
+
+    return Ports(observer=RoundTimes() if args.anatomy else None)
+
+
 async def anatomy(engine: Any, prompt: Any, params: Any) -> dict[str, float]:
     """Where a round's time goes for one request: the Drafter ask (draft-model
     forwards included), the device step, the Verifier ask, and the whole
-    round (start to start). Low quartiles over the rounds of one request, ms."""
-    sch = engine.scheduler
-    rec: dict[str, list[float]] = {"draft": [], "step": [], "verify": [], "round": []}
-    orig_draft, orig_verify, orig_run = sch._draft, sch._verify, engine.device.run
-    starts: list[float] = []
-    orig_step = sch._step
-
-    async def draft(*a):
-        t = time.perf_counter()
-        try:
-            return await orig_draft(*a)
-        finally:
-            rec["draft"].append(time.perf_counter() - t)
-
-    async def verify(*a):
-        t = time.perf_counter()
-        try:
-            return await orig_verify(*a)
-        finally:
-            rec["verify"].append(time.perf_counter() - t)
-
-    async def step(*a):
-        starts.append(time.perf_counter())
-        return await orig_step(*a)
-
-    async def run(fn, *a, cost_s=0.0):
-        t = time.perf_counter()
-        try:
-            return await orig_run(fn, *a, cost_s=cost_s)
-        finally:
-            if getattr(fn, "__name__", "") == "step":
-                rec["step"].append(time.perf_counter() - t)
-
-    sch._draft, sch._verify, sch._step, engine.device.run = draft, verify, step, run
+    round (start to start). Low quartiles over the rounds of one request, ms.
+    The engine was opened with ``timing_ports``."""
+    times = engine.parts.ports.observer
+    assert isinstance(times, RoundTimes), "open the engine with timing_ports(args)"
+    times.reset()  # a fresh record for this request
+    times.on = True
     try:
         n, _, usage = await stream_times(engine, prompt, params)
     finally:
-        sch._draft, sch._verify, sch._step = orig_draft, orig_verify, orig_step
-        engine.device.run = orig_run
-    rec["round"] = [b - a for a, b in zip(starts, starts[1:])]
+        times.on = False
+    rec: dict[str, list[float]] = {**times.rec, "round": [b - a for a, b in zip(times.starts, times.starts[1:])]}
 
     def q(v: list[float]) -> float:
         return sorted(v)[len(v) // 4] * 1000 if v else 0.0
@@ -488,7 +493,7 @@ async def paired_async(args: argparse.Namespace) -> str:
         engines = {}
         for d in drafters:
             cfg = EngineConfig(model=args.model, max_batch=max(8, max(batches)), prompt_cache_gib=0, draft_model=d)
-            engines[d] = await stack.enter_async_context(Engine.open(cfg))
+            engines[d] = await stack.enter_async_context(Engine.open(cfg, ports=timing_ports(args)))
             await engines[d].acomplete(engines[d].encode("Hello"), SamplingParams(max_tokens=4))
         for r in range(args.rounds):
             for w in workloads:

@@ -35,13 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ember import Engine, EngineConfig, SamplingParams
+from ember import Engine, EngineConfig, Ports, SamplingParams
 
 ARMS = ("off", "on", "ungated")
-
-
-async def _ungated() -> None:
-    """A gate that never waits."""
 
 
 async def _puts(engine: Engine, n: int) -> None:
@@ -55,10 +51,8 @@ async def one_round(
     arm: str, model: str, ssd: Path, rng: random.Random, prefix_tokens: int, decode_tokens: int
 ) -> dict[str, Any]:
     cfg = EngineConfig(backend="mlx", model=model, ssd_cache_dir=str(ssd) if arm != "off" else None, max_batch=4)
-    async with Engine.open(cfg) as engine:
+    async with Engine.open(cfg, ports=Ports(gated_writes=arm != "ungated")) as engine:
         vocab = engine.info.vocab_size
-        if arm == "ungated":
-            engine.durability.gate.wait_turn = _ungated  # type: ignore[union-attr,method-assign]  # issue 18: a port, not a patch
         # warm up the decode path (compiles, allocator) outside the measurement
         await engine.acomplete(
             [rng.randrange(3, vocab) for _ in range(8)], SamplingParams(max_tokens=8, ignore_eos=True)

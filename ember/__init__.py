@@ -1,15 +1,18 @@
 """Ember: an LLM inference engine on MLX built as asyncio actors.
 
-The roof of the layers (docs/architecture.md): the public API and the one
-place the engine is assembled. Transport, sims and benchmarks import from
-here; below it are ``actors`` (the asyncio actors) and ``engine`` (the machine
-parts: KV format, MLX and fake backends, speculation parts).
+The roof of the layers (docs/architecture.md): the public API (``ember.api``)
+and the one place the engine is assembled (``ember.assemble``). Transport,
+sims and benchmarks import from here, never from ``actors`` (the asyncio
+actors) below it; ``engine`` (the machine parts: KV format, MLX and fake
+backends, speculation parts) is the floor.
 
     from ember import Engine, EngineConfig, SamplingParams
 """
 
-from ember.api import Completion, Engine
-from engine.config import EngineConfig
+from ember.api import Completion, Engine, RequestStream
+from ember.assemble import Parts, assemble, fake_backend, load_ports, preload_mlx, settings_from
+from ember.errors import InboxFull
+from engine.config import EngineConfig, FakeGPUConfig  # the fake GPU's settings, not its backend
 from engine.errors import (
     EngineBusy,
     EngineDead,
@@ -19,7 +22,7 @@ from engine.errors import (
     InvalidRequest,
     RequestFailed,
 )
-from engine.fake.gpu import FakeGPUConfig
+from engine.ports import Ports
 from engine.types import Delta, SamplingParams, Usage
 
 __all__ = [
@@ -33,8 +36,17 @@ __all__ = [
     "EngineError",
     "EngineOverloaded",
     "FakeGPUConfig",
+    "InboxFull",
     "InvalidRequest",
+    "Parts",
+    "Ports",
     "RequestFailed",
+    "RequestStream",
     "SamplingParams",
     "Usage",
+    "assemble",
+    "fake_backend",
+    "load_ports",
+    "preload_mlx",
+    "settings_from",
 ]

@@ -9,14 +9,16 @@
         ...
     engine.stop()
 
-The actors start in one task group in dependency order; shutdown is the
-nesting order. An actor that crashes takes the engine down: every waiter gets
+``ember.assemble`` builds the parts (every actor and hook, once, from the
+config and the ports); this facade runs them. The actors start in one task
+group in dependency order; shutdown is the nesting order. An actor that crashes takes the engine down: every waiter gets
 ``EngineDead`` and the engine refuses new work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 from collections.abc import AsyncIterator, Iterator
@@ -26,260 +28,58 @@ from typing import Any
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from actors.durability import DurabilityCoordinator, Flush, FlushReport, build_coordinator, settings_from
-from actors.gateway import Cancel, Drain, Gateway, GatewayConfig, StepOutput, Submit
+from actors.durability import Flush, FlushReport
+from actors.gateway import Drain, Submit
 from actors.runtime import Actor, Failure
-from actors.scheduler import RowDelta, Scheduler, SchedulerConfig, SchedulerCore
-from ember.spec_build import build_speculation, check_request
+from ember.assemble import Parts, assemble, load_ports, preload_mlx
+from ember.spec_build import check_request
+from ember.stream import Completion, RequestStream
 from engine.config import EngineConfig
-from engine.errors import EngineDead, EngineError, InvalidRequest
+from engine.errors import EngineDead, InvalidRequest
 from engine.eventlog import EventLog
-from engine.ports import Backend, Clock, Device, InlineDevice, LoopClock
-from engine.types import Constraint, Delta, SamplingParams, TokenLogprob, Usage
+from engine.ports import Backend, Clock, Device, InlineDevice, Ports
+from engine.types import Constraint, Delta, SamplingParams
 
 log = logging.getLogger("ember.engine")
 
 
-def build_backend(config: EngineConfig, clock: Clock) -> tuple[Backend, Device]:
-    """Make the backend named by the config and the device its calls run on."""
-    if config.backend == "fake":
-        from engine.fake.gpu import FakeBackend
-
-        return FakeBackend(config.fake), InlineDevice(clock)
-    if config.distributed:
-        from engine.mlx.distributed import load_distributed_backend
-
-        return load_distributed_backend(config)
-    from engine.mlx.backend import load_mlx_backend
-
-    return load_mlx_backend(config)
-
-
-class Completion:
-    """The collected result of one request."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.usage: Usage | None = None
-        self.logprobs: list[TokenLogprob] | None = None  # when the request asked for them
-
-    def add(self, d: Delta) -> None:
-        self.text += d.text
-        self.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + d.logprobs
-        if d.finish_reason is not None:
-            self.finish_reason = d.finish_reason
-            self.usage = d.usage
-
-
-class RequestStream:
-    """One admitted request's deltas, from ``Engine.asubmit``.
-
-    Receiving is cancel-safe (a timeout around ``__anext__`` loses no delta),
-    so a server can wait for a token with a deadline and send a keep-alive
-    instead. Closing the stream before the last delta cancels the request: the
-    Gateway aborts its row at the next step.
-    """
-
-    def __init__(self, gateway: Any, rid: int, recv: Any):
-        self.rid = rid
-        self._gateway = gateway
-        self._recv = recv
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            item = await self._recv.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self.finished = True
-            raise EngineDead("the request stream ended without a finish") from None
-        return self._take(item)
-
-    def next_nowait(self) -> Delta | None:
-        """The next delta if one is already queued, else None; never waits.
-        A writer that fell behind (a busy loop, many streams) drains what has
-        piled up and sends it in one write instead of one per token."""
-        if self.finished:
-            return None
-        try:
-            item = self._recv.receive_nowait()
-        except anyio.WouldBlock:
-            return None
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self.finished = True
-            raise EngineDead("the request stream ended without a finish") from None
-        return self._take(item)
-
-    async def wait(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for the next delta (or the end) to be
-        queued, without taking it: True if ``next_nowait``/``__anext__`` now
-        answers at once. The keep-alive of a streaming server, without a cancel
-        scope per token."""
-        if self.finished:
-            return True
-        return await self._recv.wait(timeout)
-
-    def _take(self, item: Any) -> Delta:
-        if isinstance(item, Failure):
-            self.finished = True
-            raise item.exc
-        if item.finish_reason is not None:
-            self.finished = True
-        return item
-
-    async def aclose(self) -> None:
-        self._recv.close()
-        if not self.finished:
-            self.finished = True
-            try:
-                self._gateway.tell_nowait(Cancel(rid=self.rid))
-            except EngineError:
-                pass
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()
-
-
 class Engine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        backend: Backend,
-        device: Device,
-        clock: Clock,
-        events: EventLog,
-    ):
-        self.config = config
-        self.backend = backend
-        self.device = device
-        self.clock = clock
-        self.events = events
-        self.tokenizer = backend.tokenizer
-        self.info = backend.info
+    """The public face of one engine: it runs the parts ``ember.assemble``
+    built (``self.scheduler``, ``self.gateway``, ``self.cold_tier``…) and
+    answers requests, flushes and stats. Make one with ``Engine.open`` or
+    ``Engine.start``."""
+
+    def __init__(self, parts: Parts):
+        ports = parts.ports
+        assert ports.backend is not None and ports.device is not None and ports.clock is not None
+        assert ports.events is not None  # assemble takes complete ports (load_ports)
+        self.parts = parts
+        self.config = parts.config
+        self.backend = ports.backend
+        self.device = ports.device
+        self.clock = ports.clock
+        self.events = ports.events
+        self.tokenizer = self.backend.tokenizer
+        self.info = self.backend.info
+        self.prefix_cache = parts.prefix_cache
+        self.speculation = parts.speculation  # None: off
+        self.core = parts.core
+        self.scheduler = parts.scheduler
+        self.gateway = parts.gateway
+        self.cold_tier = parts.cold_tier
+        self.durability = parts.durability
+        self.actors: list[Actor[Any]] = parts.actors
+        self.shutdown_timeout_s = parts.settings.shutdown_timeout_s
         self.dead: BaseException | None = None
         self.ready = False
+        self.shutdown_timed_out = False
+        self.last_flush: FlushReport | None = None
         self._portal: BlockingPortal | None = None
         self._portal_cm: Any = None
         self._open_cm: Any = None
-        self.prefix_cache = self._make_prefix_cache()
-        self.speculation = build_speculation(config, backend, device, clock)  # None: off
-        spec = self.speculation
-        self.core = SchedulerCore(
-            backend,
-            SchedulerConfig(
-                max_batch=config.max_batch,
-                prefill_chunk=config.prefill_chunk,
-                min_cached_prefix=config.min_cached_prefix,
-            ),
-            clock,
-            events,
-            self.prefix_cache,
-            spec=spec.rounds if spec else None,
-        )
-        self.scheduler = Scheduler(
-            self.core,
-            device,
-            self._deliver,
-            step_timeout_s=config.step_timeout_s,
-            drafter=spec.drafter.ref if spec else None,
-            verifier=spec.verifier.ref if spec else None,
-        )
-        self.gateway = Gateway(
-            GatewayConfig(max_batch=config.max_batch, max_queue=config.max_queue),
-            backend.info,
-            self.scheduler.ref,
-        )
-        self.actors: list[Actor[Any]] = [self.scheduler, self.gateway]
-        if spec is not None:
-            self.actors[:0] = [spec.drafter, spec.verifier]  # the Scheduler asks them
-        self.cold_tier = self._make_cold_tier()
-        if self.cold_tier is not None:
-            self.actors.insert(0, self.cold_tier)  # its index is scanned before the first admission
-        self.shutdown_timeout_s = settings_from(config).shutdown_timeout_s
-        self.shutdown_timed_out = False
         self._drained: anyio.Event | None = None
-        self.last_flush: FlushReport | None = None
-        self.durability = self._make_durability()
-        if self.durability is not None:
-            self.actors.append(self.durability)  # it asks the Scheduler and the ColdTier
         self._actor_scope: anyio.CancelScope | None = None
         self._token_bytes: dict[int, bytes] = {}
-
-    def _make_prefix_cache(self) -> Any:
-        """The RAM prompt-cache tier (None when disabled)."""
-        if self.config.prompt_cache_gib <= 0:
-            return None
-        from engine.kv.prompt_cache import PromptCache
-
-        return PromptCache(self.backend, int(self.config.prompt_cache_gib * (1 << 30)), now=self.clock.now)
-
-    def _make_cold_tier(self) -> Any:
-        """The SSD cold tier actor (None unless ``ssd_cache_dir`` is set), wired
-        to the Scheduler: its index for admission lookups, its inbox for
-        restores and RAM spills, and the idle/busy edges for its writes."""
-        cfg = self.config
-        if not cfg.ssd_cache_dir or self.prefix_cache is None:
-            return None
-        import os
-
-        from actors.cold_tier import ColdStore, ColdTier, run_in_thread, run_inline
-        from engine.kv.disk import RealDisk
-
-        root = os.path.abspath(os.path.expanduser(cfg.ssd_cache_dir))
-        tier_class: Any = ColdTier
-        if cfg.distributed:  # every rank its own shard's files (actors.distributed_tier)
-            from actors.distributed_tier import DistributedColdTier, rank_root
-
-            grp = self.backend.link.group  # type: ignore[attr-defined]  # the LeaderBackend
-            root, tier_class = rank_root(root, grp.rank(), grp.size()), DistributedColdTier
-        store = ColdStore(
-            RealDisk(),
-            root,
-            model_id=self.info.model_id,
-            config_fingerprint=self.info.config_fingerprint,
-            tokenizer_hash=self.info.tokenizer_hash,
-            max_bytes=int(cfg.ssd_cache_max_gib * (1 << 30)),
-            verify=cfg.ssd_cache_verify,
-            max_tokens=self.info.context_length,
-        )
-        cold = tier_class(
-            store,
-            self.backend,
-            self.device,
-            self.clock,
-            io=run_inline if isinstance(self.device, InlineDevice) else run_in_thread,  # virtual time runs no threads
-            scheduler=self.scheduler.ref,
-            demote_idle_s=300.0 if cfg.ssd_demote_idle_s is None else cfg.ssd_demote_idle_s,
-            spill_queue_bytes=int(cfg.spill_queue_gib * (1 << 30)),
-        )
-        link = cold.link()
-        self.core.cold = link
-        self.prefix_cache.on_spill = link.spill
-        self.scheduler.subscribe(cold.ref)
-        return cold
-
-    def _make_durability(self) -> DurabilityCoordinator | None:
-        """Write-behind and the flush (None without the SSD tier). It takes over
-        the RAM tier's spill hook, so evictions share its bounded queue."""
-        if self.cold_tier is None:
-            return None
-        return build_coordinator(
-            self.config, self.clock, self.events, self.backend, self.scheduler, self.cold_tier, self.prefix_cache
-        )
-
-    async def _deliver(self, deltas: list[RowDelta]) -> None:
-        await self.gateway.ref.tell(StepOutput(deltas=deltas))
 
     # ---- lifecycle -------------------------------------------------------
     @classmethod
@@ -288,20 +88,23 @@ class Engine:
         cls,
         config: EngineConfig | None = None,
         *,
+        ports: Ports | None = None,
         backend: Backend | None = None,
         device: Device | None = None,
         clock: Clock | None = None,
         events: EventLog | None = None,
     ) -> AsyncIterator[Engine]:
+        """Build the engine (``ember.assemble``), start its actors, and stop
+        them gracefully (drain, flush) on exit. ``ports`` (or the single ports
+        as keywords) replace what the config would choose: a backend, a clock,
+        a disk… (``engine.ports.Ports``)."""
         config = (config or EngineConfig()).validate()
-        clock = clock or LoopClock()
-        if backend is None:
-            backend, device = build_backend(config, clock)
-        # Records are kept for tests and sims (the fake GPU); a serving engine keeps
-        # only the running digest so the log cannot grow without bound.
-        events = events if events is not None else EventLog(keep=config.backend == "fake")
-        events.start(clock.now())
-        engine = cls(config, backend, device or InlineDevice(clock), clock, events)
+        ports = _with(ports, backend=backend, device=device, clock=clock, events=events)
+        ports = load_ports(config, ports)
+        assert ports.clock is not None and ports.events is not None and ports.device is not None
+        ports.events.start(ports.clock.now())
+        engine = cls(assemble(config, ports))
+        backend = engine.backend
         if hasattr(backend, "attach_engine"):  # rank 0 of a distributed engine (engine.mlx.distributed)
             backend.attach_engine(engine, asyncio.get_running_loop())
         try:
@@ -335,6 +138,18 @@ class Engine:
             self.ready = False
             if self._actor_scope is not None:
                 self._actor_scope.cancel()
+
+    def kill(self, cause: BaseException) -> None:
+        """Stop every actor now, with no drain and no flush: the process is as
+        good as gone (a lost rank of a distributed engine, a simulated power
+        loss). The engine is dead (``status``), its waiters get ``EngineDead``,
+        and ``cause`` is what it reports, unless it had already died."""
+        if self.dead is None:
+            self.dead = cause
+            log.error("[engine] killed: %r", cause)
+        self.ready = False
+        if self._actor_scope is not None:
+            self._actor_scope.cancel()
 
     async def _shutdown(self) -> None:
         """Graceful stop: no new admissions, let active requests finish, flush, stop actors."""
@@ -422,6 +237,12 @@ class Engine:
         if not self.ready or self.gateway.draining:
             return "draining"
         return "ready"
+
+    @property
+    def runs_inline(self) -> bool:
+        """True when backend calls run inline on the event loop (the fake GPU
+        in virtual time): then nothing may go to a worker thread either."""
+        return isinstance(self.device, InlineDevice)
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -534,6 +355,7 @@ class Engine:
         }
 
     def _ssd_stats(self) -> dict[str, Any]:
+        assert self.cold_tier is not None  # asked only with the SSD tier
         out = dict(self.cold_tier.stats())
         if self.durability is not None:  # its queue is the one spills wait in
             out.update(self.durability.core.stats())
@@ -544,9 +366,9 @@ class Engine:
     def start(cls, config: EngineConfig | None = None, **kw: Any) -> Engine:
         """Start an engine on a background event-loop thread (blocking portal)."""
         if (config or EngineConfig()).backend == "mlx" and kw.get("backend") is None:
-            # mlx_lm must be first imported on a thread that outlives the process's
-            # use of it: imported on the portal's thread, the process aborts at exit.
-            from engine.mlx import backend as mlx_backend  # noqa: F401
+            ports = kw.get("ports")
+            if ports is None or ports.backend is None:
+                preload_mlx()  # on this thread, not the portal's
         portal_cm = start_blocking_portal()
         portal = portal_cm.__enter__()
         try:
@@ -615,3 +437,12 @@ class Engine:
         if self._portal is None:
             raise RuntimeError("call() is for engines made by Engine.start()")
         return self._portal.call(fn, *args)
+
+
+def _with(ports: Ports | None, **given: Any) -> Ports:
+    """``ports`` with the ports given as keywords (``Engine.open(backend=…)``) set."""
+    ports = dataclasses.replace(ports) if ports is not None else Ports()
+    for name, value in given.items():
+        if value is not None:
+            setattr(ports, name, value)
+    return ports

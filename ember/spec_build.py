@@ -1,4 +1,5 @@
-"""Build speculative decoding from ``EngineConfig.draft_model`` (off when None).
+"""Build speculative decoding from ``EngineConfig.draft_model`` (off when None):
+``build_speculation``, called only by ``ember.assemble``.
 
 ``draft_model`` names the drafter:
 
@@ -24,7 +25,8 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from actors.drafter import Drafter, DrafterCore, ModelDrafterCore, NgramDrafterCore
+from actors.drafter import Drafter
+from actors.drafter_cores import DrafterCore, ModelDrafterCore, NgramDrafterCore
 from actors.spec_rounds import SpecRounds
 from actors.verifier import Verifier, VerifierCore
 from engine.errors import InvalidRequest

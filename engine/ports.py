@@ -3,20 +3,31 @@
 Actors never call ``time.time()``, MLX or ``open()`` directly; they are handed
 objects implementing these protocols. The MLX backend and the deterministic
 fake GPU implement the same ``Backend``; ``Device`` says where backend calls
-run (a dedicated MLX thread, or inline after a virtual-time sleep).
+run (a dedicated MLX thread, or inline after a virtual-time sleep); the SSD
+tier's files go through a ``Disk`` (engine.kv.disk) and its blocking calls
+through an ``IoRunner``.
+
+``Ports`` carries them all into ``ember.assemble``, the one place the engine
+is built: a simulation or a benchmark swaps a port (a faulty disk, a slow I/O
+runner, a phase observer) instead of patching an actor after construction.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from asyncio import _get_running_loop
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 
 from engine.types import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.eventlog import EventLog
+    from engine.kv.disk import Disk
 
 T = TypeVar("T")
 
@@ -212,3 +223,51 @@ class InlineDevice:
 
     def close(self) -> None:
         pass
+
+
+# ---------------------------------------------------------------------------
+# Where blocking file I/O runs.
+
+IoRunner = Callable[..., Awaitable[Any]]
+
+
+async def run_inline(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run file I/O inline (virtual-time tests and sims, where no thread may run)."""
+    return fn(*args)
+
+
+async def run_in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run file I/O on a worker thread, off the event loop."""
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+class PhaseObserver(Protocol):
+    """Told how long each part of a Scheduler step took, in ``time.perf_counter``
+    seconds: ``"draft"`` (the Drafter ask, draft-model forwards included),
+    ``"step"`` (the device's GPU step) and ``"verify"`` (the Verifier ask). A
+    benchmark's timing hook (bench/spec.py's round anatomy); an engine built
+    without one times nothing."""
+
+    def phase(self, name: str, start: float, seconds: float) -> None: ...
+
+
+@dataclass(slots=True)
+class Ports:
+    """Everything outside the engine's own logic, handed to ``ember.assemble``.
+
+    A port left None is chosen from the config by ``ember.assemble.load_ports``:
+    the loop's clock, the backend named by ``config.backend`` and the device its
+    calls run on, an event log, the real disk, and an I/O runner (inline beside
+    an inline device, a worker thread otherwise)."""
+
+    clock: Clock | None = None
+    backend: Backend | None = None
+    device: Device | None = None  # with ``backend`` given and no device: inline, on ``clock``
+    events: EventLog | None = None
+    disk: Disk | None = None  # the SSD tier's files
+    io: IoRunner | None = None  # where the SSD tier's blocking file calls run
+    wall: Callable[[], float] = time.time  # the time SSD file headers carry (a sim: its virtual clock)
+    # False: the SSD writer's tensor steps do not wait for an idle engine
+    # (bench/writebehind.py's "ungated" arm, and a sim test proving the gate matters)
+    gated_writes: bool = True
+    observer: PhaseObserver | None = None

@@ -24,6 +24,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +32,12 @@ import anyio
 import async_solipsism
 import msgspec
 
-from ember.api import Engine
+from ember import Engine, FakeGPUConfig, Ports, fake_backend
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
 from engine.eventlog import EventLog
-from engine.fake.gpu import FakeBackend
 from engine.kv.disk import FaultyDisk
+from engine.ports import Backend, IoRunner, run_inline
 from engine.types import SamplingParams
 from sims import invariants as inv
 from sims.scenarios import SCENARIOS, Scenario
@@ -111,8 +112,16 @@ class Simulation:
         writebehind: bool | None = None,
         progress: bool = False,
         keep_events: bool = False,
+        backend: Callable[[FakeGPUConfig], Backend] | None = None,
+        gated_writes: bool = True,
     ):
+        """``backend`` makes each engine generation's fake GPU from its
+        (fault-seeded) config: a test hands in a faulty one (None: ember's
+        ``fake_backend``). ``gated_writes=False``: SSD writes skip the idle
+        gate (``Ports.gated_writes``), for a test proving the checker sees it."""
         self.scenario = scenario
+        self.new_backend = backend or fake_backend
+        self.gated_writes = gated_writes
         self.seed = seed
         self.trace = trace if trace is not None else scenario.trace(seed)
         cfg = scenario.config
@@ -148,7 +157,17 @@ class Simulation:
         }
         self._slow_rng = random.Random(derive(seed, "slow-io"))
         self.disk: RecordingDisk | None = None
-        self.engine_class = self._engine_class()
+        if not (self.scenario.ssd and self.config.ssd_cache_dir):
+            self.config = msgspec.structs.replace(self.config, ssd_cache_dir=None)
+        else:
+            d = self.scenario.disk
+            self.faulty_disk = FaultyDisk(
+                derive(self.seed, "disk"),
+                enospc_prob=d.enospc_prob,
+                capacity_bytes=d.capacity_bytes,
+                eio_prob=d.eio_prob,
+                bitflip_prob=d.bitflip_prob,
+            )
         self.host = Host(self)
         # checkers
         self.tokens_check = inv.TokensMatchColdPrefill()
@@ -176,40 +195,22 @@ class Simulation:
     def record(self, kind: str, **f: Any) -> None:
         self.log.record(kind, self.clock.now(), **f)
 
-    def _engine_class(self) -> type[Engine]:
-        """The engine, with its SSD tier moved onto the simulator's disk."""
-        sim = self
-        if not (self.scenario.ssd and self.config.ssd_cache_dir):
-            self.config = msgspec.structs.replace(self.config, ssd_cache_dir=None)
-            return Engine
-        d = self.scenario.disk
-        self.faulty_disk = FaultyDisk(
-            derive(self.seed, "disk"),
-            enospc_prob=d.enospc_prob,
-            capacity_bytes=d.capacity_bytes,
-            eio_prob=d.eio_prob,
-            bitflip_prob=d.bitflip_prob,
-        )
-
-        class SimEngine(Engine):
-            def _make_cold_tier(self) -> Any:
-                cold = super()._make_cold_tier()
-                if cold is not None:
-                    sim.adopt_cold_tier(cold)
-                return cold
-
-        return SimEngine
-
-    def adopt_cold_tier(self, cold: Any) -> None:
-        """Point a freshly built ColdTier at the simulated disk and the virtual
-        clock (file headers carry a time), and slow its I/O runner for a slow
-        disk. Engine has no disk port yet; until it does, the simulator swaps
-        the attributes before the tier's first I/O (its index scan at start)."""
-        cold.store.disk = self.disk
-        if hasattr(cold, "wall"):
-            cold.wall = self.clock.now
+    def ports(self, gen: int) -> Ports:
+        """What engine generation ``gen`` runs on: the virtual clock, the event
+        log, its fake GPU, and (with an SSD tier) the simulated disk, with
+        inline I/O (slowed for a slow disk) and the virtual clock in file headers."""
+        io: IoRunner = run_inline
         if self.scenario.disk.slow_io_prob:
-            cold.io = self._slow_io(cold.io)
+            io = self._slow_io(io)
+        return Ports(
+            clock=self.clock,
+            events=self.log,
+            backend=self.make_backend(gen),
+            disk=self.disk,
+            io=io,
+            wall=self.clock.now,
+            gated_writes=self.gated_writes,
+        )
 
     def _slow_io(self, inner: Any) -> Any:
         """A slow disk: some I/O calls take ``slow_io_s`` of virtual time."""
@@ -224,7 +225,7 @@ class Simulation:
 
         return run
 
-    def make_backend(self, gen: int) -> FakeBackend:
+    def make_backend(self, gen: int) -> Any:
         g = self.scenario.gpu if self.healed_at is None else None
         fake = self.config.fake
         fake = msgspec.structs.replace(
@@ -235,7 +236,7 @@ class Simulation:
             hang_step_prob=g.hang_step_prob if g else 0.0,
             oom_step_prob=g.oom_step_prob if g else 0.0,
         )
-        self.backend = FakeBackend(fake)
+        self.backend: Any = self.new_backend(fake)  # heal() turns its faults off
         return self.backend
 
     def after_up(self, engine: Engine) -> None:
@@ -384,9 +385,7 @@ class Simulation:
         self.went_down(last)
         self.power_loss()
         self.record("sim_final_restart")
-        async with self.engine_class.open(
-            self.config, backend=self.make_backend(self.host.gen + 1), clock=self.clock, events=self.log
-        ) as engine:
+        async with Engine.open(self.config, ports=self.ports(self.host.gen + 1)) as engine:
             self.after_up(engine)
 
     def _controls(self) -> list[Event]:

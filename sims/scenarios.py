@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember import FakeGPUConfig
 from engine.config import EngineConfig
-from engine.fake.gpu import FakeGPUConfig
 from sims import gen
 from sims.trace import Trace
 

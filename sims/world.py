@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import async_solipsism
 
-from ember.api import Engine
+from ember import Engine
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
 
@@ -224,9 +224,7 @@ class Host:
         started = False
         while True:
             self.gen += 1
-            async with sim.engine_class.open(
-                sim.config, backend=sim.make_backend(self.gen), clock=sim.clock, events=sim.log
-            ) as engine:
+            async with Engine.open(sim.config, ports=sim.ports(self.gen)) as engine:
                 self.engine = engine
                 sim.record("sim_up", gen=self.gen)
                 sim.after_up(engine)
@@ -246,10 +244,7 @@ class Host:
                 if cmd.kind == "crash":
                     sim.went_down(engine)  # what it held at the instant the power went
                     sim.power_loss()
-                    engine.dead = PowerLoss("the simulator cut the power")
-                    engine.ready = False
-                    if engine._actor_scope is not None:  # the process is gone: no drain, no flush
-                        engine._actor_scope.cancel()
+                    engine.kill(PowerLoss("the simulator cut the power"))  # the process is gone: no drain, no flush
             if cmd.kind != "crash":
                 sim.went_down(engine)  # after its drain, shutdown flush and stop
             sim.record("sim_down", gen=self.gen)

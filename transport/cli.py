@@ -212,7 +212,9 @@ def _import_mlx_on_main_thread(config: Any) -> None:
 
         # and the engine's MLX modules: `serve` loads the model on a worker
         # thread, and whatever their import runs must not run first there
-        import engine.mlx.backend  # noqa: F401
+        from ember import preload_mlx
+
+        preload_mlx()
 
 
 # ---------------------------------------------------------------------------
@@ -222,18 +224,17 @@ def _import_mlx_on_main_thread(config: Any) -> None:
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
-    from actors.durability import settings_from
+    from ember import settings_from
     from transport.http import build_app
 
     config = engine_config(args, parser)
     if config.distributed:
-        from engine.mlx.distributed import rank, run_follower
+        from ember.assemble import run_follower
+        from engine.mlx.distributed import rank
 
         if rank() != 0:  # the other ranks execute rank 0's step plans; no HTTP
             logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-            from actors.distributed_tier import follower_tier
-
-            return run_follower(config, make_tier=follower_tier)
+            return run_follower(config)
     try:
         sock = _bind(args.host, args.port)
     except OSError as exc:
@@ -377,7 +378,7 @@ def _drain_first(server: Any, state: Any) -> None:
 
 
 def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ember.api import Engine
+    from ember import Engine
     from engine.types import SamplingParams
 
     config = engine_config(args, parser)

@@ -15,8 +15,15 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-from actors.runtime import InboxFull
-from engine.errors import EngineDead, EngineDraining, EngineError, EngineOverloaded, InvalidRequest, RequestFailed
+from ember.errors import (
+    EngineDead,
+    EngineDraining,
+    EngineError,
+    EngineOverloaded,
+    InboxFull,
+    InvalidRequest,
+    RequestFailed,
+)
 from transport.openai_schema import ErrorBody, ErrorDetail
 
 

@@ -13,6 +13,7 @@ docs/http.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,11 +29,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ember.api import Completion, Engine, RequestStream, build_backend
+from ember import Completion, Engine, Ports, RequestStream, load_ports
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest
-from engine.eventlog import EventLog
-from engine.ports import LoopClock
 from transport import chat_turn
 from transport.choices import ChoiceStream, submit_choices
 from transport.errors import ApiError, error_body, from_engine_error
@@ -96,16 +95,14 @@ class ServerState:
         self.settled, self._stop = anyio.Event(), anyio.Event()
         task_status.started()
         try:
-            kw = dict(self.engine_kw)
             # A long-running server must not keep every engine event in memory.
-            kw.setdefault("events", EventLog(keep=False))
-            if "backend" not in kw and self.config.backend != "fake":
+            load = functools.partial(load_ports, self.config, Ports(**self.engine_kw), keep_events=False)
+            if self.engine_kw.get("backend") is None and self.config.backend != "fake":
                 # Loading a model blocks for seconds: do it off the loop so /health answers meanwhile.
-                clock = kw.setdefault("clock", LoopClock())
-                kw["backend"], kw["device"] = await anyio.to_thread.run_sync(
-                    build_backend, self.config, clock, abandon_on_cancel=True
-                )
-            async with Engine.open(self.config, **kw) as engine:
+                ports = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+            else:
+                ports = load()
+            async with Engine.open(self.config, ports=ports) as engine:
                 self.engine = engine
                 self.phase = "ready"
                 self.settled.set()
@@ -134,9 +131,7 @@ class ServerState:
         """Run CPU work a request brings (tokenizing, chat templates) on a
         worker thread, so /health and other streams keep their latency; inline
         when the engine runs in virtual time (its device is inline: no threads)."""
-        from engine.ports import InlineDevice
-
-        if self.engine is None or isinstance(getattr(self.engine, "device", None), InlineDevice):
+        if self.engine is None or self.engine.runs_inline:
             return fn(*args)
         if self._tokenize_limiter is None:
             self._tokenize_limiter = anyio.CapacityLimiter(TOKENIZE_THREADS)
@@ -416,7 +411,7 @@ def build_app(
     send_timeout_s: float | None = SEND_TIMEOUT_S,
     **engine_kw: Any,
 ) -> Starlette:
-    """The app serving one engine; ``engine_kw`` goes to ``Engine.open`` (backend, clock, events…).
+    """The app serving one engine; ``engine_kw`` are its ports (``ember.Ports``: backend, clock, events…).
 
     ``api_key`` and ``loopback_only`` (the CLI sets it when bound to a
     loopback address) configure ``transport.security``, which guards every

@@ -331,7 +331,7 @@ class LeaderBackend:
         """A rank lost while the engine is idle kills the engine like a failed step."""
 
         def dead(exc: BaseException) -> None:
-            loop.call_soon_threadsafe(_kill_engine, engine, RuntimeError(f"a rank was lost: {exc}"))
+            loop.call_soon_threadsafe(engine.kill, RuntimeError(f"a rank was lost: {exc}"))  # no drain: a rank is gone
 
         self.on_lost = dead
 
@@ -344,16 +344,6 @@ class LeaderBackend:
             "tier_ops": self.link.tier_ops,
             "caches_dropped_pending": len(self._dropped),
         }
-
-
-def _kill_engine(engine: Any, exc: BaseException) -> None:
-    """What ``Engine._supervise`` does when an actor crashes."""
-    if engine.dead is None:
-        engine.dead = exc
-        log.error("[engine] %s", exc)
-    engine.ready = False
-    if engine._actor_scope is not None:
-        engine._actor_scope.cancel()
 
 
 class LeaderThread(MLXThread):

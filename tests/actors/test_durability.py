@@ -17,13 +17,11 @@ from actors.durability_core import (
     RecState,
     TakeSnapshot,
     WriteItem,
-    settings_from,
 )
 from actors.events import EngineBusy, EngineIdle
 from actors.runtime import Actor
 from actors.scheduler import Settle, Snapshot
-from engine.config import EngineConfig
-from engine.kv.spill_queue import GIB, SpillItem
+from engine.kv.spill_queue import SpillItem
 
 DEBOUNCE, RETRY = 1.0, 5.0
 
@@ -295,20 +293,6 @@ def test_a_drop_from_the_queue_leaves_the_key_dirty():
     # [1] in flight, [2] dropped when [3] came (cap 15 < 20 queued bytes)
     assert core.records[("", (2,))].state is RecState.FAILED
     assert core.queue.dropped == 1
-
-
-def test_settings_from_config_and_environment():
-    cfg = EngineConfig(backend="fake")
-    s = settings_from(cfg, {})
-    assert (s.writebehind, s.spill_queue_bytes, s.shutdown_timeout_s) == (True, 2 * GIB, 120.0)
-    s = settings_from(
-        cfg, {"EMBER_SSD_WRITEBEHIND": "0", "EMBER_SPILL_QUEUE_GB": "0.5", "EMBER_SHUTDOWN_TIMEOUT_S": "7"}
-    )
-    assert (s.writebehind, s.spill_queue_bytes, s.shutdown_timeout_s) == (False, GIB // 2, 7.0)
-    for bad in ("abc", "0", "-5", "inf", "nan"):
-        assert settings_from(cfg, {"EMBER_SHUTDOWN_TIMEOUT_S": bad}).shutdown_timeout_s == 120.0
-    assert settings_from(cfg, {"EMBER_SPILL_QUEUE_GB": "-1"}).spill_queue_bytes == 2 * GIB
-    assert settings_from(cfg, {"EMBER_SPILL_QUEUE_GB": "0"}).spill_queue_bytes == 0
 
 
 # ---------------------------------------------------------------------------

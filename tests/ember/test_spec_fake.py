@@ -18,8 +18,10 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.drafter import Draft, Drafted, DraftedRound, ModelDrafterCore
-from actors.scheduler import Admit, SchedulerConfig, SchedulerCore
+from actors.drafter import Draft, Drafted, DraftedRound
+from actors.drafter_cores import ModelDrafterCore
+from actors.scheduler import Admit
+from actors.scheduler_core import SchedulerConfig, SchedulerCore
 from actors.spec_rounds import SpecRounds
 from actors.verifier import VerifierCore, Verify, Window, accept_window
 from ember import Engine, EngineConfig, InvalidRequest, SamplingParams

@@ -24,7 +24,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from actors.cold_tier import ColdStore, ColdTier, Store, run_inline, ungated
-from actors.scheduler import Admit, Restored, RowState, SchedulerConfig, SchedulerCore
+from actors.scheduler import Admit, Restored, RowState
+from actors.scheduler_core import SchedulerConfig, SchedulerCore
 from ember.api import Engine
 from engine.config import EngineConfig
 from engine.eventlog import EventLog

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.drafter import Draft, NgramDrafterCore
+from actors.drafter import Draft
+from actors.drafter_cores import NgramDrafterCore
 from engine.spec.ngram import NgramIndex
 
 

@@ -99,7 +99,7 @@ def test_digest_does_not_depend_on_the_process_hash_seed():
 # Each checker catches its bug.
 
 
-def test_a_corrupted_restore_is_caught_by_the_cold_prefill_oracle(monkeypatch):
+def test_a_corrupted_restore_is_caught_by_the_cold_prefill_oracle():
     class BadRestore(FakeBackend):
         def step(self, plan):
             for o in plan.open:
@@ -107,8 +107,7 @@ def test_a_corrupted_restore_is_caught_by_the_cold_prefill_oracle(monkeypatch):
                     o.cache[-1].values[0, 0, o.cached - 1, 0] += 1.0  # a wrong KV value at the prefix's end
             return super().step(plan)
 
-    monkeypatch.setattr(simrun, "FakeBackend", BadRestore)
-    r = Simulation(small("agent"), 1).run()
+    r = Simulation(small("agent"), 1, backend=BadRestore).run()
     bad = ran(r, "tokens-match-cold-prefill").findings
     assert bad and "diverged at output token 0" in bad[0].message and not r.ok
 
@@ -122,30 +121,27 @@ def test_a_disk_that_lies_about_fsync_is_caught_after_the_crash(monkeypatch):
 
 def test_a_write_gate_that_ignores_busy_is_caught(monkeypatch):
     from actors.cold_tier import ColdTier
-    from actors.durability import IdleGate
 
     async def always_open(self):
         return None
 
     monkeypatch.setattr(ColdTier, "wait_idle", always_open)
-    monkeypatch.setattr(IdleGate, "wait_turn", always_open)
     # slow writes (1 s per I/O call) are still being issued when agent turns arrive
     scenario = small("agent", 30, disk=DiskFaults(slow_io_prob=1.0, slow_io_s=1.0))
-    r = Simulation(scenario, 1).run()
+    r = Simulation(scenario, 1, gated_writes=False).run()  # the coordinator's writes skip the idle gate
     checker = ran(r, "no-write-during-step")
     assert checker.findings and checker.overlapped_steps > 0
     assert any("during GPU step" in f.message or "while a tensor write step" in f.message for f in checker.findings)
 
 
-def test_a_request_that_never_finishes_is_a_liveness_finding(monkeypatch):
+def test_a_request_that_never_finishes_is_a_liveness_finding():
     class Stuck(FakeBackend):
         def step(self, plan):
             if any(len(c.tokens) > 300 for c in plan.prefill) or self.steps > 40:
                 raise MemoryError("fake GPU: out of memory forever")
             return super().step(plan)
 
-    monkeypatch.setattr(simrun, "FakeBackend", Stuck)
-    r = Simulation(small("agent", 6, drain_deadline_s=120.0), 1).run()
+    r = Simulation(small("agent", 6, drain_deadline_s=120.0), 1, backend=Stuck).run()
     live = ran(r, "liveness")
     assert any("not answered by the drain deadline" in f.message for f in live.findings)
     assert any("in the liveness phase" in f.message for f in live.findings)
@@ -353,7 +349,7 @@ def test_list_and_violation_exit_code(monkeypatch, capsys):
                     o.cache[-1].values[0, 0, o.cached - 1, 0] += 1.0
             return super().step(plan)
 
-    monkeypatch.setattr(simrun, "FakeBackend", BadRestore)
+    monkeypatch.setattr(simrun, "fake_backend", BadRestore)  # the CLI's simulation makes its GPUs with it
     assert simrun.main(["--scenario", "agent", "--seed", "4", "--trace", "agent-small"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert "reproduce: python -m sims.run --scenario agent --seed 4" in out

@@ -16,10 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.gateway import Drain
-from ember import EngineConfig, FakeGPUConfig, SamplingParams
+from ember import EngineConfig, FakeGPUConfig, SamplingParams, load_ports
 from engine.eventlog import EventLog
 from engine.fake.gpu import ByteTokenizer, FakeBackend, expected_tokens
-from engine.ports import InlineDevice
 from engine.types import SpecUsage, Usage
 from transport import http as http_mod
 from transport.http import build_app
@@ -277,11 +276,12 @@ async def test_each_app_has_its_own_metrics_registry():
 async def test_health_503_while_the_model_loads(monkeypatch):
     release = threading.Event()
 
-    def slow_build_backend(config, clock):
+    def slow_load_ports(config, ports, *, keep_events=None):
         release.wait(10)
-        return FakeBackend(config.fake), InlineDevice(clock)
+        ports.backend = FakeBackend(config.fake)  # the "model", loaded
+        return load_ports(config, ports, keep_events=keep_events)
 
-    monkeypatch.setattr(http_mod, "build_backend", slow_build_backend)
+    monkeypatch.setattr(http_mod, "load_ports", slow_load_ports)
     app = build_app(EngineConfig(backend="mlx", model="slow"))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ember") as client:

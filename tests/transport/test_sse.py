@@ -120,7 +120,7 @@ async def test_a_cancelled_wait_loses_no_delta_and_leaves_no_waiter():
     stream = RequestStream(_Gateway(), 1, rx)
     with anyio.move_on_after(0.02):
         await stream.wait(60)
-    assert rx._ch.waiter is None
+    assert rx._state.receiver is None
     assert await stream.wait(0.01) is False  # timed out: nothing queued
     tx.send_nowait(Delta(rid=1, text="a", token_ids=[5]))
     assert await stream.wait(60) is True  # already queued: no wait at all

@@ -1,0 +1,375 @@
+"""The Scheduler's logic, with no awaits: ``SchedulerCore`` plans a step and
+applies its result (continuous batching with chunked prefill; the rows'
+lifecycle, the prompt-cache tiers, checkpoints, the emission of tokens and
+the rows' ends). ``actors.scheduler`` is the actor that feeds it messages,
+runs its plans on the device and sends what it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from actors.scheduler import Admit, ColdLookup, PrefixCache, Restored, Row, RowDelta, RowState, Snapshot
+from actors.spec_rounds import SpecRounds
+from engine.eventlog import EventLog
+from engine.ports import Backend, Clock, DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
+from engine.textstream import StopMatcher
+from engine.types import TokenLogprob, Usage
+
+log = logging.getLogger("ember.scheduler")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_batch: int = 8
+    prefill_chunk: int = 512
+    min_cached_prefix: int = 1  # shorter cached prefixes (RAM or SSD) are not reused
+    # Checkpoints, for caches that cannot be trimmed back to a prefix later (SSM
+    # state, a wrapped sliding window; the backend says ``needs_checkpoints``):
+    # a copy of the row's cache at the end of its prompt, so the same prompt
+    # again and the conversation's next turn hit, plus up to
+    # ``max_checkpoints`` earlier ones at prefill-chunk ends at least
+    # ``checkpoint_interval`` tokens apart (a long shared head: system prompt,
+    # tools, a document). Each is an ordinary prompt-cache entry (RAM, SSD).
+    checkpoint_interval: int = 1024
+    max_checkpoints: int = 2
+
+
+class SchedulerCore:
+    """The scheduling logic, with no awaits: plan a step, apply its result."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        cfg: SchedulerConfig,
+        clock: Clock,
+        events: EventLog,
+        prefix_cache: PrefixCache | None = None,
+        cold: ColdLookup | None = None,
+        spec: SpecRounds | None = None,
+    ):
+        self.backend = backend
+        self.spec = spec  # speculative rounds, when the engine has a drafter
+        self.cfg = cfg
+        self.clock = clock
+        self.events = events
+        self.prefix_cache = prefix_cache
+        self.cold = cold
+        self.restoring: set[int] = set()  # rows waiting for an SSD restore
+        self.rows: dict[int, Row] = {}
+        self.queue: deque[int] = deque()
+        self.active: list[int] = []  # admission order
+        self._closing: list[int] = []
+        self._keep: set[int] = set()
+        self.outbox: list[RowDelta] = []
+        self.steps = 0
+        self.counters = {
+            "admitted": 0,
+            "finished": 0,
+            "aborted": 0,
+            "failed": 0,
+            "generated_tokens": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+        }
+        self.checkpointing = prefix_cache is not None and bool(getattr(backend, "needs_checkpoints", False))
+        self._checkpoint_at: dict[int, int] = {}  # rid -> position, for the step planned last
+        if self.checkpointing:
+            self.counters["checkpoints"] = 0
+
+    # ---- messages ----------------------------------------------------------
+    def admit(self, msg: Admit) -> None:
+        now = self.clock.now()
+        row = Row(msg.rid, list(msg.tokens), msg.params, msg.ns)
+        row.stop = StopMatcher(msg.params.stop)
+        self.rows[msg.rid] = row
+        self.queue.append(msg.rid)
+        if self.spec is not None:
+            self.spec.admit(msg.rid, msg.params)
+        self.counters["admitted"] += 1
+        self.counters["prompt_tokens"] += len(row.prompt)
+        self.events.record("admit", now, rid=msg.rid, prompt=len(row.prompt), max_tokens=msg.params.max_tokens)
+
+    def abort(self, rid: int, reason: str = "abort") -> None:
+        row = self.rows.get(rid)
+        if row is None or row.state is RowState.FINISHED:
+            return
+        self.counters["aborted"] += 1
+        self._finish(row, reason, keep_cache=row.opened)
+        self.events.record("abort", self.clock.now(), rid=rid)
+
+    # ---- state -------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.queue or self.active or self._closing)
+
+    def closes_pending(self) -> bool:
+        """Rows finished but not yet closed (their caches are put by the next step)."""
+        return bool(self._closing)
+
+    def _finish(self, row: Row, reason: str, *, keep_cache: bool, error: str | None = None) -> None:
+        was_queued = row.state in (RowState.QUEUED, RowState.RESTORING)
+        row.move(RowState.FINISHED)
+        row.finish_reason = reason
+        tail = ""
+        if row.detok is not None and error is None:
+            assert row.stop is not None  # set with detok
+            row.detok.finalize()
+            tail = row.stop.feed(row.detok.last_segment) + row.stop.flush()
+        usage = Usage(prompt_tokens=len(row.prompt), completion_tokens=len(row.generated), cached_tokens=row.cached)
+        if self.spec is not None:
+            usage.speculation = self.spec.finish(row.rid)
+        self.outbox.append(RowDelta(rid=row.rid, text=tail, finish_reason=reason, usage=usage, error=error))
+        if was_queued:
+            self.restoring.discard(row.rid)
+            row.prepared = None
+            try:
+                self.queue.remove(row.rid)
+            except ValueError:
+                pass
+            del self.rows[row.rid]
+            return
+        self.active.remove(row.rid)
+        self._closing.append(row.rid)
+        if keep_cache and self.prefix_cache is not None and error is None:
+            self._keep.add(row.rid)
+
+    # ---- planning ----------------------------------------------------------
+    def _open(self, row: Row, plan: StepPlan) -> None:
+        cache, cached = None, 0
+        if row.prepared is not None:
+            (cache, cached), row.prepared = row.prepared, None
+        elif self.prefix_cache is not None:
+            cache, cached = self.prefix_cache.take(row.prompt, row.ns, min_len=self.cfg.min_cached_prefix)
+            cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
+            if self._wait_for_cold(row, cache, cached):
+                return
+        row.cached = row.in_cache = row.last_checkpoint = cached
+        self.counters["cached_tokens"] += cached
+        row.detok = self.backend.tokenizer.detokenizer()
+        row.next_input = row.prompt[-1]
+        row.opened = True
+        plan.open.append(OpenRow(row.rid, row.params, cache, cached))
+        row.move(RowState.PREFILL if cached < row.prefill_total else RowState.DECODE)
+        self.active.append(row.rid)
+        self.events.record("open", self.clock.now(), rid=row.rid, cached=cached)
+
+    def _wait_for_cold(self, row: Row, cache: Any, cached: int) -> bool:
+        """Park the row in RESTORING when SSD holds a strictly longer prefix
+        (ties go to RAM); the batch keeps stepping without it."""
+        floor = max(cached, self.cfg.min_cached_prefix - 1)  # restore only what is worth a disk read
+        if self.cold is None or self.cold.longest(row.prompt, row.ns) <= floor:
+            return False
+        try:
+            self.cold.request_restore(row.rid, row.prompt, row.ns, floor)
+        except Exception as exc:  # the cold tier is gone or full: serve from RAM or cold
+            log.warning("[scheduler] restore request for row %d failed: %r", row.rid, exc)
+            return False
+        row.prepared = (cache, cached)
+        row.move(RowState.RESTORING)
+        self.restoring.add(row.rid)
+        self.events.record("restoring", self.clock.now(), rid=row.rid, ram=cached)
+        return True
+
+    def restored(self, msg: Restored) -> None:
+        """An SSD restore finished: requeue the row at the front with the longer
+        of the restored and the RAM candidate."""
+        row = self.rows.get(msg.rid)
+        if row is None or row.state is not RowState.RESTORING:
+            return  # aborted meanwhile: the restored copy is simply dropped
+        self.restoring.discard(row.rid)
+        if msg.cache is not None and row.prepared is not None and msg.cached > row.prepared[1]:
+            row.prepared = (msg.cache, msg.cached)
+        row.move(RowState.QUEUED)
+        self.queue.appendleft(row.rid)
+        self.events.record("restored", self.clock.now(), rid=row.rid, cached=row.prepared[1] if row.prepared else 0)
+
+    def snapshot(self, msg: Snapshot) -> tuple[Any, int] | None:
+        """The exact RAM entry ``msg`` names (its cache, shared: entries are
+        never written after ``put``), and its bytes."""
+        if self.prefix_cache is None:
+            return None
+        clone = self.prefix_cache.snapshot(msg.tokens, msg.ns)
+        return None if clone is None else (clone, self.backend.cache_nbytes(clone))
+
+    def demote(self, idle_s: float) -> tuple[int, float | None]:
+        """Idle demotion sweep: only while nothing runs, queues or restores."""
+        if self.prefix_cache is None or self.has_work() or self.restoring:
+            return 0, None
+        return self.prefix_cache.demote_idle(idle_s)
+
+    def plan(self) -> StepPlan:
+        plan = StepPlan(close=self._closing, keep_cache=self._keep)
+        self._closing, self._keep = [], set()
+        if self.spec is not None:
+            self.spec.defer_closing(plan, self._closing, self._keep)
+        while self.queue and len(self.active) < self.cfg.max_batch:
+            self._open(self.rows[self.queue.popleft()], plan)
+        budget = self.cfg.prefill_chunk
+        self._checkpoint_at = {}
+        for rid in self.active:
+            row = self.rows[rid]
+            if row.state is not RowState.PREFILL or budget <= 0:
+                continue
+            n = min(budget, row.prefill_total - row.in_cache)
+            plan.prefill.append(PrefillChunk(rid, row.prompt[row.in_cache : row.in_cache + n]))
+            row.in_cache += n
+            budget -= n
+            if self.checkpointing:
+                self._plan_checkpoint(row, plan)
+            if row.in_cache == row.prefill_total:
+                row.move(RowState.DECODE)  # its last prompt token decodes in this same step
+        for rid in self.active:
+            row = self.rows[rid]
+            if row.state is RowState.DECODE:
+                window = self.spec.window(row) if self.spec is not None else None
+                if window:
+                    plan.verify.append(VerifyRow(rid, window))
+                else:
+                    plan.decode.append(DecodeRow(rid, row.next_input))
+        self.steps += 1
+        self.events.record(
+            "step",
+            self.clock.now(),
+            n=self.steps,
+            open=[o.rid for o in plan.open],
+            close=list(plan.close),
+            prefill=[(c.rid, len(c.tokens)) for c in plan.prefill],
+            decode=[d.rid for d in plan.decode],
+            **({"verify": [(v.rid, len(v.tokens) - 1) for v in plan.verify]} if plan.verify else {}),
+        )
+        return plan
+
+    def _plan_checkpoint(self, row: Row, plan: StepPlan) -> None:
+        """Ask for a copy of the row's cache after this chunk: always at the
+        prompt's end, and at a bounded number of earlier chunk ends."""
+        at = row.in_cache
+        if at < row.prefill_total:
+            cfg = self.cfg
+            if row.checkpointed >= cfg.max_checkpoints or at - row.last_checkpoint < cfg.checkpoint_interval:
+                return
+            row.checkpointed += 1
+        row.last_checkpoint = at
+        plan.checkpoint.add(row.rid)
+        self._checkpoint_at[row.rid] = at
+
+    # ---- applying ----------------------------------------------------------
+    def apply(self, plan: StepPlan, result: StepResult) -> None:
+        for rid, cache in result.checkpoints.items():
+            at = self._checkpoint_at.pop(rid, None)
+            row = self.rows.get(rid)
+            if at is not None and row is not None and self.prefix_cache is not None:
+                self.prefix_cache.put(row.prompt[:at], row.ns, cache)
+                self.counters["checkpoints"] += 1
+        for rid, cache in result.closed.items():
+            row = self.rows.pop(rid, None)
+            if row is not None and self.prefix_cache is not None:
+                self.prefix_cache.put(row.cached_tokens(), row.ns, cache)
+        for rid in plan.close:
+            self.rows.pop(rid, None)
+        for rid, err in result.errors.items():
+            self._fail(rid, err)
+        for rid, token in result.tokens.items():
+            row = self.rows.get(rid)
+            if row is None or row.state is not RowState.DECODE:
+                continue  # aborted while the step ran
+            if self.spec is not None and self.spec.collect(row, [token]):
+                continue  # a speculating row: emitted with the Verifier's verdict
+            row.in_cache += 1
+            self._emit(row, [token], result.logprobs.get(rid))
+        for rid, targets in result.verified.items():
+            row = self.rows.get(rid)
+            if row is not None and row.state is RowState.DECODE and self.spec is not None:
+                self.spec.collect(row, targets)
+
+    # ---- speculative rounds (actors.spec_rounds) ------------------------------
+    def draft_requests(self) -> list[Any]:
+        """``Draft`` requests for the decoding rows that speculate this step."""
+        if self.spec is None:
+            return []
+        rows = [self.rows[rid] for rid in self.active]
+        return self.spec.draft_requests([r for r in rows if r.state is RowState.DECODE])
+
+    def apply_verified(self, verified: Any) -> None:
+        """Emit the Verifier's verdicts; their trims go into the next plan."""
+        live = {rid: r for rid, r in self.rows.items() if r.state is RowState.DECODE}
+        assert self.spec is not None  # verdicts come only with speculation
+        self.spec.apply(verified, live, self._emit)
+        rounds = [(v.rid, v.accepted, len(v.tokens)) for v in verified.verdicts]
+        self.events.record("verified", self.clock.now(), n=self.steps, rounds=rounds)
+
+    def fail_step(self, plan: StepPlan, error: str) -> None:
+        """A step raised a per-request error: fail every row it touched."""
+        touched = {o.rid for o in plan.open} | {c.rid for c in plan.prefill} | {d.rid for d in plan.decode}
+        touched |= {v.rid for v in plan.verify}
+        for rid in plan.close:
+            self.rows.pop(rid, None)
+        for rid in sorted(touched):
+            self._fail(rid, error)
+
+    def _fail(self, rid: int, error: str) -> None:
+        row = self.rows.get(rid)
+        if row is None or row.state is RowState.FINISHED:
+            return
+        self.counters["failed"] += 1
+        self.events.record("fail", self.clock.now(), rid=rid)
+        self._finish(row, "error", keep_cache=False, error=error)
+
+    def _emit(self, row: Row, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append sampled tokens to a row; finish it on EOS, a stop string or length.
+        ``logprobs``: one per token, when the request asked for them."""
+        eos = self.backend.tokenizer.eos_token_ids
+        params, detok, stop, generated = row.params, row.detok, row.stop, row.generated
+        assert stop is not None  # a decoding row has its detokenizer and stop matcher
+        reason = None
+        text_parts: list[str] = []
+        out_ids: list[int] = []
+        for tok in tokens:
+            if tok in eos and not params.ignore_eos:
+                reason = "stop"
+                break
+            generated.append(tok)
+            out_ids.append(tok)
+            self.counters["generated_tokens"] += 1
+            detok.add_token(tok)
+            text_parts.append(stop.feed(detok.last_segment))
+            if stop.stopped:
+                reason = "stop"
+                break
+            if len(generated) >= params.max_tokens:
+                reason = "length"
+                break
+        text = "".join(text_parts)
+        if generated:
+            row.next_input = generated[-1]
+        lps = logprobs[: len(out_ids)] if logprobs is not None and params.logprobs is not None else None
+        if reason is None:
+            self.outbox.append(RowDelta(rid=row.rid, text=text, token_ids=out_ids, logprobs=lps))
+            return
+        if out_ids:  # a token went through the detokenizer (and so a text part, maybe empty)
+            self.outbox.append(RowDelta(rid=row.rid, text=text, token_ids=out_ids, logprobs=lps))
+        self.counters["finished"] += 1
+        self.events.record("finish", self.clock.now(), rid=row.rid, reason=reason, n=len(generated))
+        self._finish(row, reason, keep_cache=True)
+
+    def take_outbox(self) -> list[RowDelta]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ---- stats -------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        prefill = [
+            {"rid": r.rid, "done": r.in_cache, "total": r.prefill_total}
+            for r in (self.rows[rid] for rid in self.active)
+            if r.state is RowState.PREFILL
+        ]
+        return {
+            "steps": self.steps,
+            "queued": len(self.queue),
+            "active_rows": len(self.active),
+            "max_batch": self.cfg.max_batch,
+            "prefill": prefill,
+            **self.counters,
+        }
