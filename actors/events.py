@@ -8,16 +8,16 @@ these in their own inbox unions.
 
 from __future__ import annotations
 
-import msgspec
+from actors.messages import Wire
 
 
-class EngineBusy(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class EngineBusy(Wire, frozen=True):
     """Scheduler → subscribers: the first work arrived after an idle period."""
 
     at: float
 
 
-class EngineIdle(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class EngineIdle(Wire, frozen=True):
     """Scheduler → subscribers: the last row left and nothing is queued."""
 
     at: float

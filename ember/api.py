@@ -227,13 +227,16 @@ class Engine:
     def _make_cold_tier(self) -> Any:
         """The SSD cold tier actor (None unless ``ssd_cache_dir`` is set), wired
         to the Scheduler: its index for admission lookups, its inbox for
-        restores and RAM spills, and the idle/busy edges for its writes."""
+        restores, and the idle/busy edges for its demotion sweeps. The RAM
+        tier's spill hook is the durability coordinator's (``_make_durability``)."""
         cfg = self.config
         if not cfg.ssd_cache_dir or self.prefix_cache is None:
             return None
         import os
 
-        from actors.cold_tier import ColdStore, ColdTier, run_in_thread, run_inline
+        from actors.cold_tier import ColdTier
+        from engine.kv.cold_io import run_in_thread, run_inline
+        from engine.kv.cold_store import ColdStore
         from engine.kv.disk import RealDisk
 
         store = ColdStore(
@@ -254,11 +257,9 @@ class Engine:
             io=run_inline if isinstance(self.device, InlineDevice) else run_in_thread,  # virtual time runs no threads
             scheduler=self.scheduler.ref,
             demote_idle_s=300.0 if cfg.ssd_demote_idle_s is None else cfg.ssd_demote_idle_s,
-            spill_queue_bytes=int(cfg.spill_queue_gib * (1 << 30)),
         )
         link = cold.link()
         self.core.cold = link
-        self.prefix_cache.on_spill = link.spill
         self.scheduler.subscribe(cold.ref)
         return cold
 

@@ -206,10 +206,9 @@ class Simulation:
         disk. Engine has no disk port yet; until it does, the simulator swaps
         the attributes before the tier's first I/O (its index scan at start)."""
         cold.store.disk = self.disk
-        if hasattr(cold, "wall"):
-            cold.wall = self.clock.now
+        cold.files.wall = self.clock.now  # the tier's entry writes and restores (engine.kv.cold_io.ColdIO)
         if self.scenario.disk.slow_io_prob:
-            cold.io = self._slow_io(cold.io)
+            cold.io = cold.files.io = self._slow_io(cold.io)
 
     def _slow_io(self, inner: Any) -> Any:
         """A slow disk: some I/O calls take ``slow_io_s`` of virtual time."""

@@ -12,7 +12,7 @@ spilling. A dropped spill is a future cache miss, never a wrong token.
 
 This is a plain class with no awaits (the DurabilityCoordinator drives it and
 runs the one writer): ``push`` an item, ``pop_next`` the item to write when
-the writer is free, ``settle`` it with the store's outcome. Every item's
+the writer is free, ``finish`` it with the store's outcome. Every item's
 clones are released exactly once, whatever path it leaves by: stored, failed,
 dropped, or discarded at shutdown.
 """
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-GIB = 1 << 30
+from engine.transitions import IllegalTransition, check_transition
 
 
 class ItemState(enum.Enum):
@@ -44,10 +44,6 @@ ITEM_TRANSITIONS: dict[ItemState, frozenset[ItemState]] = {
     ItemState.DROPPED: frozenset(),
     ItemState.DISCARDED: frozenset(),
 }
-
-
-class IllegalSpillTransition(RuntimeError):
-    pass
 
 
 def _no_release(cache: Any) -> None:
@@ -80,14 +76,13 @@ class SpillItem:
         return self._key
 
     def move(self, to: ItemState) -> None:
-        if to not in ITEM_TRANSITIONS[self.state]:
-            raise IllegalSpillTransition(f"spill item {self.seq}: {self.state.value} -> {to.value}")
+        check_transition(ITEM_TRANSITIONS, self.state, to, f"spill item {self.seq}")
         self.state = to
 
     def free(self) -> None:
         """Release the clones; a second call is a bug (a double free of GPU memory)."""
         if self.released:
-            raise IllegalSpillTransition(f"spill item {self.seq} released twice")
+            raise IllegalTransition(f"spill item {self.seq} released twice")
         self.released = True
         cache, self.cache = self.cache, None
         self.release(cache)
@@ -155,10 +150,10 @@ class SpillQueue:
         self.in_flight = item
         return item
 
-    def settle(self, item: SpillItem, ok: bool) -> None:
+    def finish(self, item: SpillItem, ok: bool) -> None:
         """The writer finished ``item``: stored durably (``ok``) or failed."""
         if item is not self.in_flight:
-            raise IllegalSpillTransition(f"spill item {item.seq} settled but not in flight")
+            raise IllegalTransition(f"spill item {item.seq} finished but not in flight")
         self.in_flight = None
         if ok:
             self.stored += 1

@@ -121,13 +121,11 @@ def test_a_disk_that_lies_about_fsync_is_caught_after_the_crash(monkeypatch):
 
 
 def test_a_write_gate_that_ignores_busy_is_caught(monkeypatch):
-    from actors.cold_tier import ColdTier
-    from actors.durability import IdleGate
+    from actors.idle_gate import IdleGate
 
     async def always_open(self):
         return None
 
-    monkeypatch.setattr(ColdTier, "wait_idle", always_open)
     monkeypatch.setattr(IdleGate, "wait_turn", always_open)
     # slow writes (1 s per I/O call) are still being issued when agent turns arrive
     scenario = small("agent", 30, disk=DiskFaults(slow_io_prob=1.0, slow_io_s=1.0))
