@@ -127,10 +127,11 @@ class ColdTierPort:
         self._keys: dict[int, list[Any]] = {}  # id(tokens) -> [tokens, key, ns, store.adds when last not held]
 
     def holds(self, tokens: list[int], ns: str) -> bool:
-        # The core asks ~30 times per request about the same few records, and
+        # The core asks many times per request about the same few records, and
         # their token lists never change (it copies them at creation): their
         # index keys are kept by list identity (the list is held, so its id
         # cannot be reused) instead of being rebuilt from thousands of ints.
+        # (Measured in docs/sims.md, "ColdTierPort.holds".)
         # Only a newly indexed entry can make a key held (evictions only take
         # away), so a "no" stands until the store has indexed another entry.
         hit = self._keys.get(id(tokens))
@@ -312,9 +313,9 @@ class ColdTier(Actor[Inbox]):
         """What a ``Store`` ask answers, for a caller that would only await the
         answer (the durability coordinator's single writer). When the tier's
         own writer has nothing queued or in flight, the same ``store_entry``
-        runs on the caller's task: the ask's reply stream, two inbox hops and
-        the writer's wake-up were a quarter of the event-loop turns the SSD
-        tier adds per request. Otherwise it queues behind them as a ``Store``.
+        runs on the caller's task, without the ask's reply stream, two inbox
+        hops and the writer's wake-up (the event-loop turns this saves are in
+        docs/sims.md, "store_now"). Otherwise it queues behind them as a ``Store``.
         One write at a time either way: the writer waits while this runs."""
         if self._stopped:
             raise EngineDead("cold tier stopped")

@@ -43,7 +43,6 @@ from actors.durability_core import (
     DurabilitySettings,
     FlushFinished,
     FlushReport,
-    RecState,
     TakeSnapshot,
     WriteItem,
     settings_from,
@@ -72,7 +71,6 @@ __all__ = [
     "DurabilityCore",
     "DurabilitySettings",
     "FlushReport",
-    "RecState",
     "settings_from",
 ]
 
@@ -170,8 +168,8 @@ class DurabilityCoordinator(Actor[Inbox]):
         # One timer task for the actor's life, working toward ``_timer_due``
         # (the core's next deadline). A deadline that moves later is picked
         # up when the sleep toward the earlier one ends; only an earlier one
-        # interrupts it: most re-arms (~3 per request) cost nothing, where a
-        # cancelled task and a new one each were most of the timer's cost.
+        # interrupts it: most re-arms cost nothing, where a cancelled task and
+        # a new one each would cost a task (docs/sims.md, "One timer task").
         self._timer_due: float | None = None
         self._timer_scope: anyio.CancelScope | None = None  # the loop's sleep, while it sleeps
         self._timer_wake: anyio.Event | None = None  # set to wake it while it waits for a deadline
@@ -314,7 +312,7 @@ class DurabilityCoordinator(Actor[Inbox]):
         """``_timer`` on the asyncio loop it reads the time of: a bare loop
         timer at the instant ``clock.sleep`` would end (``call_later`` with the
         same delay) and one future, instead of a cancel scope and a sleep per
-        wait (an anyio scope's enter and exit were most of the timer's cost)."""
+        wait (docs/sims.md, "its timer is a bare ``call_later``")."""
         while self._running:
             due = self._timer_due
             handle = None
@@ -356,9 +354,9 @@ class DurabilityCoordinator(Actor[Inbox]):
         await self._tell_self(msg)
 
     async def _writer(self) -> None:
-        """Write the items ``WriteItem`` hands over, one at a time, in order:
-        a task spawned per item through the task group cost more than the
-        write's own bookkeeping. An item handed over while the one before is
+        """Write the items ``WriteItem`` hands over, one at a time, in order,
+        on one task for the actor's life rather than a task per item
+        (docs/sims.md, "one writer task"). An item handed over while the one before is
         finishing (the core pumps the next at its ``store_done``) starts at
         once; otherwise the writer waits on a bare future."""
         loop = asyncio.get_running_loop()

@@ -186,15 +186,14 @@ class DurabilityCore:
         self._advance_flush()
 
     def spill(self, item: SpillItem) -> None:
-        """An entry left RAM with owned clones: queue them (and let a dirty record
-        of the same key ride on them instead of snapshotting a vanished entry).
+        """An entry left RAM and handed over its cache: queue it (and let a dirty
+        record of the same key ride on it instead of snapshotting a vanished entry).
 
         An entry the SSD already covers (a durable file of exactly its tokens,
         or a longer trimmable one: the same KV for these tokens) is not written
-        again: its clones are released at once and a dirty record of its key
-        retires durable. Most RAM evictions are of entries write-behind stored
-        when their request finished (80% in the chat simulation), and the
-        rewrite of an identical file was a third of all SSD writes."""
+        again: its reference is released at once and a dirty record of its key
+        retires durable. Most RAM evictions are of entries write-behind already
+        stored (how many, and the writes this saves: docs/durability.md)."""
         if self.cold.holds(item.tokens, item.ns):
             item.free()
             self.counters["spills_on_ssd"] += 1
@@ -224,8 +223,9 @@ class DurabilityCore:
         self._advance_flush()
 
     def snapshot_taken(self, ns: str, tokens: list[int], item: SpillItem | None, error: str | None = None) -> None:
-        """The Scheduler answered a Snapshot: ``item`` holds the clones, if any
-        (``error``: it could not be asked)."""
+        """The Scheduler answered a Snapshot: ``item`` holds the entry's cache
+        (the RAM entry's own object, not a copy), if any (``error``: it could
+        not be asked)."""
         rec = self.records.get((ns, tuple(tokens)))
         if rec is None or rec.state is not RecState.SNAPSHOTTING:
             if item is not None:  # nobody wants it any more

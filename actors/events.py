@@ -2,8 +2,8 @@
 
 "Idle" is an event, not a poll: anything that must not compete with serving
 (tensor writes, idle demotion) advances only between an ``EngineIdle`` and the
-next ``EngineBusy``. Subscribers (ColdTier, DurabilityCoordinator, …) accept
-these in their own inbox unions.
+next ``EngineBusy``. Subscribers (the ColdTier in its inbox union, the durability
+coordinator's ``IdleGate`` directly) accept them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,3 @@ class EngineIdle(Wire, frozen=True):
     """Scheduler → subscribers: the last row left and nothing is queued."""
 
     at: float
-
-
-IdleBusy = EngineBusy | EngineIdle

@@ -47,10 +47,10 @@ def _union_members(union: Any) -> tuple[Any, ...]:
 
 
 def _inboxes() -> dict[str, tuple[type, ...]]:
-    """Module name -> the members of its ``Inbox`` (or ``IdleBusy``) union."""
+    """Module name -> the members of its ``Inbox`` union."""
     out = {}
     for module in _modules():
-        inbox = getattr(module, "Inbox", None) or getattr(module, "IdleBusy", None)
+        inbox = getattr(module, "Inbox", None)
         if inbox is not None:
             out[module.__name__] = _union_members(inbox)
     return out
