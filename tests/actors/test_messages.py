@@ -91,7 +91,7 @@ class NotData(TypeError):
     """A type with no data values: ``Any``, a callable, a live object's class."""
 
 
-_CHARS = "aZ09 _-é€中\n\t\"\\/😀"
+_CHARS = 'aZ09 _-é€中\n\t"\\/😀'
 
 
 def _draw(t: mi.Type, rng: random.Random, path: str, *, live: Any = NotData) -> Any:
@@ -306,5 +306,8 @@ async def test_every_wire_message_a_running_engine_sends_round_trips(tmp_path, m
     for msg in sent:
         assert isinstance(msg, Wire | Handoff), f"{type(msg).__qualname__} is neither Wire nor Handoff"
         if isinstance(msg, Wire):
-            for enc, dec in ((msgspec.msgpack.encode, msgspec.msgpack.decode), (msgspec.json.encode, msgspec.json.decode)):
+            for enc, dec in (
+                (msgspec.msgpack.encode, msgspec.msgpack.decode),
+                (msgspec.json.encode, msgspec.json.decode),
+            ):
                 assert dec(enc(msg), type=type(msg)) == msg, msg
