@@ -258,6 +258,7 @@ def test_a_wire_message_with_a_live_field_fails_the_checks():
 # What actually travels: a running engine's messages.
 
 
+@pytest.mark.slow  # two engine lifetimes, ~3 s
 @pytest.mark.anyio
 async def test_every_wire_message_a_running_engine_sends_round_trips(tmp_path, monkeypatch):
     """The annotations say what a wire message may hold; this checks what the
