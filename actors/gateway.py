@@ -17,6 +17,7 @@ import anyio
 import msgspec
 
 from actors.channel import ChannelReceiver, ChannelSender, channel
+from actors.messages import Handoff, Wire
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
 from actors.scheduler import Abort, Admit, RowDelta
 from engine.errors import EngineDead, EngineDraining, EngineOverloaded, InvalidRequest, RequestFailed
@@ -31,28 +32,29 @@ log = logging.getLogger("ember.gateway")
 # Messages the Gateway accepts.
 
 
-class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Submit(Handoff, frozen=True):
     """Caller → Gateway (ask): admit a request; the reply is ``(rid, stream)``
-    or an error (``InvalidRequest``, ``EngineOverloaded``, ``EngineDraining``)."""
+    or an error (``InvalidRequest``, ``EngineOverloaded``, ``EngineDraining``).
+    A hand-off: its answer is a live stream."""
 
     tokens: list[int]
     params: SamplingParams
     ns: str = ""
 
 
-class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Cancel(Wire, frozen=True):
     """Caller → Gateway: the caller stopped reading ``rid``'s stream."""
 
     rid: int
 
 
-class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class StepOutput(Wire, frozen=True):
     """Scheduler → Gateway: the deltas one step produced, for routing."""
 
     deltas: list[RowDelta]
 
 
-class Drain(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Drain(Wire, frozen=True):
     """Engine → Gateway (ask): stop admitting; reply once no request is in flight."""
 
 

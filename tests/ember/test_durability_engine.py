@@ -249,7 +249,7 @@ async def test_evictions_go_through_the_spill_queue_and_survive_a_restart(tmp_pa
 async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypatch):
     import httpx
 
-    from actors.durability import ColdTierPort
+    from actors.cold_tier import ColdTierPort
     from transport.http import build_app
 
     app = build_app(fake(tmp_path))
