@@ -11,7 +11,6 @@ parts: KV format, MLX and fake backends, speculation parts).
 from ember.api import Completion, Engine
 from engine.config import EngineConfig
 from engine.errors import (
-    EngineBusy,
     EngineDead,
     EngineDraining,
     EngineError,
@@ -26,7 +25,6 @@ __all__ = [
     "Completion",
     "Delta",
     "Engine",
-    "EngineBusy",
     "EngineConfig",
     "EngineDead",
     "EngineDraining",
