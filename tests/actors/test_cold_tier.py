@@ -34,7 +34,8 @@ from actors.events import EngineBusy, EngineIdle
 from actors.runtime import ActorRef, inbox
 from actors.scheduler import Demote, Restored
 from engine.errors import EngineDead
-from engine.fake.gpu import FakeBackend, FakeKVCache
+from engine.fake.gpu import FakeBackend
+from engine.fake.kv_cache import FakeKVCache
 from engine.kv import kvfile
 from engine.kv.disk import FaultyDisk, RealDisk
 from engine.ports import InlineDevice, LoopClock, ModelInfo

@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.gateway import Drain
 from ember import EngineConfig, FakeGPUConfig, SamplingParams
 from engine.eventlog import EventLog
-from engine.fake.gpu import ByteTokenizer, FakeBackend, expected_tokens
+from engine.fake.gpu import FakeBackend, expected_tokens
+from engine.fake.tokenizer import ByteTokenizer
 from engine.ports import InlineDevice
 from engine.types import SpecUsage, Usage
 from transport import http as http_mod
