@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from actors.runtime import InboxFull
 from engine.errors import EngineDead, EngineDraining, EngineError, EngineOverloaded, InvalidRequest, RequestFailed
-from transport.openai_schema import ErrorBody, ErrorDetail
+from transport.openai_bodies import ErrorBody, ErrorDetail
 
 
 class ApiError(Exception):

@@ -40,7 +40,8 @@ from transport.errors import ApiError, error_body, from_engine_error
 from transport.gateway_compat import ExtensionCounter, request_type
 from transport.gateway_compat import routes as gateway_routes
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
-from transport.openai_schema import ModelCard, ModelList, decode_request
+from transport.openai_bodies import ModelCard, ModelList
+from transport.openai_schema import decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.security import SecurityMiddleware
 from transport.sse import Disconnect, EventStream

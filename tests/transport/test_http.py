@@ -24,7 +24,7 @@ from engine.ports import InlineDevice
 from engine.types import SpecUsage, Usage
 from transport import http as http_mod
 from transport.http import build_app
-from transport.openai_schema import UsageBody
+from transport.openai_bodies import UsageBody
 
 pytestmark = pytest.mark.anyio
 
