@@ -328,7 +328,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def param_names(self) -> dict[str, str]:
-        names = {"constraint": "response_format", "logprobs": "top_logprobs"}
+        names = {"constraint": "response_format"}
+        if self.top_logprobs:  # the engine's ``logprobs`` is the number of alternatives
+            names["logprobs"] = "top_logprobs"
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names

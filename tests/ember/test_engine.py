@@ -476,7 +476,7 @@ def test_fake_gpu_raw_state_setter_gives_the_state_property_s_draws():
 
     import numpy as np
 
-    from engine.fake import gpu as fg
+    from engine.fake import logits as fg
 
     fg._generator_at(0, 0)
     ref = np.random.Generator(np.random.PCG64(0))
@@ -503,7 +503,8 @@ def test_fake_logits_and_tokens_are_those_of_the_plain_formula():
     numpy's searchsorted, for several EOS biases and sampling settings."""
     import numpy as np
 
-    from engine.fake import gpu as fg
+    from engine.fake import logits as fg
+    from engine.fake import sampling as fs
 
     def plain_logits(seed, h, vocab, eos_bias):
         logits = fg._generator_at(seed, h).standard_normal(vocab, dtype=np.float32)
@@ -513,7 +514,7 @@ def test_fake_logits_and_tokens_are_those_of_the_plain_formula():
         return logits
 
     def plain_sample(logits, t, top_p, rng):
-        p = fg._softmax(logits, t)
+        p = fs._softmax(logits, t)
         order = np.argsort(-p, kind="stable")
         cdf = np.cumsum(p[order])
         cut = min(int(np.searchsorted(cdf, top_p)) + 1, p.size) if top_p < 1.0 else p.size
@@ -531,4 +532,4 @@ def test_fake_logits_and_tokens_are_those_of_the_plain_formula():
         a, b = np.random.Generator(np.random.PCG64(9)), np.random.Generator(np.random.PCG64(9))
         for h in range(300):
             logits = fg.fake_logits(2, h * 31, ByteTokenizer.vocab_size)
-            assert fg.sample_token(logits, sp, a) == plain_sample(logits, t, top_p, b)
+            assert fs.sample_token(logits, sp, a) == plain_sample(logits, t, top_p, b)

@@ -118,3 +118,13 @@ async def test_an_unset_max_tokens_is_the_same_default_everywhere() -> None:
             r = await client.post(PATHS[route], json=body)
             assert r.status_code == 200, (route, r.text)
     assert seen == [DEFAULT_MAX_TOKENS] * 4
+
+
+async def test_top_logprobs_out_of_range_is_named_as_sent() -> None:
+    """The engine's limit (MAX_TOP_LOGPROBS), under chat's own field name."""
+    async with serving(SPEC) as (app, client):
+        body = {"messages": USER, "logprobs": True, "top_logprobs": 21}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "top_logprobs"
+        assert r.json()["error"]["message"] == "logprobs (top alternatives) must be in [0, 20]"
