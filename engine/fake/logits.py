@@ -199,7 +199,7 @@ def greedy_token(seed: int, h: int, vocab: int, eos_bias: float = 0.0) -> int:
     drawn without going through ``fake_logits``' memo: nothing reads a greedy
     row's logits again, and holding 8192 of them (8 MB) made every draw write
     a fresh, cache-cold array; freed at once, the next draw reuses the same
-    memory (a greedy token in a chat-10k run 12 -> 8.6 us). The one reader
+    memory (measured: docs/sims.md, Speed). The one reader
     that could have shared them, the fake drafter's proposal for the same
     context, then costs a second draw of the same values."""
     return int(_draw_logits(seed, h, vocab, eos_bias).argmax())
