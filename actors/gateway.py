@@ -20,7 +20,7 @@ import msgspec
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
 from actors.scheduler import Abort, Admit, RowDelta
 from engine.errors import EngineDead, EngineDraining, EngineOverloaded, InvalidRequest, RequestFailed
-from engine.limits import check_request
+from engine.limits import check_limits
 from engine.ports import ModelInfo
 from engine.types import Delta, SamplingParams
 
@@ -212,7 +212,7 @@ class Gateway(Actor[Inbox]):
         return self.cfg.max_batch + self.cfg.max_queue
 
     def validate(self, msg: Submit) -> None:
-        check_request(msg.tokens, msg.params, self.info)
+        check_limits(msg.tokens, msg.params, self.info)
 
     async def receive(self, msg: Inbox) -> Any:
         match msg:

@@ -8,7 +8,8 @@ the ranges are checked here, once, and an ``InvalidRequest`` names the
 e.g. ``max_output_tokens``). Logits-processing ranges are OpenAI's: penalties
 in [-2, 2], ``logit_bias`` values in [-100, 100], at most 20 top logprobs. A
 backend that cannot apply them (the fake GPU) refuses them by name instead of
-ignoring them.
+ignoring them. Whether this engine can speculate at all (it has a drafter) is
+not a limit but its build: ``ember.spec_build`` refuses that before admission.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def active_fields(p: SamplingParams) -> list[str]:
     return out
 
 
-def check_request(tokens: list[int], p: SamplingParams, info: ModelInfo) -> None:
+def check_limits(tokens: list[int], p: SamplingParams, info: ModelInfo) -> None:
     """Refuse a request the engine cannot run as asked (``InvalidRequest``)."""
     if not tokens:
         raise InvalidRequest("the prompt is empty", "prompt")
