@@ -1,6 +1,6 @@
 """Side-by-side benchmark: Ember vs ``mlx_lm.server`` on the same model and machine.
 
-    python -m bench.vs_mlx_lm                       # 5 rounds, writes docs/bench-vs-mlx-lm.{md,png}
+    python -m bench.vs_mlx_lm                       # 5 rounds, writes docs/bench/vs-mlx-lm.{md,png}
     python -m bench.vs_mlx_lm --rounds 7 --legs decode1,agg8
 
 Both servers run on 127.0.0.1 with the same model directory, the same BLAS
