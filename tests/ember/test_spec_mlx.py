@@ -138,7 +138,7 @@ async def test_the_drafter_is_a_separate_smaller_model():
         async with Engine.open(_base(draft_model=str(model))):
             pass
     async with Engine.open(_base(draft_model=str(draft))) as engine:
-        dm = engine.spec.policy.drafter.core.model
+        dm = engine.speculation.drafter.core.model
         from mlx.utils import tree_flatten
 
         target = dict(tree_flatten(engine.backend.model.parameters()))
