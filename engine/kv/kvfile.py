@@ -267,7 +267,7 @@ def _slots(sources: list[TensorSource]) -> list[TensorSlot]:
 
 def encode_layer(layer: Any) -> tuple[Layer, list[TensorSource]]:
     """Describe one cache layer; tensors are sliced to the tokens in use."""
-    from engine.fake.gpu import FakeKVCache
+    from engine.fake.kv_cache import FakeKVCache
 
     kind = type(layer)
     if kind is FakeKVCache:
@@ -343,7 +343,7 @@ def cache_bytes(cache: Sequence[Any]) -> int:
 
     No array op is issued: the per-token size comes from the buffer's shape.
     """
-    from engine.fake.gpu import FakeKVCache
+    from engine.fake.kv_cache import FakeKVCache
 
     total = 0
     for layer in cache:
@@ -388,7 +388,7 @@ def decode_layer(header: Layer, bufs: list[Any]) -> Any:
     if len(bufs) != len(header.tensors):
         raise CorruptFile("tensor count does not match the header")
     if isinstance(header, FakeKVLayer):
-        from engine.fake.gpu import FakeKVCache
+        from engine.fake.kv_cache import FakeKVCache
 
         layer = FakeKVCache()
         layer.offset = header.offset

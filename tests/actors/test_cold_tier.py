@@ -24,7 +24,8 @@ from actors.events import EngineBusy, EngineIdle
 from actors.runtime import ActorRef, inbox
 from actors.scheduler import Demote, Restored
 from engine.errors import EngineDead
-from engine.fake.gpu import FakeBackend, FakeKVCache
+from engine.fake.gpu import FakeBackend
+from engine.fake.kv_cache import FakeKVCache
 from engine.kv import kvfile
 from engine.kv.cold_io import run_inline, ungated
 from engine.kv.cold_store import ColdEntry, ColdStore, entry_id, ns_folder

@@ -296,7 +296,7 @@ async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_sigterm_on_an_idle_server_with_a_snapshot_debouncing_keeps_the_prefix(tmp_path):
-    from engine.fake.gpu import ByteTokenizer
+    from engine.fake.tokenizer import ByteTokenizer
     from sims.crashtest import start_server
 
     prompt = [ord(c) for c in "an idle server gets SIGTERM right after this request. " * 8]

@@ -410,7 +410,8 @@ def test_replay_against_ember_serve_with_a_crash_and_a_flush(tmp_path, capsys):
 
 
 def test_replay_report_math():
-    from sims.replay import Mark, Sample, pct, report_markdown, summarize
+    from sims.replay import Mark, Sample
+    from sims.replay_report import pct, report_markdown, summarize
     from sims.trace import Header, Trace
 
     assert pct([], 50) is None and pct([3.0, 1.0, 2.0], 50) == 2.0 and pct([1.0, 2.0, 3.0, 4.0], 99) == 4.0
