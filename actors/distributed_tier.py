@@ -43,8 +43,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from actors.cold_tier import ColdStore, ColdTier
+from actors.cold_tier import ColdTier
 from engine.kv import kvfile
+from engine.kv.cold_store import ColdStore
 from engine.kv.kvfile import KvReader, KvWriter
 from engine.kv.prompt_cache import as_tokens
 
@@ -269,13 +270,13 @@ class DistributedColdTier(ColdTier):
         if not isinstance(cache, TrackedCache):  # not an entry every rank holds: never a lone shard on disk
             store.counters["unshared"] += 1
             return False
-        gate = self.wait_idle if wait_turn is None else wait_turn
         try:
-            await gate()
+            if wait_turn is not None:
+                await wait_turn()
         except Exception:  # noqa: BLE001 - scheduling advice gone wrong; write anyway (kvfile._gate)
             pass
-        op = PersistOp(cache.origin, list(tokens), ns, self.wall())
-        prepared = await self.device.run(prepare_write, store, op, cache)
+        op = PersistOp(cache.origin, list(tokens), ns, self.files.wall())
+        prepared = await self.files.device.run(prepare_write, store, op, cache)
         if prepared is None:  # nothing sent: no rank writes
             store.counters["write_failures"] += 1
             return False
@@ -287,7 +288,7 @@ class DistributedColdTier(ColdTier):
         try:
             if victims:
                 await self.io(store.delete_files, [v.path for v in victims])
-            ok, agreed = await self.device.run(self._persist, op, writer, sources)
+            ok, agreed = await self.files.device.run(self._persist, op, writer, sources)
         except Exception as exc:  # the group failed (the engine is dead) or a bug: not durable
             store.release(writer.file_bytes)
             log.warning("[distributed_tier] write failed: %r", exc)
@@ -316,7 +317,7 @@ class DistributedColdTier(ColdTier):
         op = RestoreOp(-self._restore_names, entry.tokens.tolist(), ns, p)
         t0 = self.clock.now()
         try:
-            cache, mine_ok = await self.device.run(self._restore_all, op)
+            cache, mine_ok = await self.files.device.run(self._restore_all, op)
         except Exception as exc:  # the group failed (the engine is dead) or a bug: a miss
             log.warning("[distributed_tier] restore failed: %r", exc)
             return None, 0

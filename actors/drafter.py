@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, assert_never
 
 import msgspec
 
+from actors.messages import Wire
 from actors.runtime import Actor
 from engine.ports import Clock, Device
 
@@ -43,14 +44,14 @@ class Draft(msgspec.Struct, frozen=True, kw_only=True):
     gamma: int
 
 
-class DraftRound(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class DraftRound(Wire, frozen=True):
     """Scheduler → Drafter (ask), before a step with speculating rows; the reply
     is ``DraftedRound``."""
 
     drafts: list[Draft]
 
 
-class Forget(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Forget(Wire, frozen=True):
     """Scheduler → Drafter: these rows finished; free their context and cache."""
 
     rids: list[int]
@@ -64,7 +65,7 @@ class Drafted(msgspec.Struct, frozen=True, kw_only=True):
     tokens: list[int]  # at most gamma; empty when there is nothing to propose
 
 
-class DraftedRound(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class DraftedRound(Wire, frozen=True):
     """Drafter → Scheduler: the answer to ``DraftRound`` and the device seconds
     spent drafting (catch-up prefill excluded)."""
 

@@ -5,9 +5,10 @@ After a request completes and its prefix entry is in RAM, the Scheduler says
 (namespace + token sequence). When it fires while the engine is busy it
 re-arms (busy retry) instead of waiting: a background timer must never become
 a waiter that holds admission. When it fires while idle it asks the Scheduler
-to ``Snapshot`` the entry (a cheap clone, between steps), puts the clones on
-the bounded ``SpillQueue`` and its single writer hands them to the cold tier,
-whose tensor steps each wait for the engine to be idle. A key stays dirty
+to ``Snapshot`` the entry (between steps, in O(1): the answer is the entry's
+own cache object, not a copy, since nothing writes a stored entry), puts it on
+the bounded ``SpillQueue`` and its single writer hands it to the cold tier,
+whose tensor steps each wait for the engine to be idle (``IdleGate``). A key stays dirty
 until the cold tier reports the atomic rename + directory fsync done; a
 dropped or failed store stays dirty and is retried.
 
@@ -33,25 +34,22 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, assert_never
 
 import anyio
-import msgspec
 from anyio.abc import TaskGroup
 
-from actors.cold_tier import ColdTier
 from actors.durability_core import (
     DEADLINE_EPSILON_S,
     DurabilityCore,
     DurabilitySettings,
     FlushFinished,
     FlushReport,
-    RecState,
     TakeSnapshot,
     WriteItem,
 )
-from actors.events import EngineBusy, EngineIdle
+from actors.idle_gate import IdleGate
+from actors.messages import Handoff, Wire
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure, InboxFull
 from actors.scheduler import Settle, Snapshot
 from engine.errors import EngineDead
-from engine.kv.prompt_cache import token_bytes
 from engine.kv.spill_queue import SpillItem
 from engine.ports import LoopClock
 
@@ -61,19 +59,14 @@ __all__ = [
     "Completed",
     "Spill",
     "SnapshotTaken",
-    "StoreDone",
-    "Tick",
     "Settled",
     "Flush",
-    "DurabilityStats",
     "Inbox",
     "DurabilityCoordinator",
-    "IdleGate",
-    "ColdTierPort",
+    "SpillWriter",
     "DurabilityCore",
     "DurabilitySettings",
     "FlushReport",
-    "RecState",
 ]
 
 
@@ -81,7 +74,7 @@ __all__ = [
 # Messages the DurabilityCoordinator accepts.
 
 
-class Completed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Completed(Wire, frozen=True):
     """Scheduler → Durability: a finished row's prefix entry (exactly these
     tokens, in namespace ``ns``) was put in the RAM tier."""
 
@@ -89,10 +82,11 @@ class Completed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     tokens: list[int]
 
 
-class Spill(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """PromptCache (via the Scheduler) → Durability: an entry leaving RAM
-    (``kind`` = ``evict`` or ``demote``) hands over owned clones of its KV to be
-    written; the coordinator releases them on every path."""
+class Spill(Handoff, frozen=True):
+    """PromptCache (its spill hook, inside the Scheduler) → Durability: an entry
+    left RAM (``kind`` = ``evict`` or ``demote``) and hands over its cache —
+    the entry's own cache object, not a copy — to be written; the coordinator
+    releases it on every path. A hand-off: it carries a live cache."""
 
     ns: str
     tokens: list[int]
@@ -101,10 +95,12 @@ class Spill(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     kind: str = "evict"
 
 
-class SnapshotTaken(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Scheduler → Durability (the reply to ``Snapshot``): owned clones of the
-    RAM entry, or ``cache=None`` when the entry is gone (``error`` set when the
-    Scheduler could not be asked)."""
+class SnapshotTaken(Handoff, frozen=True):
+    """Durability's ``Snapshot`` ask → Durability (the answer, through the
+    inbox): the RAM entry's cache (the Scheduler's own object, not a copy:
+    nothing writes a stored entry), or ``cache=None`` when the entry is gone
+    (``error`` set when the Scheduler could not be asked). A hand-off: it
+    carries a live cache."""
 
     ns: str
     tokens: list[int]
@@ -113,74 +109,22 @@ class SnapshotTaken(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     error: str | None = None
 
 
-class StoreDone(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """ColdTier (via the writer) → Durability: spill item ``seq`` is durable on
-    SSD (``ok``: renamed and the directory fsynced) or its store failed."""
-
-    seq: int
-    ok: bool
-    error: str | None = None
-
-
-class Tick(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Durability's timer → Durability: a debounce or retry deadline passed."""
-
-
-class Settled(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Settled(Wire, frozen=True):
     """Durability's ``Settle`` ask → Durability: every row finished before the
     flush was asked has had its cache put (its ``Completed`` came first)."""
 
 
-class Flush(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Flush(Wire, frozen=True):
     """Caller → Durability (ask): make every dirty key durable now; the reply is
     a ``FlushReport`` (``durable`` says whether it worked). Idempotent: a flush
     asked while one runs joins it."""
 
 
-class DurabilityStats(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Caller → Durability (ask): the pending/dropped/failed counters."""
-
-
-Inbox = Completed | Spill | SnapshotTaken | StoreDone | Tick | Settled | Flush | DurabilityStats
+Inbox = Completed | Spill | SnapshotTaken | Settled | Flush
 
 
 # ---------------------------------------------------------------------------
 # The shell.
-
-
-class IdleGate:
-    """The per-tensor write gate: open only between ``EngineIdle`` and ``EngineBusy``.
-
-    Subscribed to the Scheduler directly (it quacks like an ``ActorRef``), so
-    it flips in the same instant the Scheduler publishes, before the
-    Scheduler's next GPU step starts; an event that first queued in an inbox
-    could let one tensor write slip into that step.
-    """
-
-    name = "idle-gate"
-
-    def __init__(self) -> None:
-        self.busy = False
-        self.busy_edges = 0  # idle → busy edges so far: unchanged and not busy = idle all along
-        self._idle = anyio.Event()
-        self._idle.set()
-
-    def tell_nowait(self, msg: EngineIdle | EngineBusy) -> None:
-        match msg:
-            case EngineBusy():
-                if not self.busy:
-                    self.busy = True
-                    self.busy_edges += 1
-                    self._idle = anyio.Event()
-            case EngineIdle():
-                self.busy = False
-                self._idle.set()
-            case _:
-                assert_never(msg)
-
-    async def wait_turn(self) -> None:
-        while self.busy:
-            await self._idle.wait()
 
 
 class SpillWriter(Protocol):
@@ -219,8 +163,8 @@ class DurabilityCoordinator(Actor[Inbox]):
         # One timer task for the actor's life, working toward ``_timer_due``
         # (the core's next deadline). A deadline that moves later is picked
         # up when the sleep toward the earlier one ends; only an earlier one
-        # interrupts it: most re-arms (~3 per request) cost nothing, where a
-        # cancelled task and a new one each were most of the timer's cost.
+        # interrupts it: most re-arms cost nothing, where a cancelled task and
+        # a new one each would cost a task (docs/sims.md, "One timer task").
         self._timer_due: float | None = None
         self._timer_scope: anyio.CancelScope | None = None  # the loop's sleep, while it sleeps
         self._timer_wake: anyio.Event | None = None  # set to wake it while it waits for a deadline
@@ -255,11 +199,6 @@ class DurabilityCoordinator(Actor[Inbox]):
                 if msg.cache is not None:
                     item = SpillItem(msg.ns, list(msg.tokens), msg.cache, msg.nbytes, kind="snapshot")
                 core.snapshot_taken(msg.ns, msg.tokens, item, msg.error)
-            case StoreDone():
-                core.store_done(msg.seq, msg.ok, msg.error)
-            case Tick():
-                self._timer_due = None
-                core.tick()
             case Flush():
                 # First settle with the Scheduler: a row whose last token the
                 # caller has seen may not have been put (and announced) yet.
@@ -269,13 +208,11 @@ class DurabilityCoordinator(Actor[Inbox]):
                     core.flush()  # joins the running flush
                 elif not self._settling:
                     self._settling = True
-                    self._tg.start_soon(self._settle)
+                    self._tg.start_soon(self._settle_with_scheduler)
                 return DEFER
             case Settled():
                 self._settling = False
                 core.flush()
-            case DurabilityStats():
-                return core.stats()
             case _:
                 assert_never(msg)
         return None
@@ -370,7 +307,7 @@ class DurabilityCoordinator(Actor[Inbox]):
         """``_timer`` on the asyncio loop it reads the time of: a bare loop
         timer at the instant ``clock.sleep`` would end (``call_later`` with the
         same delay) and one future, instead of a cancel scope and a sleep per
-        wait (an anyio scope's enter and exit were most of the timer's cost)."""
+        wait (docs/sims.md, "its timer is a bare ``call_later``")."""
         while self._running:
             due = self._timer_due
             handle = None
@@ -393,7 +330,7 @@ class DurabilityCoordinator(Actor[Inbox]):
         self._timer_due = None
         self.core.tick()
 
-    async def _settle(self) -> None:
+    async def _settle_with_scheduler(self) -> None:
         try:
             await self.scheduler.ask(Settle(), nowait=True)
         except Exception as exc:  # noqa: BLE001 - a stopped Scheduler has nothing left to put
@@ -412,9 +349,9 @@ class DurabilityCoordinator(Actor[Inbox]):
         await self._tell_self(msg)
 
     async def _writer(self) -> None:
-        """Write the items ``WriteItem`` hands over, one at a time, in order:
-        a task spawned per item through the task group cost more than the
-        write's own bookkeeping. An item handed over while the one before is
+        """Write the items ``WriteItem`` hands over, one at a time, in order,
+        on one task for the actor's life rather than a task per item
+        (docs/sims.md, "one writer task"). An item handed over while the one before is
         finishing (the core pumps the next at its ``store_done``) starts at
         once; otherwise the writer waits on a bare future."""
         loop = asyncio.get_running_loop()
@@ -492,55 +429,3 @@ class DurabilityCoordinator(Actor[Inbox]):
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-# ---------------------------------------------------------------------------
-# The cold tier as the coordinator sees it (ember.assemble wires them).
-
-
-class ColdTierPort:
-    """The ColdTier actor as the coordinator uses it: its in-memory index
-    (``ColdIndex``, read synchronously on the loop like the Scheduler's own
-    lookups) and its ``store_now`` (a ``Store`` ask, or the same write on
-    the caller's task when the tier's writer is idle: ``SpillWriter``)."""
-
-    def __init__(self, tier: ColdTier):
-        self.tier = tier
-        self._keys: dict[int, list[Any]] = {}  # id(tokens) -> [tokens, key, ns, store.adds when last not held]
-
-    def holds(self, tokens: list[int], ns: str) -> bool:
-        # The core asks ~30 times per request about the same few records, and
-        # their token lists never change (it copies them at creation): their
-        # index keys are kept by list identity (the list is held, so its id
-        # cannot be reused) instead of being rebuilt from thousands of ints.
-        # Only a newly indexed entry can make a key held (evictions only take
-        # away), so a "no" stands until the store has indexed another entry.
-        hit = self._keys.get(id(tokens))
-        if hit is None or hit[0] is not tokens:
-            if len(self._keys) >= 4096:
-                del self._keys[next(iter(self._keys))]
-            hit = self._keys[id(tokens)] = [tokens, token_bytes(tokens), None, -1]
-        store = self.tier.store
-        if hit[2] == ns and hit[3] >= 0:
-            if hit[3] == store.adds:
-                return False
-            # Only an entry indexed since the "no" can cover the key now: if none
-            # of those does (an entry that is gone covers nothing either), the
-            # "no" stands without a lookup in the index.
-            new = store.added_since(hit[3])
-            if new is not None:
-                key = hit[1]
-                if not any(n == ns and (k.startswith(key) if trim else k == key) for n, k, trim in new):
-                    hit[3] = store.adds
-                    return False
-        if store.holds_key(hit[1], ns):
-            return True
-        hit[2], hit[3] = ns, store.adds
-        return False
-
-    def summary(self) -> tuple[int, int]:
-        store = self.tier.store
-        return len(store), store.longest_entry()
-
-    async def store(self, ns: str, tokens: list[int], cache: Any, wait_turn: Callable[[], Awaitable[None]]) -> bool:
-        return bool(await self.tier.store_now(list(tokens), ns, cache, wait_turn))

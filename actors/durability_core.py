@@ -1,17 +1,14 @@
-"""The DurabilityCoordinator's logic, with no awaits: per-key records, timers
-as deadlines, the spill queue, the flush. ``actors.durability`` is the actor
-that feeds it messages and carries out the effects it returns; tests drive
-this class by hand with a manual clock.
+"""The DurabilityCoordinator's logic, with no awaits: per-key records
+(``actors.durability_record``), timers as deadlines, the spill queue, the
+flush. ``actors.durability`` is the actor that feeds it messages and carries
+out the effects it returns; tests drive this class by hand with a manual clock.
 
-A key is a namespace plus the exact token sequence of a RAM entry, so two
-conversations of the same length never cancel each other. A key stays dirty
-until the cold tier says its file is durable (renamed, folder fsynced); a
-dropped or failed store stays dirty and is retried.
+A key stays dirty until the cold tier says its file is durable (renamed,
+folder fsynced); a dropped or failed store stays dirty and is retried.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,10 +16,11 @@ from typing import Any, Protocol
 
 import msgspec
 
+from actors.durability_record import ATTEMPTABLE, IN_FLIGHT, Key, Record, RecState
 from engine.eventlog import EventLog
-from engine.kv.prompt_cache import token_bytes
-from engine.kv.spill_queue import GIB, ItemState, SpillItem, SpillQueue
+from engine.kv.spill_queue import ItemState, SpillItem, SpillQueue
 from engine.ports import Clock
+from engine.units import GIB
 
 log = logging.getLogger("ember.durability")
 
@@ -44,7 +42,7 @@ class FlushReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # ---------------------------------------------------------------------------
-# Settings (config + environment, read once when the engine is built: ember.assemble.settings_from).
+# Settings (config + environment, read once when the engine is built).
 
 
 class DurabilitySettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,90 +53,7 @@ class DurabilitySettings(msgspec.Struct, frozen=True, kw_only=True):
     shutdown_timeout_s: float = 120.0
 
 
-# ---------------------------------------------------------------------------
-# Per-key record: an enum plus a transition table; an illegal move raises.
-
-
-class RecState(enum.Enum):
-    ARMED = "armed"  # debounce timer running
-    BUSY_REARMED = "busy_rearmed"  # the timer fired while busy; retry timer running
-    SNAPSHOTTING = "snapshotting"  # Snapshot asked of the Scheduler
-    QUEUED = "queued"  # clones on the spill queue
-    STORING = "storing"  # the cold tier is writing it
-    FAILED = "failed"  # dropped or store failed: dirty, retryable
-    COVERED = "covered"  # superseded in RAM by a longer entry whose record is still dirty
-    DURABLE = "durable"  # on SSD (renamed + dir fsynced): the record retires
-    MISSING = "missing"  # gone from RAM and not on SSD: the record retires
-
-
-_ATTEMPTABLE = frozenset({RecState.ARMED, RecState.BUSY_REARMED, RecState.FAILED})
-_IN_FLIGHT = frozenset({RecState.SNAPSHOTTING, RecState.QUEUED, RecState.STORING})
-
-REC_TRANSITIONS: dict[RecState, frozenset[RecState]] = {
-    # a spill of the same entry (eviction) can carry a dirty key straight to the queue
-    RecState.ARMED: frozenset(
-        {RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}
-    ),
-    RecState.BUSY_REARMED: frozenset(
-        {RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}
-    ),
-    RecState.FAILED: frozenset(
-        {RecState.ARMED, RecState.BUSY_REARMED, RecState.SNAPSHOTTING, RecState.QUEUED, RecState.DURABLE}
-    ),
-    RecState.SNAPSHOTTING: frozenset(
-        {RecState.QUEUED, RecState.STORING, RecState.DURABLE, RecState.MISSING, RecState.FAILED, RecState.COVERED}
-    ),
-    # the longer entry, once durable, serves this prefix by trimming (RAM only supersedes for trimmable ones)
-    RecState.COVERED: frozenset({RecState.ARMED, RecState.DURABLE, RecState.MISSING}),
-    RecState.QUEUED: frozenset({RecState.STORING, RecState.FAILED}),
-    RecState.STORING: frozenset({RecState.DURABLE, RecState.FAILED}),
-    RecState.DURABLE: frozenset(),
-    RecState.MISSING: frozenset(),
-}
-
-
-class IllegalTransition(RuntimeError):
-    pass
-
-
-Key = tuple[str, tuple[int, ...]]
-
 DEADLINE_EPSILON_S = 1e-9  # deadlines this close count as reached (float sums of the clock)
-
-
-@dataclass(eq=False, slots=True)
-class Record:
-    ns: str
-    tokens: list[int]
-    seq: int
-    state: RecState = RecState.ARMED
-    due: float | None = None
-    item: SpillItem | None = None
-    attempts: int = 0
-    _key: Key | None = None
-    _kb: bytes | None = None
-
-    @property
-    def key(self) -> Key:
-        # cached: looked up many times per record, and ``tokens`` never changes
-        if self._key is None:
-            self._key = (self.ns, tuple(self.tokens))
-        return self._key
-
-    @property
-    def token_bytes(self) -> bytes:
-        """``tokens`` as int64 bytes (cached): one list starts with another
-        exactly when its bytes do, compared in C without slicing a list."""
-        if self._kb is None:
-            self._kb = token_bytes(self.tokens)
-        return self._kb
-
-    def move(self, to: RecState) -> None:
-        if to not in REC_TRANSITIONS[self.state]:
-            raise IllegalTransition(
-                f"durability record {self.seq} ({len(self.tokens)} tokens): {self.state.value} -> {to.value}"
-            )
-        self.state = to
 
 
 # ---------------------------------------------------------------------------
@@ -224,7 +139,7 @@ class DurabilityCore:
             return
         key = (ns, tuple(tokens))
         rec = self.records.get(key)
-        if rec is not None and rec.state in _IN_FLIGHT:
+        if rec is not None and rec.state in IN_FLIGHT:
             return  # the same key holds the same KV: the write in progress covers it
         if rec is None:
             self._seq += 1
@@ -238,26 +153,25 @@ class DurabilityCore:
         self._advance_flush()
 
     def spill(self, item: SpillItem) -> None:
-        """An entry left RAM with owned clones: queue them (and let a dirty record
-        of the same key ride on them instead of snapshotting a vanished entry).
+        """An entry left RAM and handed over its cache: queue it (and let a dirty
+        record of the same key ride on it instead of snapshotting a vanished entry).
 
         An entry the SSD already covers (a durable file of exactly its tokens,
         or a longer trimmable one: the same KV for these tokens) is not written
-        again: its clones are released at once and a dirty record of its key
-        retires durable. Most RAM evictions are of entries write-behind stored
-        when their request finished (80% in the chat simulation), and the
-        rewrite of an identical file was a third of all SSD writes."""
+        again: its reference is released at once and a dirty record of its key
+        retires durable. Most RAM evictions are of entries write-behind already
+        stored (how many, and the writes this saves: docs/durability.md)."""
         if self.cold.holds(item.tokens, item.ns):
             item.free()
             self.counters["spills_on_ssd"] += 1
             rec = self.records.get(item.key)
-            if rec is not None and rec.state in _ATTEMPTABLE:
+            if rec is not None and rec.state in ATTEMPTABLE:
                 self._retire(rec, RecState.DURABLE)
             self._advance_flush()
             return
         dropped = self.queue.push(item)
         rec = self.records.get(item.key)
-        if rec is not None and rec.state in _ATTEMPTABLE and item.state is ItemState.QUEUED:
+        if rec is not None and rec.state in ATTEMPTABLE and item.state is ItemState.QUEUED:
             rec.move(RecState.QUEUED)
             rec.due, rec.item = None, item
         self._dropped(dropped)
@@ -276,8 +190,9 @@ class DurabilityCore:
         self._advance_flush()
 
     def snapshot_taken(self, ns: str, tokens: list[int], item: SpillItem | None, error: str | None = None) -> None:
-        """The Scheduler answered a Snapshot: ``item`` holds the clones, if any
-        (``error``: it could not be asked)."""
+        """The Scheduler answered a Snapshot: ``item`` holds the entry's cache
+        (the RAM entry's own object, not a copy), if any (``error``: it could
+        not be asked)."""
         rec = self.records.get((ns, tuple(tokens)))
         if rec is None or rec.state is not RecState.SNAPSHOTTING:
             if item is not None:  # nobody wants it any more
@@ -315,7 +230,7 @@ class DurabilityCore:
         item = self.queue.in_flight
         if item is None or item.seq != seq:
             return  # the queue was closed while it was being written
-        self.queue.settle(item, ok)
+        self.queue.finish(item, ok)
         self.record("write_done", seq=item.seq, ok=ok)
         if not ok:
             log.warning("[durability] store failed tokens=%d kind=%s error=%s", len(item.tokens), item.kind, error)
@@ -347,10 +262,10 @@ class DurabilityCore:
     def _advance_flush(self) -> None:
         run = self._flush
         while run is not None:
-            if not self.queue.drained or any(r.state in _IN_FLIGHT for r in self.records.values()):
+            if not self.queue.drained or any(r.state in IN_FLIGHT for r in self.records.values()):
                 return  # wait for what is in flight: one key at a time
             nxt = next(
-                (r for r in self.records.values() if r.state in _ATTEMPTABLE and r.key not in run.attempted), None
+                (r for r in self.records.values() if r.state in ATTEMPTABLE and r.key not in run.attempted), None
             )
             if nxt is not None:
                 run.attempted.add(nxt.key)
@@ -367,7 +282,7 @@ class DurabilityCore:
         self._flush = None
         now = self.clock.now()
         for rec in self.records.values():  # still dirty: back to retrying in the background
-            if rec.state in _ATTEMPTABLE:
+            if rec.state in ATTEMPTABLE:
                 rec.due = now + self.settings.busy_retry_s
         q = self.queue
         entries, longest = self.cold.summary()
@@ -434,17 +349,17 @@ class DurabilityCore:
                 self._flush.flushed += 1
             else:
                 self._flush.missing += 1
-        self._settle(rec.ns)
+        self._sweep_after_retire(rec.ns)
 
-    def _settle(self, ns: str) -> None:
+    def _sweep_after_retire(self, ns: str) -> None:
         """After a key of ``ns`` retires: waiting keys the SSD now covers are
         durable without a write of their own, and covered keys left with no
         dirty longer record are missing."""
         for other in [
-            r for r in self.records.values() if r.ns == ns and (r.state in _ATTEMPTABLE or r.state is RecState.COVERED)
+            r for r in self.records.values() if r.ns == ns and (r.state in ATTEMPTABLE or r.state is RecState.COVERED)
         ]:
             if other.state is RecState.DURABLE or other.state is RecState.MISSING:
-                continue  # retired by a nested settle (``_retire`` is the only way out of ``records``;
+                continue  # retired by a nested sweep (``_retire`` is the only way out of ``records``;
                 # a state test, not a lookup that hashes a tuple of every token)
             if self.cold.holds(other.tokens, ns):
                 self._retire(other, RecState.DURABLE)

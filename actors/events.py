@@ -2,25 +2,22 @@
 
 "Idle" is an event, not a poll: anything that must not compete with serving
 (tensor writes, idle demotion) advances only between an ``EngineIdle`` and the
-next ``EngineBusy``. Subscribers (ColdTier, DurabilityCoordinator, …) accept
-these in their own inbox unions.
+next ``EngineBusy``. Subscribers (the ColdTier in its inbox union, the durability
+coordinator's ``IdleGate`` directly) accept them.
 """
 
 from __future__ import annotations
 
-import msgspec
+from actors.messages import Wire
 
 
-class EngineBusy(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class EngineBusy(Wire, frozen=True):
     """Scheduler → subscribers: the first work arrived after an idle period."""
 
     at: float
 
 
-class EngineIdle(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class EngineIdle(Wire, frozen=True):
     """Scheduler → subscribers: the last row left and nothing is queued."""
 
     at: float
-
-
-IdleBusy = EngineBusy | EngineIdle

@@ -17,10 +17,11 @@ import anyio
 import msgspec
 
 from actors.channel import ChannelReceiver, ChannelSender, channel
+from actors.messages import Handoff, Wire
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
 from actors.scheduler import Abort, Admit, RowDelta
 from engine.errors import EngineDead, EngineDraining, EngineOverloaded, InvalidRequest, RequestFailed
-from engine.logits_params import check_logits_params
+from engine.limits import check_limits
 from engine.ports import ModelInfo
 from engine.types import Delta, SamplingParams
 
@@ -31,28 +32,29 @@ log = logging.getLogger("ember.gateway")
 # Messages the Gateway accepts.
 
 
-class Submit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Submit(Handoff, frozen=True):
     """Caller → Gateway (ask): admit a request; the reply is ``(rid, stream)``
-    or an error (``InvalidRequest``, ``EngineOverloaded``, ``EngineDraining``)."""
+    or an error (``InvalidRequest``, ``EngineOverloaded``, ``EngineDraining``).
+    A hand-off: its answer is a live stream."""
 
     tokens: list[int]
     params: SamplingParams
     ns: str = ""
 
 
-class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Cancel(Wire, frozen=True):
     """Caller → Gateway: the caller stopped reading ``rid``'s stream."""
 
     rid: int
 
 
-class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class StepOutput(Wire, frozen=True):
     """Scheduler → Gateway: the deltas one step produced, for routing."""
 
     deltas: list[RowDelta]
 
 
-class Drain(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Drain(Wire, frozen=True):
     """Engine → Gateway (ask): stop admitting; reply once no request is in flight."""
 
 
@@ -100,33 +102,7 @@ class Gateway(Actor[Inbox]):
         return self.cfg.max_batch + self.cfg.max_queue
 
     def validate(self, msg: Submit) -> None:
-        if not msg.tokens:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        p = msg.params
-        if p.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
-        if len(msg.tokens) + p.max_tokens > self.info.context_length:
-            raise InvalidRequest(
-                f"prompt ({len(msg.tokens)} tokens) plus max_tokens ({p.max_tokens}) exceeds "
-                f"the model's context of {self.info.context_length} tokens",
-                "max_tokens" if len(msg.tokens) < self.info.context_length else "prompt",
-            )
-        # in C (map, min, max) rather than a generator: prompts are thousands of tokens
-        if not set(map(type, msg.tokens)) <= {int} or min(msg.tokens) < 0 or max(msg.tokens) >= self.info.vocab_size:
-            raise InvalidRequest("a prompt token id is outside the vocabulary", "prompt")
-        if p.temperature < 0 or not math.isfinite(p.temperature):
-            raise InvalidRequest("temperature must be a finite number >= 0", "temperature")
-        if not (0.0 < p.top_p <= 1.0):
-            raise InvalidRequest("top_p must be in (0, 1]", "top_p")
-        if p.top_k < 0:
-            raise InvalidRequest("top_k must be >= 0", "top_k")
-        if not (0.0 <= p.min_p <= 1.0):
-            raise InvalidRequest("min_p must be in [0, 1]", "min_p")
-        if p.seed is not None and not (0 <= p.seed < 2**64):
-            # numpy and MLX both refuse other seeds, and inside a GPU step that
-            # error would take the whole engine down.
-            raise InvalidRequest("seed must be in [0, 2**64)", "seed")
-        check_logits_params(p, self.info)
+        check_limits(msg.tokens, msg.params, self.info)
 
     async def receive(self, msg: Inbox) -> Any:
         match msg:

@@ -24,12 +24,14 @@ import msgspec
 from actors.drafter import DraftRound
 from actors.drafter import Forget as DrafterForget
 from actors.events import EngineBusy, EngineIdle
+from actors.messages import Handoff, Wire
 from actors.runtime import Actor, ActorRef, Envelope, Failure
 from actors.timers import Watchdog
 from actors.verifier import Forget as VerifierForget
 from engine.errors import EngineDead
 from engine.ports import Device, StepPlan, StepResult
 from engine.textstream import StopMatcher
+from engine.transitions import IllegalTransition
 from engine.types import SamplingParams, TokenLogprob, Usage
 
 if TYPE_CHECKING:
@@ -42,7 +44,7 @@ log = logging.getLogger("ember.scheduler")
 # Messages the Scheduler accepts.
 
 
-class Admit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Admit(Wire, frozen=True):
     """Gateway → Scheduler: a validated request joins the queue (sent with
     ``tell_nowait``; the Gateway has already applied the queue bound)."""
 
@@ -52,43 +54,44 @@ class Admit(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     ns: str = ""
 
 
-class Abort(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Abort(Wire, frozen=True):
     """Gateway → Scheduler: the caller went away; the row leaves at the next step."""
 
     rid: int
     reason: str = "abort"
 
 
-class Restored(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Restored(Handoff, frozen=True):
     """ColdTier → Scheduler: the SSD restore asked for row ``rid`` is done.
     ``cache`` is a private cache trimmed to ``cached`` tokens, or None on a miss
-    (the row then opens with its RAM candidate, or cold). ``cache`` is a live
-    GPU object, so this message is the one that is not encodable."""
+    (the row then opens with its RAM candidate, or cold). A hand-off: ``cache``
+    is a live GPU object."""
 
     rid: int
     cache: Any = None
     cached: int = 0
 
 
-class Demote(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Demote(Wire, frozen=True):
     """ColdTier → Scheduler: the engine is idle; spill RAM entries unused for
     ``idle_s`` to the cold tier. Ignored if work arrived meanwhile."""
 
     idle_s: float
 
 
-class Snapshot(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Snapshot(Handoff, frozen=True):
     """Durability → Scheduler (ask, sent nowait): the RAM entry holding exactly
     ``tokens`` in ``ns``, between steps, in O(1). The reply is ``(cache,
     nbytes)`` — the entry's cache itself, which nothing writes after it was
     stored, for the SSD writer to read — or None when the entry is gone. It
-    never holds admission: nothing is copied and nothing waits for idle."""
+    never holds admission: nothing is copied and nothing waits for idle. A
+    hand-off: its answer is a live cache."""
 
     ns: str
     tokens: list[int]
 
 
-class Settle(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Settle(Wire, frozen=True):
     """Durability → Scheduler (ask, sent nowait): answered once every row that
     has finished so far has had its cache put in the RAM tier — so its
     ``Completed`` is already in the coordinator's inbox. A flush starts with
@@ -118,10 +121,6 @@ ROW_TRANSITIONS: dict[RowState, frozenset[RowState]] = {
     RowState.DECODE: frozenset({RowState.FINISHED}),
     RowState.FINISHED: frozenset(),
 }
-
-
-class IllegalTransition(RuntimeError):
-    pass
 
 
 class RowDelta(msgspec.Struct, frozen=True, kw_only=True):

@@ -40,6 +40,7 @@ from typing import Any, assert_never
 
 import msgspec
 
+from actors.messages import Wire
 from actors.runtime import Actor
 from engine.spec.policy import GammaPolicy, RowPolicy, SpecCounters
 
@@ -72,7 +73,7 @@ class StepCost(msgspec.Struct, frozen=True, kw_only=True):
     draft_s: float = 0.0
 
 
-class Verify(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Verify(Wire, frozen=True):
     """Scheduler → Verifier (ask), after a step in which a row fed drafts or a
     row's hold ran out: judge each window, and take the step costs measured
     since the last Verify (adaptive γ weighs them)."""
@@ -84,7 +85,7 @@ class Verify(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     catch_up_tokens: int = 0
 
 
-class Forget(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Forget(Wire, frozen=True):
     """Scheduler → Verifier: these rows finished; drop their policy state."""
 
     rids: list[int]
@@ -102,7 +103,7 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     fallback: bool = False  # the backend refused the window: plain decode from now on
 
 
-class Verified(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class Verified(Wire, frozen=True):
     """Verifier → Scheduler: the answer to ``Verify``, one verdict per window."""
 
     verdicts: list[Verdict]

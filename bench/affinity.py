@@ -31,7 +31,8 @@ import anyio
 import httpx
 
 from sims.gen import Text, _finish
-from sims.replay import Replayer, summarize
+from sims.replay import Replayer
+from sims.replay_report import summarize
 from sims.replicas import Cluster
 from sims.trace import Header, Request, Trace
 

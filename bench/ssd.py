@@ -68,7 +68,7 @@ async def _decode_rate(engine: Engine, tokens: list[int], n: int) -> tuple[float
     return (c1 - c0) / (t1 - t0), (cpu1 - cpu0) * 1000.0 / (c1 - c0)
 
 
-async def _settled(engine: Engine, puts: int = 1) -> None:
+async def _wait_for_puts(engine: Engine, puts: int = 1) -> None:
     """Wait until the finished row's cache is in the RAM tier. The put happens
     at the step that closes the row, after its last delta reached us, so a
     flush issued at once can miss it (reported to the durability owner)."""
@@ -95,7 +95,7 @@ async def restart_ttft(args: argparse.Namespace) -> dict[str, Any]:
                 t, c = await _ttft(engine, prompt)
                 assert c == 0, f"cold run hit a cache ({c} tokens)"
                 cold.append(t)
-                await _settled(engine)
+                await _wait_for_puts(engine)
                 report = await engine.aflush()
                 assert report.durable, f"flush not durable: {report}"
             async with Engine.open(_config(args, d)) as engine:  # the restart
@@ -120,7 +120,7 @@ async def _decode_arm(args: argparse.Namespace, tier_on: bool, r: int) -> tuple[
             vocab = engine.info.vocab_size
             await _decode_rate(engine, _prompt(16, vocab, seed=3000 + r), 16)  # warm-up
             await _ttft(engine, _prompt(args.writebehind_tokens, vocab, seed=1000 + r))
-            await _settled(engine, 2)
+            await _wait_for_puts(engine, 2)
             before = engine.stats()["ssd_cache"]["spills"] if tier_on else 0
             tps, cpu_ms = await _decode_rate(engine, _prompt(32, vocab, seed=2000 + r), args.decode_tokens)
             during = (engine.stats()["ssd_cache"]["spills"] - before) if tier_on else 0

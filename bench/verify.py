@@ -23,7 +23,7 @@ import time
 import anyio
 import xxhash
 
-from bench.ssd import _prompt, _settled, _ttft
+from bench.ssd import _prompt, _ttft, _wait_for_puts
 from ember.api import Engine
 from engine.config import EngineConfig
 from engine.kv import kvfile
@@ -61,7 +61,7 @@ async def main(args: argparse.Namespace) -> None:
         async with Engine.open(_cfg(args, d, True)) as engine:
             prompt = _prompt(args.prompt_tokens, engine.info.vocab_size, seed=0)
             cold, _ = await _ttft(engine, prompt)
-            await _settled(engine)
+            await _wait_for_puts(engine)
             assert (await engine.aflush()).durable
         rates = _hash_rates(d)
         ttft: dict[bool, list[float]] = {True: [], False: []}

@@ -14,7 +14,6 @@ from ember.assemble import Parts, assemble, fake_backend, load_ports, preload_ml
 from ember.errors import InboxFull
 from engine.config import EngineConfig, FakeGPUConfig  # the fake GPU's settings, not its backend
 from engine.errors import (
-    EngineBusy,
     EngineDead,
     EngineDraining,
     EngineError,
@@ -29,7 +28,6 @@ __all__ = [
     "Completion",
     "Delta",
     "Engine",
-    "EngineBusy",
     "EngineConfig",
     "EngineDead",
     "EngineDraining",

@@ -25,17 +25,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from actors.cold_tier import ColdStore, ColdTier
-from actors.durability import ColdTierPort, Completed, DurabilityCoordinator, IdleGate, Spill
+from actors.cold_tier import ColdTier, ColdTierPort
+from actors.durability import Completed, DurabilityCoordinator, Spill
 from actors.durability_core import DurabilityCore, DurabilitySettings
 from actors.gateway import Gateway, GatewayConfig, StepOutput
+from actors.idle_gate import IdleGate
 from actors.runtime import Actor
 from actors.scheduler import RowDelta, Scheduler, Snapshot
 from actors.scheduler_core import SchedulerConfig, SchedulerCore
 from ember.spec_build import Speculation, build_speculation
 from engine.config import EngineConfig, FakeGPUConfig
 from engine.eventlog import EventLog
-from engine.kv.spill_queue import GIB
+from engine.kv.cold_store import ColdStore
 from engine.ports import (
     Backend,
     Clock,
@@ -47,6 +48,7 @@ from engine.ports import (
     run_in_thread,
     run_inline,
 )
+from engine.units import GIB
 
 log = logging.getLogger("ember.engine")
 
@@ -194,7 +196,7 @@ def assemble(config: EngineConfig, ports: Ports) -> Parts:
 
         prefix_cache = PromptCache(
             backend,
-            int(config.prompt_cache_gib * (1 << 30)),
+            int(config.prompt_cache_gib * GIB),
             now=clock.now,
             on_spill=on_spill if durable else None,
             on_put=on_put if durable and settings.writebehind else None,
@@ -281,7 +283,7 @@ def _cold_tier(config: EngineConfig, ports: Ports, scheduler: Scheduler) -> Cold
         model_id=info.model_id,
         config_fingerprint=info.config_fingerprint,
         tokenizer_hash=info.tokenizer_hash,
-        max_bytes=int(config.ssd_cache_max_gib * (1 << 30)),
+        max_bytes=int(config.ssd_cache_max_gib * GIB),
         verify=config.ssd_cache_verify,
         max_tokens=info.context_length,
     )
@@ -293,7 +295,6 @@ def _cold_tier(config: EngineConfig, ports: Ports, scheduler: Scheduler) -> Cold
         io=ports.io or run_in_thread,
         scheduler=scheduler.ref,
         demote_idle_s=300.0 if config.ssd_demote_idle_s is None else config.ssd_demote_idle_s,
-        spill_queue_bytes=int(config.spill_queue_gib * (1 << 30)),
         wall=ports.wall,
     )
     scheduler.subscribe(cold.ref)

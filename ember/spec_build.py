@@ -30,7 +30,7 @@ from actors.drafter_cores import DrafterCore, ModelDrafterCore, NgramDrafterCore
 from actors.spec_rounds import SpecRounds
 from actors.verifier import Verifier, VerifierCore
 from engine.errors import InvalidRequest
-from engine.spec.policy import FIXED_GAMMA_MAX, GammaPolicy
+from engine.spec.policy import GammaPolicy
 from engine.types import SamplingParams
 
 log = logging.getLogger("ember.speculation")
@@ -56,10 +56,9 @@ class Speculation:
 
 
 def check_request(params: SamplingParams, spec: Speculation | None) -> None:
-    """Refuse speculation settings the engine cannot honour."""
+    """Refuse speculation settings this engine cannot honour (the ranges are
+    checked with every other parameter, by ``engine.limits.check_limits``)."""
     n = params.num_draft_tokens
-    if n is not None and not 0 <= n <= FIXED_GAMMA_MAX:
-        raise InvalidRequest(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}", "num_draft_tokens")
     if spec is None and (params.speculate or (n is not None and n > 0)):
         raise InvalidRequest(
             "speculative decoding was asked for, but this engine has no drafter "

@@ -22,10 +22,6 @@ class EngineDraining(EngineError):
     """The engine is shutting down and admits nothing new (HTTP 503)."""
 
 
-class EngineBusy(EngineError):
-    """An idle-only operation was asked for while requests are running."""
-
-
 class InvalidRequest(EngineError):
     """The request itself is malformed (HTTP 400); ``param`` names the field."""
 

@@ -6,6 +6,8 @@ from typing import Literal
 
 import msgspec
 
+from engine.limits import DEFAULT_MAX_TOKENS
+
 
 class Constraint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A grammar the output must match, enforced by masking logits per row.
@@ -35,7 +37,7 @@ GREEDY_TEMPERATURE = 1e-5
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-request generation settings (greedy when ``temperature < GREEDY_TEMPERATURE``)."""
 
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

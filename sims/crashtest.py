@@ -118,7 +118,7 @@ class FakeOracle:
     """The fake GPU's cache-free continuation (``engine.fake.gpu.expected_tokens``)."""
 
     def __init__(self) -> None:
-        from engine.fake.gpu import ByteTokenizer
+        from engine.fake.tokenizer import ByteTokenizer
 
         self.tok = ByteTokenizer()
 

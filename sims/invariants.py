@@ -1,6 +1,9 @@
 """Invariant checkers: each watches the event log (``EventLog.listeners``) of a
 simulation and reports findings; none of them changes what it watches.
 
+(~510 lines on purpose: one module holds every checker, numbered as the
+properties at the end of PROTOCOLS.md, so the checks read in the doc's order.)
+
 The properties are the ones at the end of PROTOCOLS.md. A checker whose
 component is absent from the engine (no SSD tier, no durability actor yet)
 says so instead of passing silently: the summary lists which checkers ran.
@@ -13,16 +16,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engine.fake.gpu import (
-    ByteTokenizer,
-    FakeGPUConfig,
-    _advance,
-    _initial_hash,
-    advance_all,
-    fake_logits,
-    greedy_token,
-    sample_token,
-)
+from engine.fake.gpu import FakeGPUConfig
+from engine.fake.logits import _advance, _initial_hash, advance_all, fake_logits, greedy_token
+from engine.fake.sampling import sample_token
+from engine.fake.tokenizer import ByteTokenizer
 from engine.types import SamplingParams
 
 if TYPE_CHECKING:

@@ -13,11 +13,9 @@ from typing import Any
 
 from ember import FakeGPUConfig
 from engine.config import EngineConfig
+from engine.units import GIB, MIB
 from sims import gen
 from sims.trace import Trace
-
-MIB = 1 << 20
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)

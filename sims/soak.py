@@ -36,7 +36,7 @@ import urllib.request
 
 import httpx
 
-MIB = 1 << 20
+from engine.units import MIB
 
 
 def rss_bytes(pid: int) -> int:

@@ -243,7 +243,7 @@ async def messages(request: Request, host: Any) -> Response:
     setup = req.tool_setup()
     prompt = await host.chat_prompt(engine, req.template_messages(), setup)
     params = chat_turn.tool_params(engine, req.sampling_params(engine.info.vocab_size), setup)
-    stream = await chat_turn.submit(engine, prompt, params, "tool_choice")
+    stream = await chat_turn.submit(engine, prompt, params, req.param_names())
     renderer = MessagesRenderer(
         model, len(prompt), chat_turn.splitter(engine, setup, "toolu_"), engine.tokenizer, params.stop
     )

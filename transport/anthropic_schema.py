@@ -17,7 +17,6 @@ import msgspec
 
 from engine.errors import InvalidRequest
 from engine.types import SamplingParams
-from transport.openai_schema import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from transport.tools import ToolChoice, ToolSetup, check_tool
 
 
@@ -165,16 +164,10 @@ class MessagesRequest(_Prompt, kw_only=True):
     metadata: Metadata | None = None
     service_tier: str | None = None
 
-    def check(self) -> MessagesRequest:
-        super().check()
-        stops = self.stop_sequences or []
-        if len(stops) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop sequences", "stop_sequences")
-        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise InvalidRequest(f"a stop sequence must have 1 to {MAX_STOP_CHARS} characters", "stop_sequences")
-        if self.temperature is not None and not 0 <= self.temperature <= 1:
-            raise InvalidRequest("temperature must be in [0, 1]", "temperature")
-        return self
+    def param_names(self) -> dict[str, str]:
+        """The engine's names for fields this API spells differently (the ranges
+        are the engine's, ``engine.limits``, checked once for every API)."""
+        return {"stop": "stop_sequences", "constraint": "tool_choice"}
 
     def sampling_params(self, vocab_size: int) -> SamplingParams:
         d = SamplingParams()

@@ -125,14 +125,15 @@ def splitter(engine: Any, setup: ToolSetup, id_prefix: str = "call_") -> CallSpl
     return CallSplitter(markup_of(engine.tokenizer), names, single=single, id_prefix=id_prefix)
 
 
-async def submit(engine: Any, prompt: list[int], params: SamplingParams, constraint_param: str | None) -> Any:
-    """``engine.asubmit``; a grammar the engine cannot compile is reported on the
-    request's own parameter (``tool_choice``, ``text.format``), not ``constraint``."""
+async def submit(engine: Any, prompt: list[int], params: SamplingParams, param_names: dict[str, str]) -> Any:
+    """``engine.asubmit``; an engine error is reported on the request's own
+    parameter (``param_names``: ``constraint`` -> ``tool_choice``,
+    ``max_tokens`` -> ``max_output_tokens``…), not on the engine's name."""
     try:
         return await engine.asubmit(prompt, params)
     except InvalidRequest as exc:
-        if exc.param == "constraint" and constraint_param is not None:
-            raise InvalidRequest(str(exc), constraint_param) from None
+        if exc.param in param_names:
+            raise InvalidRequest(str(exc), param_names[exc.param]) from None
         raise
 
 

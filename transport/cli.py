@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from engine.errors import EngineError, InvalidRequest
+from engine.limits import DEFAULT_MAX_TOKENS
 from engine.mlx.blas import maybe_reexec_with_openblas
 
 log = logging.getLogger("ember.cli")
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream one completion to stdout")
     _engine_flags(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)
     g.set_defaults(run=generate, parser=g)

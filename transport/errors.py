@@ -24,7 +24,7 @@ from ember.errors import (
     InvalidRequest,
     RequestFailed,
 )
-from transport.openai_schema import ErrorBody, ErrorDetail
+from transport.openai_bodies import ErrorBody, ErrorDetail
 
 
 class ApiError(Exception):

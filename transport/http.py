@@ -32,20 +32,21 @@ from starlette.routing import Route
 from ember import Completion, Engine, Ports, RequestStream, load_ports
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest
+from engine.limits import DEFAULT_MAX_TOKENS
 from transport import chat_turn
 from transport.choices import ChoiceStream, submit_choices
 from transport.errors import ApiError, error_body, from_engine_error
 from transport.gateway_compat import ExtensionCounter, request_type
 from transport.gateway_compat import routes as gateway_routes
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
-from transport.openai_schema import ModelCard, ModelList, decode_request
+from transport.openai_bodies import ModelCard, ModelList
+from transport.openai_schema import decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.security import SecurityMiddleware
 from transport.sse import Disconnect, EventStream
 
 log = logging.getLogger("ember.http")
 
-DEFAULT_MAX_TOKENS = 512  # when a request sets none (mlx_lm.server's default), clamped to the context left
 MAX_BODY_BYTES = 8 << 20
 # A prompt longer than ``context_length × PROMPT_BYTES_PER_TOKEN`` UTF-8 bytes
 # cannot fit the context: no tokenizer in use averages anywhere near 64 bytes
@@ -298,11 +299,11 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
             prompt = engine.encode(req.prompt)
     room = engine.info.context_length - len(prompt)
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
-    rename = {"constraint": "response_format"}
+    rename = req.param_names()
     if chat:
         params = chat_turn.tool_params(engine, params, tools)
         if tools.forced:
-            rename = {"constraint": tools.param_choice}
+            rename["constraint"] = tools.param_choice
     stream = await submit_choices(engine, prompt, req.choice_params(params), rename)
     rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
     if chat:

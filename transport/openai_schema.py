@@ -13,36 +13,32 @@ fields are accepted is a deliberate list (docs/http.md):
   ``suffix`` (empty);
 * logits processing (docs/structured-output.md): ``response_format``
   (``text``, ``json_object``, ``json_schema``, enforced by grammar-constrained
-  decoding), ``logprobs`` / ``top_logprobs`` (chat, 0..20) and ``logprobs: N``
-  (completions, 0..5), ``presence_penalty`` / ``frequency_penalty`` (-2..2),
+  decoding), ``logprobs`` / ``top_logprobs`` (chat) and ``logprobs: N``
+  (completions), both 0..20, ``presence_penalty`` / ``frequency_penalty`` (-2..2),
   ``logit_bias`` (token-id keys, -100..100), ``n`` (1..16 choices);
 * Ember's extensions (vLLM / mlx-lm spell them the same way): ``top_k``,
   ``min_p``, ``ignore_eos``, ``num_draft_tokens``, ``speculate``,
   ``repetition_penalty``.
 
-Ranges (``max_tokens >= 1``, ``0 < top_p <= 1``, the seed, the context
-length, token ids in the vocabulary) are checked once, by the Gateway, so the
-embedded API and HTTP agree; the schema checks types and shapes.
+Ranges and defaults (``max_tokens >= 1``, ``0 < top_p <= 1``, penalties,
+``logit_bias`` values, stop strings, ``num_draft_tokens``, the seed, the
+context length, token ids in the vocabulary) are ``engine.limits``'s, checked
+once, by the Gateway, so every entry point agrees; the schema checks types and
+shapes, and ``param_names`` says how this API spells the engine's fields.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Literal
 
 import msgspec
 
 from engine.errors import InvalidRequest
-from engine.types import Constraint, SamplingParams, Usage
+from engine.limits import MAX_CHOICES
+from engine.types import Constraint, SamplingParams
 from transport.tools import ToolChoice, ToolSetup, check_tool, template_arguments
 
-MAX_STOP_STRINGS = 16
-MAX_DRAFT_TOKENS = 64  # a draft window is verified in one forward: beyond this it is only waste
-MAX_STOP_CHARS = 256  # the stop matcher holds back up to len(stop)-1 chars and rescans them per token
-MAX_N = 16  # choices per request: each is a row of the batch
-MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bounds
-MAX_COMPLETION_LOGPROBS = 5
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -192,26 +188,16 @@ class _Common(_Strict):
     service_tier: str | None = None
 
     def _check_common(self) -> None:
-        if self.n is not None and not 1 <= self.n <= MAX_N:
-            raise InvalidRequest(f"n must be in [1, {MAX_N}]", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if v is not None and not (math.isfinite(v) and -2.0 <= v <= 2.0):
-                raise InvalidRequest(f"{name} must be in [-2, 2]", name)
-        if self.repetition_penalty is not None and not (
-            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0
-        ):
-            raise InvalidRequest("repetition_penalty must be a finite number > 0", "repetition_penalty")
+        """Shapes only: the ranges are the engine's (``engine.limits``)."""
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}]", "n")
         self.logit_bias_ids()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
-        stops = self.stop_list()
-        if len(stops) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
-        if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise InvalidRequest(f"a stop string is longer than {MAX_STOP_CHARS} characters", "stop")
-        if self.num_draft_tokens is not None and not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}]", "num_draft_tokens")
+
+    def param_names(self) -> dict[str, str]:
+        """The engine's names for fields this request spells differently."""
+        return {"constraint": "response_format"}
 
     def logit_bias_ids(self) -> dict[int, float]:
         """``logit_bias`` with its keys as token ids (OpenAI sends them as strings)."""
@@ -219,8 +205,6 @@ class _Common(_Strict):
         for key, bias in (self.logit_bias or {}).items():
             if not key.strip().isdigit():
                 raise InvalidRequest(f"logit_bias keys must be token ids, not {key!r}", "logit_bias")
-            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
-                raise InvalidRequest(f"logit_bias values must be in [-100, 100] (token {key}: {bias})", "logit_bias")
             out[int(key)] = float(bias)
         return out
 
@@ -251,8 +235,6 @@ class _Common(_Strict):
         if top_k >= vocab_size:
             top_k = 0  # keeps every token, which is what "no top-k" means; a sampler may choke on k > vocab
         bias = self.logit_bias_ids()
-        if any(t >= vocab_size for t in bias):
-            raise InvalidRequest(f"logit_bias has a token id outside the vocabulary (size {vocab_size})", "logit_bias")
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             temperature=d.temperature if self.temperature is None else self.temperature,
@@ -303,11 +285,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
             and self.max_tokens != self.max_completion_tokens
         ):
             raise InvalidRequest("max_tokens and max_completion_tokens disagree; send one", "max_completion_tokens")
-        if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
-                raise InvalidRequest(f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}]", "top_logprobs")
-            if not self.logprobs:
-                raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
         if self.response_format is not None:
             self.response_format.constraint()  # its own shape errors, before any work
         self._check_messages()
@@ -348,6 +327,14 @@ class ChatCompletionRequest(_Common, kw_only=True):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def param_names(self) -> dict[str, str]:
+        names = {"constraint": "response_format"}
+        if self.top_logprobs:  # the engine's ``logprobs`` is the number of alternatives
+            names["logprobs"] = "top_logprobs"
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
+
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -364,8 +351,6 @@ class CompletionRequest(_Common, kw_only=True):
 
     def check(self) -> CompletionRequest:
         self._check_common()
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
-            raise InvalidRequest(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
         if self.echo:
             raise InvalidRequest("echo is not supported", "echo")
         if self.best_of not in (None, 1):
@@ -397,169 +382,3 @@ def decode_request(body: bytes, kind: type[Any]) -> Any:  # any request Struct (
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
     return req.check()
-
-
-# ---------------------------------------------------------------------------
-# Responses.
-
-
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int = 0
-
-
-class UsageBody(msgspec.Struct, kw_only=True, omit_defaults=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    speculation: dict[str, Any] | None = None  # Ember's extension, only when a drafter ran
-
-    @classmethod
-    def of(cls, u: Usage) -> UsageBody:
-        return cls(
-            prompt_tokens=u.prompt_tokens,
-            completion_tokens=u.completion_tokens,
-            total_tokens=u.total_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
-            speculation=msgspec.to_builtins(u.speculation) if u.speculation is not None else None,
-        )
-
-
-class FunctionCallOut(msgspec.Struct):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(msgspec.Struct, kw_only=True):
-    id: str
-    function: FunctionCallOut
-    type: str = "function"
-
-
-class AssistantMessage(msgspec.Struct):
-    content: str | None
-    role: str = "assistant"
-    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET  # only when the model called
-
-
-class TopLogprob(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(msgspec.Struct):
-    """A chat choice's ``logprobs``: one entry per generated token."""
-
-    content: list[ChatTokenLogprob] | None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class TextLogprobs(msgspec.Struct):
-    """A text completion choice's ``logprobs`` (OpenAI's legacy shape)."""
-
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
-    text_offset: list[int]
-
-
-class ChatChoice(msgspec.Struct):
-    index: int
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageBody | None
-    object: str = "chat.completion"
-
-
-class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """OpenAI's streamed call: the first piece has id, type and name (and empty
-    arguments), the rest only ``function.arguments`` pieces, all with ``index``."""
-
-    index: int
-    function: FunctionCallDelta
-    id: str | None = None
-    type: str | None = None
-
-
-class ChunkDelta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(msgspec.Struct):
-    index: int
-    delta: ChunkDelta
-    finish_reason: str | None = None
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageBody | None = None
-    object: str = "chat.completion.chunk"
-
-
-class TextChoice(msgspec.Struct):
-    index: int
-    text: str
-    finish_reason: str | None = None
-    logprobs: TextLogprobs | None = None
-
-
-class TextCompletion(msgspec.Struct, kw_only=True):
-    """Both the response and each stream chunk of /v1/completions (OpenAI uses one shape)."""
-
-    id: str
-    created: int
-    model: str
-    choices: list[TextChoice]
-    usage: UsageBody | None = None
-    object: str = "text_completion"
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-    created: int
-    owned_by: str = "ember"
-    object: str = "model"
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: str = "list"
-
-
-class ErrorDetail(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(msgspec.Struct):
-    error: ErrorDetail

@@ -18,7 +18,7 @@ from engine.errors import EngineError
 from engine.types import Delta, TokenLogprob, Usage
 from transport.choices import merge_usage
 from transport.errors import error_body, from_engine_error
-from transport.openai_schema import (
+from transport.openai_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

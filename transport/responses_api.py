@@ -253,7 +253,7 @@ async def responses(request: Request, host: Any) -> Response:
     params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
     params = chat_turn.with_constraint(engine, params, req.constraint(), "text.format")
     params = chat_turn.tool_params(engine, params, setup)
-    stream = await chat_turn.submit(engine, prompt, params, "tool_choice" if setup.forced else "text.format")
+    stream = await chat_turn.submit(engine, prompt, params, req.param_names(setup.forced))
     renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup))
     return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
 

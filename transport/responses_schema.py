@@ -191,6 +191,11 @@ class ResponsesRequest(_Strict, kw_only=True, dict=True):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         return out
 
+    def param_names(self, forced_tool: bool) -> dict[str, str]:
+        """The engine's names for fields this API spells differently (the ranges
+        are the engine's, ``engine.limits``, checked once for every API)."""
+        return {"max_tokens": "max_output_tokens", "constraint": "tool_choice" if forced_tool else "text.format"}
+
     def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
         d = SamplingParams()
         return SamplingParams(

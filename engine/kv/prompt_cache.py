@@ -15,7 +15,7 @@ nothing left), and an entry longer than that prefix is usable only if its
 cache can be trimmed (a wrapped ring or SSM state cannot run backwards).
 
 Why not mlx-lm's ``LRUPromptCache``/``PromptTrie``: their fetch deep-copies
-(MLX objects only; the fake GPU's numpy caches and a backend's own clone are
+(MLX objects only; the fake GPU's numpy caches and a backend's own copy are
 out of reach), counts ``nbytes`` of the 256-step buffer rather than the tokens
 in use, does not refresh recency on a fetch, has no spill hook, returns an
 empty remainder on an exact hit, and ``PromptTrie.search`` reports only the
@@ -62,7 +62,7 @@ SpillHook = Callable[[list[int], str, Any], None]
 
 
 def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    if isinstance(tokens, list):  # the same array; ~25% faster than asarray for a list of ints
+    if isinstance(tokens, list):  # the same array, faster than asarray for a list of ints (docs/sims.md)
         return np.fromiter(tokens, np.int64, len(tokens))
     return np.asarray(tokens, dtype=np.int64).reshape(-1)
 
@@ -105,8 +105,8 @@ class PrefixIndex:
     form one run around it: a lookup is a bisect plus that run. Entries that
     cannot be trimmed serve only as exact prefixes of a prompt and are kept
     apart, scanned every time (no such cache on the fake GPU or plain KV
-    caches; an SSM or a wrapped ring would be one). ``candidates`` returns
-    every entry that may win; the owner applies its own rule to them.
+    caches; an SSM or a wrapped ring would be one). ``rigid`` and ``run``
+    return every entry that may win; the owner applies its own rule to them.
     """
 
     __slots__ = ("_keys", "_vals", "_rigid")
@@ -140,16 +140,11 @@ class PrefixIndex:
             i += 1
         del keys[i], vals[i]
 
-    def candidates(self, ns: str, prompt: np.ndarray) -> list[Any]:
-        """Entries that may serve the longest usable prefix of ``prompt`` (int64
-        tokens, keyed like the entries): the trimmable ones sharing
-        the most tokens with it (capped at ``len(prompt) - 1``, the usable
-        limit, so every entry tied at the cap is in), and every rigid one."""
-        run, _ = self.run(ns, prompt)
-        return list(self._rigid.get(ns, {}).values()) + run
-
     def run(self, ns: str, prompt: np.ndarray) -> tuple[list[Any], int]:
-        """The trimmable half of ``candidates`` and the usable prefix ``t``
+        """The trimmable entries that may serve the longest usable prefix of
+        ``prompt`` (int64 tokens, keyed like the entries: those sharing the
+        most tokens with it, capped at ``len(prompt) - 1``, the usable limit,
+        so every entry tied at the cap is in) and the usable prefix ``t``
         every one of them serves: the longest common prefix with any entry is
         at a neighbour of the prompt's place, so each entry of the run shares
         at least ``t`` = min(that, the cap) tokens and none shares more than the
@@ -319,7 +314,7 @@ class PromptCache:
             self.counters["misses"] += 1
             return None, 0
         try:
-            clone = self.ops.prefix_view(entry.cache, p)
+            view = self.ops.prefix_view(entry.cache, p)
         except Exception as exc:  # a cache fault is a miss, never a wrong token
             log.warning("[prompt_cache] take failed, serving a miss: %r", exc)
             self.counters["misses"] += 1
@@ -329,15 +324,15 @@ class PromptCache:
         entry.order = self._order
         entry.last_used = self._stamp()
         self.counters["hits"] += 1
-        return clone, p
+        return view, p
 
     def snapshot(self, tokens: Sequence[int], ns: str) -> Any:
         """The cache of the exact entry ``tokens`` (None if not held), for the
         SSD writer to read on the device. Not a copy: an entry is never written
         after ``put`` (``take`` hands out views cut into new cache objects, or
         copies; eviction hands the entry over), so the writer may read it
-        while it stays here. A copy made here ran on the event loop: 10.7 ms
-        for an 8k-token entry of the bundled model, every stream stalled."""
+        while it stays here. A copy made here would run on the event loop and
+        stall every stream (measured in docs/durability.md, "Results")."""
         e = self._entries.get((ns, token_bytes(tokens)))
         return None if e is None else e.cache
 

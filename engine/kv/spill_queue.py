@@ -1,19 +1,23 @@
-"""SpillQueue: the bounded, strictly serial line of KV snapshots waiting for SSD.
+"""SpillQueue: the bounded, strictly serial line of KV caches waiting for SSD.
 
-Write-behind snapshots, RAM evictions and idle demotions all hand the SSD
-tier *owned* cache clones. Tensor writes only advance while the engine is
-idle, so under sustained traffic the line can starve; without a bound, the
-clones it pins would grow past the RAM tier's cap exactly under the load that
-causes evictions. Here the queued bytes are capped: when a new item takes the
-total over the cap, the OLDEST item that is neither being written nor the one
-just added is dropped and its clones are released at once. The cap is soft —
-a single item bigger than the cap still goes through alone rather than never
-spilling. A dropped spill is a future cache miss, never a wrong token.
+"Spill" here is any write to the SSD tier: write-behind snapshots, RAM
+evictions and idle demotions all put an item on this line. Each item holds a
+RAM entry's own cache object — never a copy: nothing writes an entry's cache
+after it was stored, and an evicted entry's cache is no longer the RAM tier's
+(docs/durability.md). Tensor writes only advance while the engine is idle, so
+under sustained traffic the line can starve; without a bound, the evicted
+caches it keeps alive would grow past the RAM tier's cap exactly under the
+load that causes evictions. Here the queued bytes are capped: when a new item
+takes the total over the cap, the OLDEST item that is neither being written
+nor the one just added is dropped and its reference released at once. The
+cap is soft — a single item bigger than the cap still goes through alone
+rather than never spilling. A dropped spill is a future cache miss, never a
+wrong token.
 
 This is a plain class with no awaits (the DurabilityCoordinator drives it and
 runs the one writer): ``push`` an item, ``pop_next`` the item to write when
-the writer is free, ``settle`` it with the store's outcome. Every item's
-clones are released exactly once, whatever path it leaves by: stored, failed,
+the writer is free, ``finish`` it with the store's outcome. Every item's
+cache is released exactly once, whatever path it leaves by: stored, failed,
 dropped, or discarded at shutdown.
 """
 
@@ -24,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-GIB = 1 << 30
+from engine.transitions import IllegalTransition, check_transition
 
 
 class ItemState(enum.Enum):
@@ -46,20 +50,16 @@ ITEM_TRANSITIONS: dict[ItemState, frozenset[ItemState]] = {
 }
 
 
-class IllegalSpillTransition(RuntimeError):
-    pass
-
-
 def _no_release(cache: Any) -> None:
-    """Clones are freed by dropping the last reference (numpy and MLX alike)."""
+    """A cache is freed by dropping the last reference (numpy and MLX alike)."""
 
 
 @dataclass(eq=False, slots=True)
 class SpillItem:
-    """One entry on its way to SSD: owned clones of ``tokens``' KV in namespace ``ns``.
+    """One entry on its way to SSD: the KV cache of ``tokens`` in namespace ``ns``.
 
     ``kind`` says who produced it (``snapshot``, ``evict``, ``demote``);
-    ``release`` is called with the clones exactly once, when the item leaves.
+    ``release`` is called with the cache exactly once, when the item leaves.
     """
 
     ns: str
@@ -80,14 +80,13 @@ class SpillItem:
         return self._key
 
     def move(self, to: ItemState) -> None:
-        if to not in ITEM_TRANSITIONS[self.state]:
-            raise IllegalSpillTransition(f"spill item {self.seq}: {self.state.value} -> {to.value}")
+        check_transition(ITEM_TRANSITIONS, self.state, to, f"spill item {self.seq}")
         self.state = to
 
     def free(self) -> None:
-        """Release the clones; a second call is a bug (a double free of GPU memory)."""
+        """Release the cache; a second call is a bug (a double free of GPU memory)."""
         if self.released:
-            raise IllegalSpillTransition(f"spill item {self.seq} released twice")
+            raise IllegalTransition(f"spill item {self.seq} released twice")
         self.released = True
         cache, self.cache = self.cache, None
         self.release(cache)
@@ -155,10 +154,10 @@ class SpillQueue:
         self.in_flight = item
         return item
 
-    def settle(self, item: SpillItem, ok: bool) -> None:
+    def finish(self, item: SpillItem, ok: bool) -> None:
         """The writer finished ``item``: stored durably (``ok``) or failed."""
         if item is not self.in_flight:
-            raise IllegalSpillTransition(f"spill item {item.seq} settled but not in flight")
+            raise IllegalTransition(f"spill item {item.seq} finished but not in flight")
         self.in_flight = None
         if ok:
             self.stored += 1

@@ -46,7 +46,7 @@ def name_os_thread(name: str) -> None:
         pass
 
 
-def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+def _deliver_result(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
     if fut.cancelled():
         return  # the caller stopped waiting; the thread finished the call anyway
     if ok:
@@ -111,7 +111,7 @@ class MLXThread(ThreadDevice):
 
         def done(ok: bool, value: Any) -> None:
             try:
-                loop.call_soon_threadsafe(_settle, fut, ok, value)
+                loop.call_soon_threadsafe(_deliver_result, fut, ok, value)
             except RuntimeError:
                 pass  # the loop is closed: nobody is waiting any more
 

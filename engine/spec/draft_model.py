@@ -27,7 +27,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engine.fake.gpu import ByteTokenizer, FakeGPUConfig, _advance, _initial_hash, fake_logits
+from engine.fake.gpu import FakeGPUConfig
+from engine.fake.logits import _advance, _initial_hash, fake_logits
+from engine.fake.tokenizer import ByteTokenizer
 from engine.mlx.blas import blas_threads
 
 

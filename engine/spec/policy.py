@@ -76,8 +76,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.limits import MAX_DRAFT_TOKENS
+
 ADAPTIVE_GAMMA_MAX = 6
-FIXED_GAMMA_MAX = 16
 
 
 def low_quantile(samples: Iterable[float], q: float = 0.25) -> float:
@@ -123,8 +124,8 @@ class GammaPolicy:
         probe_cap: int = 512,
         margin: float = 0.05,
     ):
-        if fixed is not None and not 0 <= fixed <= FIXED_GAMMA_MAX:
-            raise ValueError(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}, got {fixed}")
+        if fixed is not None and not 0 <= fixed <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {fixed}")
         self.fixed = fixed
         self.gamma_max = gamma_max
         self.accept_alpha = accept_alpha
@@ -161,8 +162,8 @@ class GammaPolicy:
 
     # ---- rows ------------------------------------------------------------
     def new_row(self, fixed: int | None) -> RowPolicy:
-        if fixed is not None and not 0 <= fixed <= FIXED_GAMMA_MAX:
-            raise ValueError(f"num_draft_tokens must be in 0..{FIXED_GAMMA_MAX}, got {fixed}")
+        if fixed is not None and not 0 <= fixed <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {fixed}")
         fixed = fixed if fixed is not None else self.fixed
         return RowPolicy(fixed=fixed, accept=list(self.accept), seen=[0] * self.gamma_max, probe_every=self.probe_seed)
 

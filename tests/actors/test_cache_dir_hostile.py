@@ -18,9 +18,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from actors.cold_tier import ColdStore, entry_id, ns_folder
 from engine.fake.gpu import FakeBackend
 from engine.kv import kvfile
+from engine.kv.cold_store import ColdStore, entry_id, ns_folder
 from engine.kv.disk import RealDisk
 
 BE = FakeBackend()
@@ -290,7 +290,8 @@ def test_restore_revalidates_a_file_swapped_after_the_scan(tmp_path):
     neither opened blocking nor deleted: a miss."""
     import anyio
 
-    from actors.cold_tier import ColdTier, run_inline
+    from actors.cold_tier import ColdTier
+    from engine.kv.cold_io import run_inline
     from engine.ports import InlineDevice, LoopClock
 
     root = str(tmp_path)

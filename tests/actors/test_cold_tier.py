@@ -1,4 +1,5 @@
-"""The SSD cold tier (actors.cold_tier): ColdStore index + ColdTier actor,
+"""The SSD cold tier: the ColdStore index (engine.kv.cold_store), entry writes
+and restores (engine.kv.cold_io) and the ColdTier actor (actors.cold_tier),
 over a real folder and over the fault-injecting in-memory disk.
 
 Oracles: a restored cache holds exactly the KV a fresh prefill of the served
@@ -18,24 +19,16 @@ import pytest
 from anyio import wait_all_tasks_blocked
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
-from actors.cold_tier import (
-    ColdStore,
-    ColdTier,
-    Demoted,
-    Restore,
-    Spill,
-    Store,
-    entry_id,
-    ns_folder,
-    run_inline,
-    ungated,
-)
+from actors.cold_tier import ColdTier, Demoted, Restore, Store
 from actors.events import EngineBusy, EngineIdle
 from actors.runtime import ActorRef, inbox
 from actors.scheduler import Demote, Restored
 from engine.errors import EngineDead
-from engine.fake.gpu import FakeBackend, FakeKVCache
+from engine.fake.gpu import FakeBackend
+from engine.fake.kv_cache import FakeKVCache
 from engine.kv import kvfile
+from engine.kv.cold_io import run_inline, ungated
+from engine.kv.cold_store import ColdEntry, ColdStore, entry_id, ns_folder
 from engine.kv.disk import FaultyDisk, RealDisk
 from engine.ports import InlineDevice, LoopClock, ModelInfo
 
@@ -157,8 +150,8 @@ def entry_size(tokens=A) -> int:
 async def test_store_restart_find_restore(disk_root):
     disk, root = disk_root
     t = scanned(tier(disk, root))
-    assert await t.store_entry(A, "", feed(A))
-    assert await t.store_entry(A[:5] + [1, 2, 3], "", feed(A[:5] + [1, 2, 3]))
+    assert await t.store_entry(A, "", feed(A), wait_turn=ungated)
+    assert await t.store_entry(A[:5] + [1, 2, 3], "", feed(A[:5] + [1, 2, 3]), wait_turn=ungated)
 
     t2 = scanned(tier(disk, root))  # a restart: the index comes from the headers
     assert len(t2.store) == 2
@@ -178,7 +171,7 @@ async def test_store_restart_find_restore(disk_root):
 async def test_namespaces_are_isolated(disk_root):
     disk, root = disk_root
     t = scanned(tier(disk, root))
-    assert await t.store_entry(A, "alice", feed(A))
+    assert await t.store_entry(A, "alice", feed(A), wait_turn=ungated)
     assert t.store.find(A, "bob") == (None, 0)
     assert await t.restore(A + [1], "bob") == (None, 0)
     assert (await t.restore(A + [1], "alice"))[1] == 40
@@ -191,8 +184,8 @@ async def test_namespaces_are_isolated(disk_root):
 async def test_scan_reaps_tmp_deletes_corrupt_and_foreign_identity_and_spares_other_fingerprints(disk_root):
     disk, root = disk_root
     t = scanned(tier(disk, root))
-    assert await t.store_entry(A, "", feed(A))
-    assert await t.store_entry(A[:3] + [9], "", feed(A[:3] + [9]))
+    assert await t.store_entry(A, "", feed(A), wait_turn=ungated)
+    assert await t.store_entry(A[:3] + [9], "", feed(A[:3] + [9]), wait_turn=ungated)
     fp = BE.info.config_fingerprint
     base = os.path.join(root, fp, "base")
     good, bad = sorted(os.path.join(base, f) for f in disk.listdir(base))
@@ -227,7 +220,7 @@ async def test_scan_reaps_tmp_deletes_corrupt_and_foreign_identity_and_spares_ot
 async def test_truncated_tensor_is_a_miss_and_the_file_goes(disk_root):
     disk, root = disk_root
     t = scanned(tier(disk, root))
-    assert await t.store_entry(A, "", feed(A))
+    assert await t.store_entry(A, "", feed(A), wait_turn=ungated)
     (entry,) = t.store.entries()
     size = disk.stat(entry.path).size
     if isinstance(disk, FaultyDisk):
@@ -244,7 +237,7 @@ async def test_truncated_tensor_is_a_miss_and_the_file_goes(disk_root):
 async def test_tensor_bit_rot_is_caught_under_verify():
     disk = FaultyDisk()
     t = scanned(tier(disk, "/ssd", verify=True))
-    assert await t.store_entry(A, "", feed(A))
+    assert await t.store_entry(A, "", feed(A), wait_turn=ungated)
     (entry,) = t.store.entries()
     header, start = kvfile.read_header(disk, entry.path)
     disk.corrupt(entry.path, start + header.layers[1].tensors[0].off + 5)
@@ -257,7 +250,7 @@ async def test_tensor_bit_rot_is_caught_under_verify():
 async def test_read_faults_are_misses(fault):
     disk = FaultyDisk(seed=2)
     t = scanned(tier(disk, "/ssd"))
-    assert await t.store_entry(A, "", feed(A))
+    assert await t.store_entry(A, "", feed(A), wait_turn=ungated)
     for k, v in fault.items():
         setattr(disk, k, v)
     assert await t.restore(A, "") == (None, 0)
@@ -274,16 +267,16 @@ async def test_cap_evicts_least_recently_used_and_order_survives_restart():
     size = entry_size()
     t = scanned(tier(disk, "/ssd", max_bytes=int(2.5 * size)))
     x, y, z, w = ([k] + A[1:] for k in (1, 2, 3, 4))
-    assert await t.store_entry(x, "", feed(x))
-    assert await t.store_entry(y, "", feed(y))
+    assert await t.store_entry(x, "", feed(x), wait_turn=ungated)
+    assert await t.store_entry(y, "", feed(y), wait_turn=ungated)
     assert (await t.restore(x + [0], ""))[1] == 40  # x is now the most recently used
-    assert await t.store_entry(z, "", feed(z))
+    assert await t.store_entry(z, "", feed(z), wait_turn=ungated)
     held = lambda tt: sorted(int(e.tokens[0]) for e in tt.store.entries())  # noqa: E731
     assert held(t) == [1, 3] and t.stats()["evictions"] == 1
     assert t.stats()["bytes"] <= t.stats()["max_bytes"]
 
     t2 = scanned(tier(disk, "/ssd", max_bytes=int(2.5 * size)))
-    assert await t2.store_entry(w, "", feed(w))
+    assert await t2.store_entry(w, "", feed(w), wait_turn=ungated)
     assert held(t2) == [3, 4]  # x was used before z was written
 
 
@@ -299,8 +292,8 @@ async def test_the_cap_counts_every_file_under_our_folder():
     disk.close(fh)
     t = scanned(tier(disk, root, max_bytes=int(2.5 * size)))
     assert t.stats()["bytes"] == size
-    assert await t.store_entry([1] + A, "", feed([1] + A))
-    assert await t.store_entry([2] + A, "", feed([2] + A))
+    assert await t.store_entry([1] + A, "", feed([1] + A), wait_turn=ungated)
+    assert await t.store_entry([2] + A, "", feed([2] + A), wait_turn=ungated)
     assert len(t.store) == 1 and t.stats()["bytes"] <= int(2.5 * size)
 
 
@@ -308,7 +301,7 @@ async def test_the_cap_counts_every_file_under_our_folder():
 async def test_oversized_entry_is_refused():
     disk = FaultyDisk()
     t = scanned(tier(disk, "/ssd", max_bytes=entry_size() - 1))
-    assert not await t.store_entry(A, "", feed(A))
+    assert not await t.store_entry(A, "", feed(A), wait_turn=ungated)
     assert t.stats()["refused"] == 1 and files(disk, "/ssd") == []
 
 
@@ -316,10 +309,10 @@ async def test_oversized_entry_is_refused():
 async def test_supersede_and_exact_duplicates(disk_root):
     disk, root = disk_root
     t = scanned(tier(disk, root))
-    assert await t.store_entry(A[:10], "", feed(A[:10]))
-    assert await t.store_entry(A[:10], "other", feed(A[:10]))
-    assert await t.store_entry(A, "", feed(A))  # trimmable: supersedes A[:10] in ""
-    assert await t.store_entry(A, "", feed(A))  # exact duplicate: replaces the file
+    assert await t.store_entry(A[:10], "", feed(A[:10]), wait_turn=ungated)
+    assert await t.store_entry(A[:10], "other", feed(A[:10]), wait_turn=ungated)
+    assert await t.store_entry(A, "", feed(A), wait_turn=ungated)  # trimmable: supersedes A[:10] in ""
+    assert await t.store_entry(A, "", feed(A), wait_turn=ungated)  # exact duplicate: replaces the file
     assert len(t.store) == 2 and len(files(disk, root)) == 2
     assert t.stats()["superseded"] == 1
 
@@ -335,8 +328,8 @@ async def test_untrimmable_longer_entry_is_skipped_by_find_even_after_restart(di
     plain.update_and_fetch(mx.random.normal((1, 2, 12, 8)), mx.random.normal((1, 2, 12, 8)))
     ring = RotatingKVCache(max_size=16, keep=2)
     ring.update_and_fetch(mx.random.normal((1, 2, 30, 8)), mx.random.normal((1, 2, 30, 8)))  # wrapped
-    assert await t.store_entry(toks[:12], "", [plain])
-    assert await t.store_entry(toks, "", [ring])  # untrimmable: leaves the prefix entry in place
+    assert await t.store_entry(toks[:12], "", [plain], wait_turn=ungated)
+    assert await t.store_entry(toks, "", [ring], wait_turn=ungated)  # untrimmable: leaves the prefix entry in place
     for tt in (t, scanned(tier(disk, root, backend=be))):
         assert len(tt.store) == 2
         entry, p = tt.store.find(toks[:20] + [99], "")
@@ -355,7 +348,7 @@ async def test_disk_full_evicts_the_oldest_entries_and_the_write_succeeds():
     disk = FaultyDisk(capacity_bytes=int(2.5 * size))
     t = scanned(tier(disk, "/ssd"))
     for k in (1, 2, 3, 4):
-        assert await t.store_entry([k] + A[1:], "", feed([k] + A[1:]))
+        assert await t.store_entry([k] + A[1:], "", feed([k] + A[1:]), wait_turn=ungated)
     s = t.stats()
     assert s["enospc"] == 2 and s["enospc_evictions"] == 2 and s["entries"] == 2
     assert not any(f.endswith(".tmp") for f in files(disk, "/ssd"))
@@ -373,8 +366,8 @@ async def test_disk_full_of_other_data_drops_the_write_warns_once_and_keeps_serv
     disk.close(fh)
     t = scanned(tier(disk, "/ssd"))
     with caplog.at_level(logging.WARNING, logger="ember.cold_tier"):
-        assert not await t.store_entry([2] + A[1:], "", feed([2] + A[1:]))
-        assert not await t.store_entry([3] + A[1:], "", feed([3] + A[1:]))
+        assert not await t.store_entry([2] + A[1:], "", feed([2] + A[1:]), wait_turn=ungated)
+        assert not await t.store_entry([3] + A[1:], "", feed([3] + A[1:]), wait_turn=ungated)
     assert t.stats()["enospc"] == 2 and t.stats()["entries"] == 0  # nothing of ours to evict
     assert await t.restore([2] + A[1:], "") == (None, 0)
     assert sum("dropping writes" in r.getMessage() for r in caplog.records) == 1
@@ -415,51 +408,6 @@ async def test_store_ask_answers_once_durable_and_survives_a_crash():
     t2 = scanned(tier(disk, "/ssd"))
     cache, n = await t2.restore(A, "")
     assert n == 39 and same_kv(cache, feed(A[:39]))
-
-
-@pytest.mark.anyio
-async def test_spills_write_only_while_the_engine_is_idle():
-    disk = FaultyDisk()
-    t = tier(disk, "/ssd")
-    async with anyio.create_task_group() as tg:
-        await tg.start(t.run)
-        t.ref.tell_nowait(EngineBusy(at=0.0))
-        t.ref.tell_nowait(Spill(tokens=A, ns="", cache=feed(A)))
-        await anyio.sleep(50)
-        await wait_all_tasks_blocked()
-        assert disk.counters["writes"] == 0 and t.stats()["pending_spills"] == 1
-        t.ref.tell_nowait(EngineIdle(at=50.0))
-        await wait_all_tasks_blocked()
-        assert t.stats()["spills"] == 1 and t.stats()["pending_spills"] == 0
-        t.stop()
-    assert len(scanned(tier(disk, "/ssd")).store) == 1
-
-
-@pytest.mark.anyio
-async def test_a_request_arriving_mid_write_pauses_the_remaining_tensors():
-    disk = FaultyDisk()
-    t = tier(disk, "/ssd")
-    writes_while_busy = []
-    real_write = disk.write
-
-    def write(fh, offset, data):
-        if not t.idle:
-            writes_while_busy.append(offset)
-        real_write(fh, offset, data)
-        if disk.counters["writes"] == 2:
-            t.ref.tell_nowait(EngineBusy(at=1.0))  # a request arrives after the 2nd tensor
-
-    disk.write = write
-    async with anyio.create_task_group() as tg:
-        await tg.start(t.run)
-        t.ref.tell_nowait(Spill(tokens=A, ns="", cache=feed(A)))
-        await wait_all_tasks_blocked()
-        assert disk.counters["writes"] == 2 and t.stats()["spills"] == 0
-        t.ref.tell_nowait(EngineIdle(at=2.0))
-        await wait_all_tasks_blocked()
-        assert t.stats()["spills"] == 1
-        t.stop()
-    assert writes_while_busy == []
 
 
 @pytest.mark.anyio
@@ -513,16 +461,24 @@ async def test_demotion_sweeps_on_idle_and_on_its_timer_until_busy(capture):
 
 
 @pytest.mark.anyio
-async def test_a_crash_mid_spill_leaves_nothing_behind_after_restart():
+async def test_a_crash_mid_write_leaves_nothing_behind_after_restart():
     disk = FaultyDisk(seed=4)
     t = tier(disk, "/ssd")
+    held = anyio.Event()  # never set: the engine never goes idle again
+    turns = []
+
+    async def busy_turn():
+        turns.append(1)
+        if len(turns) > 1:  # the first tensor step is written, then the write waits
+            await held.wait()
+
     async with anyio.create_task_group() as tg:
         await tg.start(t.run)
-        t.ref.tell_nowait(EngineBusy(at=0.0))
         assert await t.ref.ask(Store(tokens=A[:10], ns="", cache=feed(A[:10]), wait_turn=ungated))
-        t.ref.tell_nowait(Spill(tokens=A, ns="", cache=feed(A)))
+        tg.start_soon(t.ref.ask, Store(tokens=A, ns="", cache=feed(A), wait_turn=busy_turn))
         await wait_all_tasks_blocked()
-        disk.crash()  # the spill is parked on the idle gate with its .tmp open
+        assert len(turns) == 2 and any(f.endswith(".tmp") for f in files(disk, "/ssd"))
+        disk.crash()  # the write is parked on its gate with its .tmp open
         tg.cancel_scope.cancel()
     t2 = scanned(tier(disk, "/ssd"))
     assert [e.tokens.size for e in t2.store.entries()] == [10]
@@ -534,15 +490,19 @@ async def test_stopping_fails_the_store_asks_it_will_not_write():
     t = tier(FaultyDisk(), "/ssd")
     outcomes = []
 
+    never = anyio.Event()
+
+    async def busy_turn():  # the writes wait for idle, which never comes
+        await never.wait()
+
     async def ask(tokens):
         try:
-            outcomes.append(await t.ref.ask(Store(tokens=tokens, ns="", cache=feed(tokens))))
+            outcomes.append(await t.ref.ask(Store(tokens=tokens, ns="", cache=feed(tokens), wait_turn=busy_turn)))
         except EngineDead as exc:
             outcomes.append(type(exc).__name__)
 
     async with anyio.create_task_group() as tg:
         await tg.start(t.run)
-        t.ref.tell_nowait(EngineBusy(at=0.0))  # the writes wait for idle, which never comes
         tg.start_soon(ask, A)
         tg.start_soon(ask, A[:10])
         await wait_all_tasks_blocked()
@@ -571,7 +531,7 @@ async def test_under_random_faults_a_restore_is_exact_or_a_miss(seed):
         stem = rng.choice(stems)
         if op < 0.35:
             toks = stem + [rng.randrange(256) for _ in range(rng.randrange(0, 5))]
-            await t.store_entry(toks, rng.choice(["", "x"]), feed(toks))
+            await t.store_entry(toks, rng.choice(["", "x"]), feed(toks), wait_turn=ungated)
         elif op < 0.7:
             prompt = stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(256) for _ in range(rng.randrange(0, 4))]
             disk.eio_prob = 0.2 if rng.random() < 0.2 else 0.0
@@ -678,7 +638,7 @@ async def test_store_now_writes_on_the_callers_task_or_queues_behind_the_tier_wr
     gate = anyio.Event()
     turns = []
 
-    async def held_turn():  # holds a queued Spill's write at its first tensor step
+    async def held_turn():  # holds a queued Store's write at its first tensor step
         turns.append("spill")
         await gate.wait()
 
@@ -716,8 +676,7 @@ def test_the_durability_ports_holds_answers_as_the_index_does_under_adds_and_evi
     window of adds that outgrows what the store keeps."""
     import random
 
-    from actors.cold_tier import ColdEntry
-    from actors.durability import ColdTierPort
+    from actors.cold_tier import ColdTierPort
 
     store = ColdStore(FaultyDisk(), "/c", model_id="m", config_fingerprint="f", tokenizer_hash="t", max_bytes=1 << 30)
 
@@ -752,7 +711,6 @@ def test_find_picks_what_a_scan_of_every_entry_picks():
     a full scan's (longest usable prefix, then least to trim, then most recent)."""
     import random
 
-    from actors.cold_tier import ColdEntry
     from engine.kv.prompt_cache import usable_prefix
 
     rng = random.Random(11)

@@ -6,22 +6,22 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.durability import Completed, DurabilityCoordinator, Flush, IdleGate, Spill
+from actors.durability import Completed, DurabilityCoordinator, Flush, Spill
 from actors.durability_core import (
     DurabilityCore,
     DurabilitySettings,
     FlushFinished,
     FlushReport,
-    IllegalTransition,
-    Record,
-    RecState,
     TakeSnapshot,
     WriteItem,
 )
+from actors.durability_record import Record, RecState
 from actors.events import EngineBusy, EngineIdle
+from actors.idle_gate import IdleGate
 from actors.runtime import Actor
 from actors.scheduler import Settle, Snapshot
 from engine.kv.spill_queue import SpillItem
+from engine.transitions import IllegalTransition
 
 DEBOUNCE, RETRY = 1.0, 5.0
 

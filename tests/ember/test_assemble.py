@@ -14,7 +14,7 @@ from actors.events import EngineBusy, EngineIdle
 from ember import Engine, EngineConfig, EngineDead, Ports, SamplingParams, settings_from
 from engine.kv.disk import FaultyDisk
 from engine.kv.kvfile import read_header
-from engine.kv.spill_queue import GIB
+from engine.units import GIB
 
 pytestmark = pytest.mark.anyio
 

@@ -249,7 +249,7 @@ async def test_evictions_go_through_the_spill_queue_and_survive_a_restart(tmp_pa
 async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypatch):
     import httpx
 
-    from actors.durability import ColdTierPort
+    from actors.cold_tier import ColdTierPort
     from transport.http import build_app
 
     app = build_app(fake(tmp_path))
@@ -296,7 +296,7 @@ async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_sigterm_on_an_idle_server_with_a_snapshot_debouncing_keeps_the_prefix(tmp_path):
-    from engine.fake.gpu import ByteTokenizer
+    from engine.fake.tokenizer import ByteTokenizer
     from sims.crashtest import start_server
 
     prompt = [ord(c) for c in "an idle server gets SIGTERM right after this request. " * 8]

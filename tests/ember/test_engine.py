@@ -10,7 +10,8 @@ import pytest
 
 from ember import Engine, EngineConfig, EngineDead, EngineOverloaded, FakeGPUConfig, InvalidRequest, SamplingParams
 from engine.eventlog import EventLog
-from engine.fake.gpu import ByteTokenizer, FakeBackend, expected_tokens
+from engine.fake.gpu import FakeBackend, expected_tokens
+from engine.fake.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -320,7 +321,7 @@ def test_vectorized_running_hashes_equal_the_token_by_token_hash():
     """The fake GPU's prefill (and the simulator's oracle) hash a prompt in a
     few numpy steps; it must be exactly ``_advance`` applied token by token,
     across the loop/vectorized threshold and past the first power table."""
-    from engine.fake.gpu import HASH_MOD, _advance, advance_all, running_hashes
+    from engine.fake.logits import HASH_MOD, _advance, advance_all, running_hashes
 
     rng = random.Random(3)
     for n in [0, 1, 16, 17, 100, 2049, 5000]:
@@ -339,7 +340,8 @@ def test_fake_sampling_draws_from_the_nucleus_with_its_probabilities():
     draw) against the distribution it must follow, computed directly."""
     import numpy as np
 
-    from engine.fake.gpu import fake_logits, sample_token
+    from engine.fake.logits import fake_logits
+    from engine.fake.sampling import sample_token
 
     logits = fake_logits(0, 4242, ByteTokenizer.vocab_size)
     for temperature, top_p in [(0.7, 0.95), (1.5, 0.9), (1.0, 1.0)]:
@@ -364,7 +366,8 @@ def test_fake_sampling_memo_gives_the_draws_of_a_fresh_computation():
     memoized), must draw exactly the same tokens from the same stream."""
     import numpy as np
 
-    from engine.fake.gpu import fake_logits, sample_token
+    from engine.fake.logits import fake_logits
+    from engine.fake.sampling import sample_token
 
     logits = fake_logits(0, 777, ByteTokenizer.vocab_size)
     params = [
@@ -415,7 +418,7 @@ def test_the_byte_detokenizer_ascii_fast_path_gives_the_incremental_decoders_tex
     segment equals the decoder's own, through split, invalid and lone bytes."""
     import codecs
 
-    from engine.fake.gpu import ByteDetokenizer
+    from engine.fake.tokenizer import ByteDetokenizer
 
     rng = random.Random(5)
     for _ in range(2000):
@@ -447,7 +450,8 @@ def test_the_nucleus_is_the_stable_sorts_even_where_logits_tie():
     top-p values including 1."""
     import numpy as np
 
-    from engine.fake.gpu import _NUCLEI, _nucleus, _softmax, fake_logits
+    from engine.fake.logits import fake_logits
+    from engine.fake.sampling import _NUCLEI, _nucleus, _softmax
 
     def stable(logits, t, top_p):
         p = _softmax(logits, t)
@@ -476,7 +480,7 @@ def test_fake_gpu_raw_state_setter_gives_the_state_property_s_draws():
 
     import numpy as np
 
-    from engine.fake import gpu as fg
+    from engine.fake import logits as fg
 
     fg._generator_at(0, 0)
     ref = np.random.Generator(np.random.PCG64(0))
@@ -503,7 +507,8 @@ def test_fake_logits_and_tokens_are_those_of_the_plain_formula():
     numpy's searchsorted, for several EOS biases and sampling settings."""
     import numpy as np
 
-    from engine.fake import gpu as fg
+    from engine.fake import logits as fg
+    from engine.fake import sampling as fs
 
     def plain_logits(seed, h, vocab, eos_bias):
         logits = fg._generator_at(seed, h).standard_normal(vocab, dtype=np.float32)
@@ -513,7 +518,7 @@ def test_fake_logits_and_tokens_are_those_of_the_plain_formula():
         return logits
 
     def plain_sample(logits, t, top_p, rng):
-        p = fg._softmax(logits, t)
+        p = fs._softmax(logits, t)
         order = np.argsort(-p, kind="stable")
         cdf = np.cumsum(p[order])
         cut = min(int(np.searchsorted(cdf, top_p)) + 1, p.size) if top_p < 1.0 else p.size
@@ -531,4 +536,4 @@ def test_fake_logits_and_tokens_are_those_of_the_plain_formula():
         a, b = np.random.Generator(np.random.PCG64(9)), np.random.Generator(np.random.PCG64(9))
         for h in range(300):
             logits = fg.fake_logits(2, h * 31, ByteTokenizer.vocab_size)
-            assert fg.sample_token(logits, sp, a) == plain_sample(logits, t, top_p, b)
+            assert fs.sample_token(logits, sp, a) == plain_sample(logits, t, top_p, b)

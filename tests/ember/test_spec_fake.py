@@ -26,7 +26,9 @@ from actors.spec_rounds import SpecRounds
 from actors.verifier import VerifierCore, Verify, Window, accept_window
 from ember import Engine, EngineConfig, InvalidRequest, SamplingParams
 from engine.eventlog import EventLog
-from engine.fake.gpu import ByteTokenizer, FakeBackend, FakeGPUConfig, FakeKVCache, expected_tokens
+from engine.fake.gpu import FakeBackend, FakeGPUConfig, expected_tokens
+from engine.fake.kv_cache import FakeKVCache
+from engine.fake.tokenizer import ByteTokenizer
 from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
 from engine.spec.draft_model import FakeDraftModel
 from engine.spec.policy import GammaPolicy
@@ -525,7 +527,9 @@ def test_fake_draft_model_agrees_with_the_greedy_token_at_its_rate():
     (a uniform fixed by seed and context) and the runner-up otherwise."""
     import numpy as np
 
-    from engine.fake.gpu import ByteTokenizer, FakeGPUConfig, fake_logits
+    from engine.fake.gpu import FakeGPUConfig
+    from engine.fake.logits import fake_logits
+    from engine.fake.tokenizer import ByteTokenizer
 
     cfg = FakeGPUConfig()
     for agree in (0.0, 0.7, 1.0):

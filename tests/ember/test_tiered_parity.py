@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
-from actors.cold_tier import ColdStore, ColdTier, Store, run_inline, ungated
+from actors.cold_tier import ColdTier, Store
 from actors.scheduler import Admit, Restored, RowState
 from actors.scheduler_core import SchedulerConfig, SchedulerCore
 from ember.api import Engine
@@ -31,6 +31,8 @@ from engine.config import EngineConfig
 from engine.eventlog import EventLog
 from engine.fake.gpu import FakeBackend, FakeGPUConfig, expected_tokens
 from engine.kv import kvfile
+from engine.kv.cold_io import run_inline, ungated
+from engine.kv.cold_store import ColdStore
 from engine.kv.disk import RealDisk
 from engine.kv.prompt_cache import PromptCache
 from engine.ports import InlineDevice, LoopClock, ModelInfo
@@ -338,7 +340,8 @@ async def test_restart_after_a_direct_store_and_a_corrupt_file_is_a_miss(tmp_pat
         await run(engine, a)
         entry_tokens = a + expect(a)[:-1]
         snap = engine.prefix_cache.snapshot(entry_tokens, "")
-        assert await engine.cold_tier.ref.ask(Store(tokens=entry_tokens, ns="", cache=snap))
+        gate = engine.durability.gate.wait_turn  # the engine's idle gate, as the coordinator writes
+        assert await engine.cold_tier.ref.ask(Store(tokens=entry_tokens, ns="", cache=snap, wait_turn=gate))
     async with Engine.open(cfg(tmp_path)) as engine:
         toks, cached = await run(engine, a + expect(a)[:5])
         assert toks == expect(a + expect(a)[:5]) and cached == len(a) + 4

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from engine.fake.gpu import FakeBackend, FakeKVCache
+from engine.fake.gpu import FakeBackend
+from engine.fake.kv_cache import FakeKVCache
 from engine.kv import kvfile
 from engine.kv.disk import FaultyDisk, RealDisk
 

@@ -11,7 +11,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.fake.gpu import FakeBackend, FakeKVCache
+from engine.fake.gpu import FakeBackend
+from engine.fake.kv_cache import FakeKVCache
 from engine.kv.prompt_cache import PromptCache, usable_prefix
 
 BE = FakeBackend()

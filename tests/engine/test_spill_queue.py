@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from engine.kv.spill_queue import IllegalSpillTransition, ItemState, SpillItem, SpillQueue
+from engine.kv.spill_queue import ItemState, SpillItem, SpillQueue
+from engine.transitions import IllegalTransition
 
 
 class Clones:
@@ -34,7 +35,7 @@ def test_writes_serially_in_enqueue_order_and_releases_each_once():
     while (nxt := q.pop_next()) is not None:
         assert q.pop_next() is None  # one writer: nothing else while one is in flight
         order.append(nxt.tokens)
-        q.settle(nxt, ok=True)
+        q.finish(nxt, ok=True)
     assert order == [it.tokens for it in items]
     assert [c.releases for c in clones] == [1, 1, 1]
     assert q.stats() == {
@@ -59,9 +60,9 @@ def test_over_cap_drops_the_oldest_queued_not_in_flight_not_newest_and_releases_
     assert b.state is ItemState.DROPPED and b.released and b.cache is None
     assert q.dropped == 1
     assert q.pending_bytes == 20 and q.pending == 2
-    q.settle(a, ok=True)
+    q.finish(a, ok=True)
     assert q.pop_next() is c
-    q.settle(c, ok=True)
+    q.finish(c, ok=True)
     assert [a.state, b.state, c.state] == [ItemState.STORED, ItemState.DROPPED, ItemState.STORED]
 
 
@@ -72,7 +73,7 @@ def test_drop_releases_the_clones_once_and_never_again():
     q.push(a)
     assert q.push(b) == [a]  # a is not in flight: it goes
     assert ca.releases == 1
-    q.settle(q.pop_next(), ok=True)
+    q.finish(q.pop_next(), ok=True)
     q.close()
     assert (ca.releases, cb.releases) == (1, 1)
 
@@ -86,7 +87,7 @@ def test_a_single_oversized_item_exceeds_the_cap_rather_than_never_spilling():
     # while it is written, a newer item still queues: cap + one item at most
     small = item("s", 3)
     assert q.push(small) == []
-    q.settle(big, ok=True)
+    q.finish(big, ok=True)
     assert q.pop_next() is small
 
 
@@ -107,10 +108,10 @@ def test_a_failed_store_releases_the_clones_and_the_queue_keeps_writing():
     ca = a.cache
     q.push(a)
     q.push(b)
-    q.settle(q.pop_next(), ok=False)
+    q.finish(q.pop_next(), ok=False)
     assert ca.releases == 1 and q.failed == 1
     assert q.pop_next() is b
-    q.settle(b, ok=True)
+    q.finish(b, ok=True)
     assert q.stats()["failed_spills"] == 1 and q.stats()["stored_spills"] == 1
 
 
@@ -124,21 +125,21 @@ def test_close_discards_what_is_queued_and_in_flight_and_later_pushes():
     assert left == [a, b] and a.released and b.released
     late = item("c", 1)
     assert q.push(late) == [late] and late.state is ItemState.DISCARDED and late.released
-    with pytest.raises(IllegalSpillTransition):
-        q.settle(a, ok=True)  # the writer reporting back after close is refused, not double-freed
+    with pytest.raises(IllegalTransition):
+        q.finish(a, ok=True)  # the writer reporting back after close is refused, not double-freed
 
 
 def test_illegal_moves_and_double_release_raise():
     it = item("a", 1)
-    with pytest.raises(IllegalSpillTransition):
+    with pytest.raises(IllegalTransition):
         it.move(ItemState.STORED)  # queued -> stored skips the write
     it.free()
-    with pytest.raises(IllegalSpillTransition):
+    with pytest.raises(IllegalTransition):
         it.free()
 
 
 def test_random_operations_keep_the_cap_plus_one_and_release_everything_exactly_once():
-    """Property 6 over seeded random pushes/settles: bytes never exceed cap plus
+    """Property 6 over seeded random pushes/finishes: bytes never exceed cap plus
     one item, and every item is released exactly once by the end."""
     for seed in range(20):
         rng = random.Random(seed)
@@ -159,7 +160,7 @@ def test_random_operations_keep_the_cap_plus_one_and_release_everything_exactly_
             else:
                 nxt = q.in_flight or q.pop_next()
                 if nxt is not None:
-                    q.settle(nxt, ok=rng.random() < 0.8)
+                    q.finish(nxt, ok=rng.random() < 0.8)
         q.close()
         assert [c.releases for c in clones] == [1] * len(made)
         counts = [i.state for i in made]

@@ -119,13 +119,7 @@ def test_a_disk_that_lies_about_fsync_is_caught_after_the_crash(monkeypatch):
     assert bad and "answered durable" in bad[0].message
 
 
-def test_a_write_gate_that_ignores_busy_is_caught(monkeypatch):
-    from actors.cold_tier import ColdTier
-
-    async def always_open(self):
-        return None
-
-    monkeypatch.setattr(ColdTier, "wait_idle", always_open)
+def test_a_write_gate_that_ignores_busy_is_caught():
     # slow writes (1 s per I/O call) are still being issued when agent turns arrive
     scenario = small("agent", 30, disk=DiskFaults(slow_io_prob=1.0, slow_io_s=1.0))
     r = Simulation(scenario, 1, gated_writes=False).run()  # the coordinator's writes skip the idle gate
@@ -416,7 +410,8 @@ def test_replay_against_ember_serve_with_a_crash_and_a_flush(tmp_path, capsys):
 
 
 def test_replay_report_math():
-    from sims.replay import Mark, Sample, pct, report_markdown, summarize
+    from sims.replay import Mark, Sample
+    from sims.replay_report import pct, report_markdown, summarize
     from sims.trace import Header, Trace
 
     assert pct([], 50) is None and pct([3.0, 1.0, 2.0], 50) == 2.0 and pct([1.0, 2.0, 3.0, 4.0], 99) == 4.0

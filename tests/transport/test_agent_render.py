@@ -21,7 +21,7 @@ from openai.lib.streaming.chat._completions import ChatCompletionStreamState
 from openai.lib.streaming.responses._responses import ResponseStreamState
 
 from ember.api import Completion
-from engine.fake.gpu import ByteTokenizer
+from engine.fake.tokenizer import ByteTokenizer
 from engine.types import Delta, Usage
 from transport.anthropic_api import MessagesRenderer
 from transport.render import ChatRenderer

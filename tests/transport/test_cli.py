@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from engine.fake.gpu import ByteTokenizer, expected_tokens
+from engine.fake.gpu import expected_tokens
+from engine.fake.tokenizer import ByteTokenizer
 from engine.mlx.blas import OPT_OUT
 from transport.cli import build_parser, engine_config
 

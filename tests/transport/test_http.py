@@ -18,11 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.gateway import Drain
 from ember import EngineConfig, FakeGPUConfig, SamplingParams, load_ports
 from engine.eventlog import EventLog
-from engine.fake.gpu import ByteTokenizer, FakeBackend, expected_tokens
+from engine.fake.gpu import FakeBackend, expected_tokens
+from engine.fake.tokenizer import ByteTokenizer
 from engine.types import SpecUsage, Usage
 from transport import http as http_mod
 from transport.http import build_app
-from transport.openai_schema import UsageBody
+from transport.openai_bodies import UsageBody
 
 pytestmark = pytest.mark.anyio
 

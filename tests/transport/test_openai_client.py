@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from engine.fake.gpu import ByteTokenizer, expected_tokens
+from engine.fake.gpu import expected_tokens
+from engine.fake.tokenizer import ByteTokenizer
 from engine.mlx.gguf_models import installed
 from engine.models import BUNDLED
 from tests.live_server import ember_serve, read_url

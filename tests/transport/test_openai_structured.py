@@ -232,5 +232,9 @@ def test_bad_input_is_a_400_naming_the_parameter(server, body, param):
 
 
 def test_completion_logprobs_out_of_range(server):
-    r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "logprobs": 6})
+    """One limit for both routes (engine.limits.MAX_TOP_LOGPROBS, 20), not OpenAI's legacy 5."""
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    r = httpx.post(f"{server}/v1/completions", json={**body, "logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    r = httpx.post(f"{server}/v1/completions", json={**body, "logprobs": 6})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 6
