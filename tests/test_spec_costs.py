@@ -160,6 +160,7 @@ ONE_PROBE = (
         (8, 0.3),
     ],
 )
+@pytest.mark.slow  # ~3 s each: seven simulated runs of 700 rounds
 def test_adaptive_is_within_5_percent_of_the_best_fixed_gamma(rows, accept):
     plain = simulate(rows, accept, fixed=0)
     fixed = {g: simulate(rows, accept, fixed=g) for g in range(1, 7)}
@@ -169,5 +170,6 @@ def test_adaptive_is_within_5_percent_of_the_best_fixed_gamma(rows, accept):
 
 
 @pytest.mark.parametrize("rows,accept", [(1, 0.3), (1, 0.0), (4, 0.2), (8, 0.9), (8, 0.3)])
+@pytest.mark.slow
 def test_adaptive_is_never_below_plain_decode(rows, accept):
     assert simulate(rows, accept, fixed=None) >= 0.97 * simulate(rows, accept, fixed=0)
