@@ -23,22 +23,21 @@ so drafting deeper costs ``per_draft·rows`` per extra token — a full batch
 already uses the device, and there speculation turns itself off. γ = 0 is
 plain decode, ``E = 1``.
 
-* ``a_j`` is a moving average per request (requests differ: a file being
-  edited accepts far more than free text), seeded from an engine-wide moving
-  average for the same drafter so a new request starts from experience; a
-  position the request never reached borrows the one before it, and a row
-  drafts at most one position past the deepest it has had judged, so it
-  deepens one position per round instead of jumping to γ = 6 on one
-  accepted probe draft.
-* The cost model is fitted engine-wide (the device is shared) by least
-  squares over the 25th percentile of the latest 32 rounds seen at each
-  (rows, drafts) — not means, because a round slowed by another process on
-  the machine, or by a late thread wakeup, must not swing the choice; and
-  per shape, so a rare verify round in a batch is not pushed out by the
-  plain rounds around it. Before any round with
-  drafts was measured, a draft token is priced at ``slope_prior`` of a plain
-  round; the γ just above the current choice is tried until it has a few
-  samples, so the fit sees the γ it is choosing between.
+* ``a_j`` is a decayed count per request with the engine-wide estimate as
+  one pseudo-observation (``observe_round``); a position the request never
+  reached borrows the one before it. Alone, a row drafts at most twice as
+  deep as it has had judged (a probe's single accepted draft says little
+  about positions 2..6), or as deep as the engine's latest judged round
+  reached; in a batch, any depth (there the jump, not the width, is the cost).
+* The cost model (``engine.spec_costs.RoundCosts``) prices each verify shape
+  as a ratio to the plain rounds at the same batch size measured within a
+  few rounds of it — the same load on both sides of the ratio — times the
+  current plain round. A lone row that speculates every round decodes
+  ``explore_rounds`` plainly when no plain round is recent enough to compare
+  with. Before any round with drafts was measured, a draft token is priced
+  at ``slope_prior`` of a plain round; the γ just above the current choice
+  is tried until it has a few samples, so the prices cover the γ it is
+  choosing between.
 * When γ = 0 wins, the request decodes plainly for ``hold`` rounds — without
   asking the Drafter or the Verifier anything — and then probes γ = 1 once to
   find out whether drafts started paying (the text may have become
