@@ -185,7 +185,10 @@ class GammaPolicy:
         never learned that its text accepts six in a row), and it forgets at
         ``accept_alpha`` per round like the moving average it replaces."""
         evaluated = min(drafted, accepted + 1)  # positions past the first mismatch were never judged
-        self.depth_seed = evaluated
+        if accepted < drafted:  # a rejection says how deep the text goes now
+            self.depth_seed = evaluated
+        else:  # all accepted: at least this deep (a request's last rounds draft fewer, cut by max_tokens)
+            self.depth_seed = max(self.depth_seed, drafted)
         a, g = self.accept_alpha, self.accept
         if not row.judged:
             row.judged, row.hits = [0.0] * self.gamma_max, [0.0] * self.gamma_max

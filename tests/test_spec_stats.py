@@ -404,6 +404,7 @@ def test_a_new_row_starts_as_deep_as_the_engines_latest_round_reached():
     first = p.new_row(None)
     for _ in range(6):
         p.observe_round(first, 6, 6)
+    p.observe_round(first, 1, 1)  # its last round, cut to one draft by max_tokens: still all accepted
     second = p.new_row(None)
     assert p.choose(second)[0] == 6
     p.observe_round(second, 6, 0)  # rejected at the first position: the seed falls back
