@@ -45,6 +45,12 @@ class NgramIndex:
         # Copy pointer: (position the latest proposal was read from, context length then).
         self._ptr: tuple[int, int] | None = None
         self.realign_window = 16
+        # Tokens copied in a row from the pointer's source: re-aligning on one
+        # token is a guess worth making only inside a long copy (an edited
+        # file), not after a chance 2-gram match in free text, where it would
+        # draft (and fail) every round.
+        self._run = 0
+        self.realign_after = 8
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -67,12 +73,14 @@ class NgramIndex:
             return []
         toks = self.tokens
         L = len(toks)
+        if self._ptr is not None and L - self._ptr[1] > self.realign_window:
+            self._ptr, self._run = None, 0  # the copy did not resume: back to the index
         j = self._follow(L)
-        if j is None:
+        if j is None and self._run < self.realign_after:
             j = self._lookup(L)
-        if j is None:  # keep the pointer: the copy may resume after the change
-            if self._ptr is not None and L - self._ptr[1] > self.realign_window:
-                self._ptr = None
+            if j is not None:
+                self._run = 0
+        if j is None:  # inside a long copy the pointer waits for it to resume
             return []
         self._ptr = (j, L)
         # A match close to the end means the text repeats with period L - j;
@@ -106,6 +114,7 @@ class NgramIndex:
         if n <= 0 or j0 + n >= L:
             return None
         if toks[j0 : j0 + n] == toks[L0:L]:
+            self._run += n
             return j0 + n
         # The text departed from its source (an edit). Re-align on the latest
         # token, near where the source had got to: the first match after the
@@ -113,8 +122,11 @@ class NgramIndex:
         agreed = 0
         while agreed < n and toks[j0 + agreed] == toks[L0 + agreed]:
             agreed += 1
+        if self._run + agreed < self.realign_after:
+            return None
         start, last = j0 + agreed, toks[L - 1]
         for q in range(start, min(start + self.realign_window, L - 1)):
             if toks[q] == last:
+                self._run = 0  # a guess: it must copy again before it may guess again
                 return q + 1
         return None
