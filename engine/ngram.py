@@ -12,7 +12,10 @@ suffix, which after a few lines is often the model's own earlier output or a
 different line with the same tokens. After a mismatch (the change: a renamed
 identifier) the pointer re-aligns on the latest token within a few tokens
 ahead of where it was, so the copy resumes one round after the change
-instead of waiting for ``min_n`` tokens that match somewhere. Prompt lookup finds the most recent earlier occurrence of the
+instead of waiting for ``min_n`` tokens that match somewhere. Re-aligning on
+one token is a guess, made only inside a long copy (``realign_after`` tokens
+copied in a row): after a chance match in free text it would draft, and
+fail, every round. Prompt lookup finds the most recent earlier occurrence of the
 context's last ``n`` tokens and proposes the tokens that followed it. No model,
 no device time: a dict lookup per round.
 
@@ -76,11 +79,11 @@ class NgramIndex:
         if self._ptr is not None and L - self._ptr[1] > self.realign_window:
             self._ptr, self._run = None, 0  # the copy did not resume: back to the index
         j = self._follow(L)
-        if j is None and self._run < self.realign_after:
+        if j is None:
             j = self._lookup(L)
             if j is not None:
                 self._run = 0
-        if j is None:  # inside a long copy the pointer waits for it to resume
+        if j is None:  # keep the pointer: the copy may resume after the change
             return []
         self._ptr = (j, L)
         # A match close to the end means the text repeats with period L - j;

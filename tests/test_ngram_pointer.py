@@ -52,17 +52,3 @@ def test_a_token_far_from_the_pointer_does_not_realign_it():
     idx.extend([99, FILE[19]])  # FILE[19] is five tokens past where the source had got to
     assert idx.propose(2) == []
 
-
-def test_inside_a_long_copy_a_chance_match_elsewhere_does_not_take_the_pointer():
-    """After the edit the suffix may match elsewhere (the instruction that
-    named the new identifier): a long copy's pointer waits for the copy."""
-    idx = NgramIndex(min_n=2, max_n=4)
-    idx.extend([98, 99, 7] + FILE + [1] + FILE[:2])  # "rename ... to 98 99": the new name is in the prompt
-    while len(idx) - len(FILE) - 4 < 14:
-        idx.extend(idx.propose(4))
-    assert idx.propose(4) == FILE[14:18]
-    idx.extend([98, 99])  # the edit: the new name where the file had FILE[14]
-    assert idx.lookup(1) == [7]  # the index alone: what followed 98 99 in the prompt
-    assert idx.propose(2) == []  # the pointer waits
-    idx.extend([FILE[15]])
-    assert idx.propose(2) == FILE[16:18]
