@@ -212,6 +212,10 @@ class SpecRounds:
         """Emit each verdict's tokens and owe the trim of what the cache holds
         beyond the row's new length (the rejected drafts, and any tokens past
         an EOS, stop string or max_tokens inside the accepted run)."""
+        for rid in verified.wake:  # held rows consult the Verifier next round
+            held = self.rows.get(rid)
+            if held is not None and held.gamma == 0 and not held.off:
+                held.hold, held.consult = 0, True
         for v in verified.verdicts:
             spec = self.rows.get(v.rid)
             row = rows.get(v.rid)

@@ -107,6 +107,9 @@ class Verified(Wire, frozen=True):
     """Verifier → Scheduler: the answer to ``Verify``, one verdict per window."""
 
     verdicts: list[Verdict]
+    # Rows on a plain hold to send to the Verifier next round: another row chose
+    # a γ that pays only if every row of the batch drafts (GammaPolicy.best).
+    wake: list[int] = []
 
 
 # ---------------------------------------------------------------------------
@@ -135,12 +138,22 @@ class VerifierCore:
         self.counters = SpecCounters()
 
     def verify(self, msg: Verify) -> Verified:
-        for c in msg.costs:
-            self.policy.observe_cost(c.gamma, c.step_s, c.rows, c.drafted, c.draft_s)
+        self.policy.observe_costs([(c.gamma, c.step_s, c.rows, c.drafted, c.draft_s) for c in msg.costs])
         if msg.catch_up_tokens:
             self.policy.observe_catch_up(msg.catch_up_s, msg.catch_up_tokens)
         self.policy.rows_now = max(1, msg.rows)  # the batch now, not the one last costed
-        return Verified(verdicts=[self._judge(w) for w in msg.windows])
+        verdicts, wake = [], False
+        for w in msg.windows:
+            verdicts.append(self._judge(w))
+            wake = wake or (verdicts[-1].gamma_next > 0 and self.policy.together)
+        judged = {w.rid for w in msg.windows}
+        woken = []
+        if wake:
+            for rid, row in self.rows.items():
+                if rid not in judged and row.gamma == 0 and row.fixed is None and not (row.off or row.retired):
+                    row.woken = True
+                    woken.append(rid)
+        return Verified(verdicts=verdicts, wake=woken)
 
     def _judge(self, w: Window) -> Verdict:
         row = self.rows.get(w.rid)

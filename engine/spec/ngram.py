@@ -2,7 +2,20 @@
 
 On input-grounded work (editing a file, answering from a document, code that
 repeats its own identifiers) the continuation often already appears in the
-context. Prompt lookup finds the most recent earlier occurrence of the
+context.
+
+Copy pointer: where the last proposal came from, the next one continues —
+when the tokens emitted since are exactly what followed there — before any
+index lookup. A long copy (a file returned with one change) then follows its
+source line by line instead of jumping to the most recent occurrence of the
+suffix, which after a few lines is often the model's own earlier output or a
+different line with the same tokens. After a mismatch (the change: a renamed
+identifier) the pointer re-aligns on the latest token within a few tokens
+ahead of where it was, so the copy resumes one round after the change
+instead of waiting for ``min_n`` tokens that match somewhere. Re-aligning on
+one token is a guess, made only inside a long copy (``realign_after`` tokens
+copied in a row): after a chance match in free text it would draft, and
+fail, every round. Prompt lookup finds the most recent earlier occurrence of the
 context's last ``n`` tokens and proposes the tokens that followed it. No model,
 no device time: a dict lookup per round.
 
@@ -32,6 +45,15 @@ class NgramIndex:
         # ending at j, and tokens[j] followed it. Only grams with j < len(tokens)
         # are indexed, so the context's own suffix never matches itself.
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        # Copy pointer: (position the latest proposal was read from, context length then).
+        self._ptr: tuple[int, int] | None = None
+        self.realign_window = 16
+        # Tokens copied in a row from the pointer's source: re-aligning on one
+        # token is a guess worth making only inside a long copy (an edited
+        # file), not after a chance 2-gram match in free text, where it would
+        # draft (and fail) every round.
+        self._run = 0
+        self.realign_after = 8
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -48,16 +70,66 @@ class NgramIndex:
                     idx[tuple(toks[j - n : j])] = j
 
     def propose(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the longest recent match of the suffix."""
+        """Up to ``k`` tokens: the copy pointer's continuation, else what
+        followed the longest recent match of the suffix."""
         if k <= 0:
             return []
         toks = self.tokens
         L = len(toks)
+        if self._ptr is not None and L - self._ptr[1] > self.realign_window:
+            self._ptr, self._run = None, 0  # the copy did not resume: back to the index
+        j = self._follow(L)
+        if j is None:
+            j = self._lookup(L)
+            if j is not None:
+                self._run = 0
+        if j is None:  # keep the pointer: the copy may resume after the change
+            return []
+        self._ptr = (j, L)
+        # A match close to the end means the text repeats with period L - j;
+        # continue that repetition instead of stopping short.
+        period = L - j
+        return [toks[j + i % period] for i in range(k)]
+
+    def lookup(self, k: int) -> list[int]:
+        """The index alone, no copy pointer: what followed the longest recent
+        match of the suffix (``k`` tokens, continuing a repetition)."""
+        toks, L = self.tokens, len(self.tokens)
+        j = self._lookup(L) if k > 0 else None
+        return [] if j is None else [toks[j + i % (L - j)] for i in range(k)]
+
+    def _lookup(self, L: int) -> int | None:
+        toks = self.tokens
         for n in range(min(self.max_n, L), self.min_n - 1, -1):
             j = self._index[n].get(tuple(toks[L - n :]))
             if j is not None:
-                # A match close to the end means the text repeats with period
-                # L - j; continue that repetition instead of stopping short.
-                period = L - j
-                return [toks[j + i % period] for i in range(k)]
-        return []
+                return j
+        return None
+
+    def _follow(self, L: int) -> int | None:
+        """Where the copy pointer continues: the tokens emitted since the last
+        proposal followed its source exactly, or the latest token re-appears
+        within ``realign_window`` tokens after where the source had got to."""
+        if self._ptr is None:
+            return None
+        j0, L0 = self._ptr
+        toks, n = self.tokens, L - L0
+        if n <= 0 or j0 + n >= L:
+            return None
+        if toks[j0 : j0 + n] == toks[L0:L]:
+            self._run += n
+            return j0 + n
+        # The text departed from its source (an edit). Re-align on the latest
+        # token, near where the source had got to: the first match after the
+        # longest run that did agree.
+        agreed = 0
+        while agreed < n and toks[j0 + agreed] == toks[L0 + agreed]:
+            agreed += 1
+        if self._run + agreed < self.realign_after:
+            return None
+        start, last = j0 + agreed, toks[L - 1]
+        for q in range(start, min(start + self.realign_window, L - 1)):
+            if toks[q] == last:
+                self._run = 0  # a guess: it must copy again before it may guess again
+                return q + 1
+        return None

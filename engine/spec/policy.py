@@ -23,22 +23,21 @@ so drafting deeper costs ``per_draft·rows`` per extra token — a full batch
 already uses the device, and there speculation turns itself off. γ = 0 is
 plain decode, ``E = 1``.
 
-* ``a_j`` is a moving average per request (requests differ: a file being
-  edited accepts far more than free text), seeded from an engine-wide moving
-  average for the same drafter so a new request starts from experience; a
-  position the request never reached borrows the one before it, and a row
-  drafts at most one position past the deepest it has had judged, so it
-  deepens one position per round instead of jumping to γ = 6 on one
-  accepted probe draft.
-* The cost model is fitted engine-wide (the device is shared) by least
-  squares over the 25th percentile of the latest 32 rounds seen at each
-  (rows, drafts) — not means, because a round slowed by another process on
-  the machine, or by a late thread wakeup, must not swing the choice; and
-  per shape, so a rare verify round in a batch is not pushed out by the
-  plain rounds around it. Before any round with
-  drafts was measured, a draft token is priced at ``slope_prior`` of a plain
-  round; the γ just above the current choice is tried until it has a few
-  samples, so the fit sees the γ it is choosing between.
+* ``a_j`` is a decayed count per request with the engine-wide estimate as
+  one pseudo-observation (``observe_round``); a position the request never
+  reached borrows the one before it. Alone, a row drafts at most twice as
+  deep as it has had judged (a probe's single accepted draft says little
+  about positions 2..6), or as deep as the engine's latest judged round
+  reached; in a batch, any depth (there the jump, not the width, is the cost).
+* The cost model (``engine.spec.costs.RoundCosts``) prices each verify shape
+  as a ratio to the plain rounds at the same batch size measured within a
+  few rounds of it — the same load on both sides of the ratio — times the
+  current plain round. A lone row that speculates every round decodes
+  ``explore_rounds`` plainly when no plain round is recent enough to compare
+  with. Before any round with drafts was measured, a draft token is priced
+  at ``slope_prior`` of a plain round; the γ just above the current choice
+  is tried until it has a few samples, so the prices cover the γ it is
+  choosing between.
 * When γ = 0 wins, the request decodes plainly for ``hold`` rounds — without
   asking the Drafter or the Verifier anything — and then probes γ = 1 once to
   find out whether drafts started paying (the text may have become
@@ -70,24 +69,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from engine.limits import MAX_DRAFT_TOKENS
+from engine.spec.costs import RoundCosts
 
 ADAPTIVE_GAMMA_MAX = 6
-
-
-def low_quantile(samples: Iterable[float], q: float = 0.25) -> float:
-    """A low quantile of recent timings. Interference only ever adds time
-    (another process, a thread wakeup that came late), so the low end of the
-    samples is the device's own cost; a median still moves when the machine
-    is loaded for half the window."""
-    xs = sorted(samples)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 @dataclass(slots=True)
@@ -95,8 +85,10 @@ class RowPolicy:
     """One request's speculation state inside the Verifier."""
 
     fixed: int | None
-    accept: list[float]  # conditional acceptance per draft position (moving average)
+    accept: list[float]  # conditional acceptance per draft position (estimate, see observe_round)
     seen: list[int] = field(default_factory=list)  # rounds that judged each position
+    judged: list[float] = field(default_factory=list)  # decayed count of rounds that judged each position
+    hits: list[float] = field(default_factory=list)  # decayed count of those that accepted it
     gamma: int = 0
     consulted: bool = False  # has the Verifier chosen a γ for it yet?
     probe_every: int = 4
@@ -105,6 +97,8 @@ class RowPolicy:
     hit: float = 1.0  # how often its drafter had something to propose (prompt lookup may not)
     off: bool = False  # the row's cache cannot be trimmed: plain decode from now on
     retired: bool = False  # probing cannot pay for itself here: plain decode from now on
+    depth_seed: int = 0  # positions the engine's latest judged round reached when this row began
+    woken: bool = False  # another row chose to draft on condition that all do: choose, do not probe
 
 
 class GammaPolicy:
@@ -123,6 +117,7 @@ class GammaPolicy:
         probe_budget: float = 0.02,
         probe_cap: int = 512,
         margin: float = 0.05,
+        explore_rounds: int = 3,
     ):
         if fixed is not None and not 0 <= fixed <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {fixed}")
@@ -137,27 +132,34 @@ class GammaPolicy:
         self.probe_budget = probe_budget
         self.probe_cap = probe_cap
         self.margin = margin  # drafting must promise this much more than plain decode
+        # Plain rounds decoded in a row when no recent plain round anchors the
+        # verify rounds' prices (engine.spec.costs): a median of three is not
+        # thrown by one slow round.
+        self.explore_rounds = explore_rounds
         self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
         # Engine-wide too: the probe spacing the latest probe verdict left, so a
         # new request starts with it instead of re-learning it (on a drafter the
         # target rejects, 5 probes per 160-token request instead of 2).
         self.probe_seed = probe_first
+        # Engine-wide: positions the latest judged round reached (all of them
+        # when it accepted everything, else up to the first rejection). A new
+        # request may draft that deep from its first round: a 64-token request
+        # that deepened one position per round from γ = 1 spent a third of its
+        # rounds ramping up on text that accepted six drafts a round.
+        self.depth_seed = 0
         # Per shape, not one window over all rounds: in a batch a verify round is
         # rare (a probe every ~100 plain rounds), and a shared window of recent
         # rounds let the plain ones push it out before it could be used, so a
         # 4-row verify was priced from 1-row rounds for good (docs/bench/adaptive.md).
-        self._samples: dict[tuple[int, int], deque[float]] = {}  # (rows, drafts) -> seconds
+        self.costs = RoundCosts(window=cost_window, slope_prior=slope_prior)
         self._draft_s: deque[float] = deque(maxlen=64)  # per drafted token, for the stats
         # Seconds per token of a draft model's catch-up (feeding a lagging cache):
         # a held row skips its drafter for ``hold`` tokens and pays them all
         # before its probe, so a probe costs its verify round plus hold × this.
         self._catch_up: deque[float] = deque(maxlen=16)
         self.retired = 0  # rows switched off because probing could not pay
-        self._coef: tuple[tuple[float, float], tuple[float, float, float] | None] = ((1.0, 0.0), None)
-        self._floor = 1e-9
-        self._fit_due = False
-        self._local: dict[int, tuple[float | None, Any]] = {}  # rows -> what was measured at that size
         self.rows_now = 1  # rows in the latest step
+        self.together = False  # the latest choice counts on every row of the batch drafting
         self.live: dict[int, RowPolicy] = {}  # every speculating row (the Verifier's table)
 
     # ---- rows ------------------------------------------------------------
@@ -165,33 +167,64 @@ class GammaPolicy:
         if fixed is not None and not 0 <= fixed <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {fixed}")
         fixed = fixed if fixed is not None else self.fixed
-        return RowPolicy(fixed=fixed, accept=list(self.accept), seen=[0] * self.gamma_max, probe_every=self.probe_seed)
+        return RowPolicy(
+            fixed=fixed,
+            accept=list(self.accept),
+            seen=[0] * self.gamma_max,
+            probe_every=self.probe_seed,
+            depth_seed=self.depth_seed,
+        )
 
     def observe_round(self, row: RowPolicy, drafted: int, accepted: int) -> None:
-        """A round drafted ``drafted`` tokens and the first ``accepted`` matched."""
+        """A round drafted ``drafted`` tokens and the first ``accepted`` matched.
+
+        Acceptance per position is a decayed count with the engine's estimate
+        as one pseudo-observation, ``(hits + g) / (judged + 1)``: one judged
+        round already moves it most of the way (a moving average from the prior
+        needed ~10 rounds, and a batch row that probes once per ~100 rounds
+        never learned that its text accepts six in a row), and it forgets at
+        ``accept_alpha`` per round like the moving average it replaces."""
         evaluated = min(drafted, accepted + 1)  # positions past the first mismatch were never judged
+        if accepted < drafted:  # a rejection says how deep the text goes now
+            self.depth_seed = evaluated
+        else:  # all accepted: at least this deep (a request's last rounds draft fewer, cut by max_tokens)
+            self.depth_seed = max(self.depth_seed, drafted)
         a, g = self.accept_alpha, self.accept
+        if not row.judged:
+            row.judged, row.hits = [0.0] * self.gamma_max, [0.0] * self.gamma_max
         for j in range(min(evaluated, self.gamma_max)):
             hit = 1.0 if j < accepted else 0.0
             row.seen[j] += 1
-            row.accept[j] += a * (hit - row.accept[j])
+            row.judged[j] = (1 - a) * row.judged[j] + 1.0
+            row.hits[j] = (1 - a) * row.hits[j] + hit
             g[j] += a * 0.2 * (hit - g[j])  # slower: it summarises many requests
+            row.accept[j] = (row.hits[j] + g[j]) / (row.judged[j] + 1.0)
+        for j in range(drafted, self.gamma_max):
+            # Not drafted this round: what was learned there ages toward the
+            # engine's estimate, or two early rejections at position 4 would
+            # keep a row at γ = 3 for good (it never drafts there again).
+            row.judged[j] *= 1 - a
+            row.hits[j] *= 1 - a
+            row.accept[j] = (row.hits[j] + g[j]) / (row.judged[j] + 1.0)
 
     # ---- costs -----------------------------------------------------------
     def observe_cost(self, gamma: int, step_s: float, rows: int, drafted_tokens: int, draft_s: float) -> None:
         """A round of ``rows`` rows that fed ``drafted_tokens`` drafts in all
         (its longest window had ``gamma``) took ``step_s`` start to start, of
         which drafting took ``draft_s``."""
-        self.rows_now = max(1, rows)
-        if step_s > 0:
-            key = (max(1, rows), drafted_tokens)
-            if key not in self._samples:
-                self._samples[key] = deque(maxlen=self.cost_window)
-            self._samples[key].append(step_s)
-            self._fit_due = True
-            self._local.clear()
-        if drafted_tokens > 0 and draft_s >= 0:
-            self._draft_s.append(draft_s / drafted_tokens)
+        self.observe_costs([(gamma, step_s, rows, drafted_tokens, draft_s)])
+
+    def observe_costs(self, rounds: list[tuple[int, float, int, int, float]]) -> None:
+        """Rounds ``(gamma, step_s, rows, drafted_tokens, draft_s)`` measured in
+        one stretch of time: verify rounds are priced against the plain rounds
+        among them (``engine.spec.costs``)."""
+        if not rounds:
+            return
+        self.rows_now = max(1, rounds[-1][2])
+        self.costs.observe_many([(r, d, s) for _, s, r, d, _ in rounds])
+        for _, _, _, d, d_s in rounds:
+            if d > 0 and d_s >= 0:
+                self._draft_s.append(d_s / d)
 
     def observe_catch_up(self, seconds: float, tokens: int) -> None:
         """A draft model fed ``tokens`` context tokens it had skipped, in ``seconds``."""
@@ -205,63 +238,7 @@ class GammaPolicy:
 
     @property
     def draft_token_s(self) -> float | None:
-        return low_quantile(self._draft_s) if self._draft_s else None
-
-    def _points(self) -> dict[tuple[int, int], float]:
-        return {k: low_quantile(v) for k, v in self._samples.items() if v}
-
-    @staticmethod
-    def _lstsq(rows: np.ndarray, drafts: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
-        """``(a, per_row, per_draft)``; a column that never varied is left out
-        (its coefficient 0, its effect in ``a``). Negative slopes are noise: 0."""
-        cols, names = [np.ones(len(y))], ["a"]
-        if len(set(rows.tolist())) > 1:
-            cols.append(rows)
-            names.append("r")
-        if len(set(drafts.tolist())) > 1:
-            cols.append(drafts)
-            names.append("d")
-        while True:
-            coef, *_ = np.linalg.lstsq(np.stack(cols, axis=1), y, rcond=None)
-            got = dict(zip(names, (float(c) for c in coef)))
-            bad = [i for i, n in enumerate(names) if n != "a" and got[n] < 0]
-            if not bad:  # a negative slope is noise: drop that column and fit again
-                return got["a"], got.get("r", 0.0), got.get("d", 0.0)
-            del cols[bad[0]], names[bad[0]]
-
-    def _fit(self) -> tuple[tuple[float, float], tuple[float, float, float] | None]:
-        """Two linear models over the 25th percentile of the rounds seen at each
-        (rows, drafts): plain rounds ``p0 + p1·rows``, and rounds with verify
-        windows ``v0 + v1·rows + v2·drafts``. Two, because the first draft
-        costs a jump, not a slope: a round with a verify window is never
-        computed ahead (the backend pipelines plain decode only) and a batch
-        with windows of different widths pays for the padding."""
-        if not self._fit_due:
-            return self._coef
-        self._fit_due = False
-        pts = self._points()
-        plain = [(r, s) for (r, d), s in pts.items() if d == 0]
-        spec = [(r, d, s) for (r, d), s in pts.items() if d > 0]
-        if plain:
-            a, per_row, _ = self._lstsq(
-                np.array([r for r, _ in plain], float), np.zeros(len(plain)), np.array([s for _, s in plain])
-            )
-            p = (a, per_row)
-        elif spec:  # no plain round measured yet: a prior below the cheapest verify round
-            p = (min(s / (1 + self.slope_prior * d / r) for r, d, s in spec), 0.0)
-        else:
-            p = (1.0, 0.0)
-        v = None
-        if spec:
-            r_, d_, s_ = (np.array(col, float) for col in zip(*spec))
-            v = self._lstsq(r_, d_, s_)
-            if len(set(d_.tolist())) == 1:  # one draft count seen: the prior's slope through it
-                slope = self.slope_prior * p[0] / float(r_.mean())
-                v = (v[0] - slope * float(d_[0]), v[1], slope)
-        ys = list(pts.values())
-        self._floor = 0.5 * min(ys) if ys else 1e-9  # a fit through noisy points must not promise free rounds
-        self._coef = (p, v)
-        return self._coef
+        return float(np.median(self._draft_s)) if self._draft_s else None
 
     def round_cost(self, gamma: int, rows: int | None = None) -> float:
         """Seconds of a round in which each of ``rows`` rows drafts γ tokens.
@@ -276,9 +253,13 @@ class GammaPolicy:
 
     def measured(self, drafts: int) -> bool:
         """Enough rounds at this batch size with this many draft tokens in all
-        that one unlucky round cannot rule it out for good."""
+        that one unlucky round cannot rule it out for good; for plain rounds
+        (``drafts`` 0), recent enough to be a fair reference for the verify
+        rounds measured against them."""
         b = self.rows_now
-        return len(self._samples.get((b, drafts), ())) >= self.min_samples
+        if drafts <= 0:
+            return self.costs.fresh(b) and self.costs.samples(b, 0) >= min(self.min_samples, self.explore_rounds)
+        return self.costs.samples(b, drafts) >= self.min_samples
 
     # ---- choice ----------------------------------------------------------
     @staticmethod
@@ -304,44 +285,9 @@ class GammaPolicy:
 
     def _cost(self, rows: int, drafts: float) -> float:
         """A round of ``rows`` rows feeding ``drafts`` draft tokens in all:
-        from the rounds measured at this batch size when there are any (a plain
-        round, and a line through the verify rounds), else from the fit across
-        all sizes."""
-        (p0, p1), v = self._fit()
-        local = self._local.get(rows)
-        if local is None:
-            local = self._local[rows] = self._fit_at(rows)
-        plain, line = local
-        if plain is None:
-            plain = p0 + p1 * rows
-        if drafts <= 0:
-            return max(self._floor, plain)
-        if line is not None:
-            v0, v2 = line
-            if v2 is None:  # one draft count measured here: the global slope, or the prior's
-                d0, s0 = v0
-                v2 = v[2] if v is not None and v[2] > 0 else self.slope_prior * plain / rows
-                v0 = s0 - v2 * d0
-            return max(self._floor, v0 + v2 * drafts)
-        if v is None:
-            return max(self._floor, plain * (1 + self.slope_prior * drafts / rows))
-        v0, v1, v2 = v
-        return max(self._floor, v0 + v1 * rows + v2 * drafts)
-
-    def _fit_at(self, rows: int) -> tuple[float | None, Any]:
-        """``(plain, line)`` from the rounds measured with exactly ``rows`` rows:
-        ``line`` is ``(v0, v2)``, or ``((d, s), None)`` with one draft count."""
-        pts = {d: s for (r, d), s in self._points().items() if r == rows}
-        plain = pts.get(0)
-        spec = sorted((d, s) for d, s in pts.items() if d > 0)
-        if not spec:
-            return plain, None
-        if len(spec) == 1:
-            return plain, (spec[0], None)
-        a, _, slope = self._lstsq(
-            np.ones(len(spec)), np.array([d for d, _ in spec], float), np.array([s for _, s in spec])
-        )
-        return plain, (a, slope)
+        the plain round measured now at this size times what such a round
+        was measured to cost over the plain rounds next to it."""
+        return self.costs.cost(rows, drafts)
 
     def observe_hits(self, row: RowPolicy, empty: int, hit: bool) -> None:
         """``empty`` rounds at γ > 0 in which the drafter had nothing to propose
@@ -374,23 +320,49 @@ class GammaPolicy:
         # single accepted draft says nothing about positions 2..6, and jumping
         # to γ = 6 on it (6 draft-model steps and a 7-token verify, in a batch
         # for every row) was most of what adaptive γ lost where drafting does
-        # not pay (docs/bench/adaptive.md). A row that keeps accepting deepens
-        # one position per round.
+        # not pay (docs/bench/adaptive.md). A row that keeps accepting doubles
+        # the depth it has had judged per round (1, 2, 4, 6), and a new row may
+        # start as deep as the engine's latest judged round reached.
         reach = next((j for j, n in enumerate(row.seen) if n == 0), self.gamma_max)
-        for g in range(1, min(self.gamma_max, reach + 1) + 1):
+        deepest = max(reach + 1, 2 * reach, row.depth_seed)
+        if b > 1:  # in a batch the jump, not the width, is what a verify round costs (probe_gamma)
+            deepest = self.gamma_max
+        # Rows that do not speculate at all (other engines' settings) give one token each.
+        idle = float(max(0, b - 1 - len(others)))
+        shape = [0]  # draft tokens in all, per γ, of the option that won
+        jointly = [False]  # whether that option was every row drafting
+        self.together = False
+        for g in range(1, min(self.gamma_max, deepest) + 1):
             mine = row.hit * self.expected_tokens(accept, g) + (1.0 - row.hit)
             cost = row.hit * self._cost(b, drafts + g) + (1.0 - row.hit) * base
-            rates.append((tokens + mine) / cost)
-        if max(rates[1:]) < rates[0] * (1 + self.margin):
-            return 0  # within the model's error of plain decode: not worth a verify round
-        if max(rates) < b / self._cost(b, 0):
+            alone = (tokens + mine) / cost
+            # Together: every speculating row drafts g. In a batch the verify
+            # round's jump is paid once for all rows, so no row alone may pay
+            # for it while all of them drafting would (a batch of four that
+            # accepts 90%: 0.9× alone at γ = 1, 1.9× all at γ = 6); each row
+            # sees the same numbers and makes the same choice.
+            all_tokens = idle + mine + sum(o.hit * self.expected_tokens(self.effective_accept(o), g) + (1.0 - o.hit) for o in others)
+            all_drafts = row.hit * g + sum(o.hit * g for o in others)
+            together = all_tokens / self._cost(b, all_drafts) if others else 0.0
+            rates.append(max(alone, together))
+            shape.append(round(drafts) + g if alone >= together else round(all_drafts))
+            jointly.append(together > alone)
+        # Within the model's error of plain decode a verify round is not worth
+        # starting; a row already drafting keeps on until drafting is clearly
+        # worse (the same margin the other way), so that a few unlucky rounds
+        # do not send it into a hold whose probes then cost more than the gain.
+        keep = 1 + (-self.margin if row.gamma > 0 else self.margin)
+        if max(rates[1:]) < rates[0] * keep:
+            return 0
+        if max(rates[1:]) < keep * b / self._cost(b, 0):
             # The batch would do better with nobody drafting. Each row alone can
             # still gain once the others' drafts have paid for the verify round,
             # so without this every row keeps drafting, all worse off together.
             return 0
-        best = max(range(len(rates)), key=lambda g: (rates[g], -g))
+        best = max(range(1, len(rates)), key=lambda g: (rates[g], -g))
+        self.together = jointly[best]  # the Verifier wakes the held rows: they pay only if all draft
         nxt = best + 1
-        if best > 0 and nxt < len(rates) and not self.measured(round(drafts) + nxt):
+        if best > 0 and nxt < len(rates) and not self.measured(shape[nxt]):
             return nxt  # measure the next γ; it may be cheaper than estimated
         return best
 
@@ -406,6 +378,7 @@ class GammaPolicy:
     def choose(self, row: RowPolicy) -> tuple[int, int]:
         """``(γ, hold)`` for the row's next round: γ = 0 is plain decode, and
         ``hold`` is how many rounds to stay plain before asking again."""
+        self.together = False
         if row.off or row.retired:
             return 0, 1 << 30
         if row.fixed is not None:
@@ -416,7 +389,7 @@ class GammaPolicy:
             row.probe_every = self.probe_first if g > 0 else min(self.probe_max, row.probe_every * 2)
             self.probe_seed = row.probe_every
         if g > 0:
-            return (0, 1) if self._explore_plain(row) else (g, 0)
+            return (0, self.explore_rounds) if self._explore_plain(row) else (g, 0)
         spacing = self._probe_spacing()
         if spacing is None:
             # Every probe would cost more than the budget however far apart:
@@ -439,7 +412,7 @@ class GammaPolicy:
         ``b·c ≥ budget·plain`` no hold is long enough."""
         b = self.rows_now
         plain = self._cost(b, 0)
-        jump = max(0.0, self._cost(b, 1) - plain)
+        jump = max(0.0, self._cost(b, self.probe_gamma()) - plain)
         room = self.probe_budget * plain - b * self.catch_up_token_s
         if room <= 0:
             return None
@@ -448,20 +421,22 @@ class GammaPolicy:
     def after_hold(self, row: RowPolicy) -> tuple[int, int]:
         """A held row's hold ran out: choose again after a plain exploration
         round, else draft once (γ = 1) to refresh its acceptance."""
-        if row.exploring:
-            row.exploring = False
+        if row.exploring or row.woken:
+            row.exploring = row.woken = False
             return self.choose(row)
         if row.off or row.retired or row.fixed is not None:
             return self.choose(row)
         row.probing = True
-        return 1, 0
+        return self.probe_gamma(), 0
 
-    def _fit_snapshot(self) -> dict[str, Any]:
-        (p0, p1), v = self._fit()
-        out: dict[str, Any] = {"plain": {"base": round(p0, 6), "per_row": round(p1, 6)}}
-        if v is not None:
-            out["verify"] = dict(zip(("base", "per_row", "per_draft"), (round(c, 6) for c in v)))
-        return out
+    def probe_gamma(self) -> int:
+        """A probe drafts one token alone; in a batch it drafts ``gamma_max``:
+        there the verify round's jump, not its width, is what a probe costs
+        (a 4-row round with 4 drafts 2.1× a plain one, with 24 drafts 2.3×),
+        and a probe of one position never shows the batch that the text
+        accepts six in a row — the rows then never learn that drafting
+        together would pay."""
+        return 1 if self.rows_now <= 1 else self.gamma_max
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -469,8 +444,12 @@ class GammaPolicy:
             "fixed_gamma": self.fixed,
             "gamma_max": self.gamma_max if self.fixed is None else self.fixed,
             "acceptance_prior_per_pos": [round(a, 4) for a in self.accept],
-            "round_s_by_rows_drafts": {f"{r}x{d}": round(v, 6) for (r, d), v in sorted(self._points().items())},
-            "round_s_fit": self._fit_snapshot(),
+            **self.costs.snapshot(),
+            "round_s_fit": {
+                "plain_1": round(self.costs.plain(1), 6),
+                "verify_1x1": round(self.costs.ratio(1, 1), 4),
+                "per_draft_1": round(self.costs.ratio(1, 2) - self.costs.ratio(1, 1), 4),
+            },
             "draft_token_s": None if self.draft_token_s is None else round(self.draft_token_s, 6),
             "catch_up_token_s": round(self.catch_up_token_s, 7),
             "rows_retired": self.retired,

@@ -80,7 +80,7 @@ def test_incremental_index_matches_the_brute_force_definition(tokens, cuts, k, s
     for cut in sorted(c for c in cuts if c <= len(tokens)) + [len(tokens)]:
         idx.extend(tokens[start:cut])
         start = max(start, cut)
-        assert idx.propose(k) == brute_force(idx.tokens, k, min_n, max_n)
+        assert idx.lookup(k) == brute_force(idx.tokens, k, min_n, max_n)
     assert idx.tokens == tokens
 
 
