@@ -231,8 +231,8 @@ def calibrate(
     timer: TimerFactory = _timer,
 ) -> CpuChoice:
     """Time this model's decode steps of 1, 2, 4 and 8 rows in mlx-lm's layout
-    and stored as W.T, each on 1, 2 and all OpenBLAS threads, rounds
-    interleaved, minima; leave ``model`` in the chosen layout (``choose``) and
+    and stored as W.T, each on 1, 2 and all OpenBLAS threads, all of them in
+    every round, minima; leave ``model`` in the chosen layout (``choose``) and
     return the choice. ``timer`` is injectable for tests."""
     threads = thread_candidates(blas)
     layouts = [False, True] if allow_pretranspose else [False]
@@ -247,23 +247,26 @@ def calibrate(
         # mlx-lm's own layout on every thread: what the toy-made rules cost on
         # real models (issue 24), and large matmuls are what threads are for
         return CpuChoice(False, {}, {}, skipped=f"a 1-row forward takes {cost * 1000:.0f} ms")
-    ms: dict[str, float] = {}
-    for pre in layouts:
-        if pre:
-            pretranspose_linears(model)
-        timers = {rows: timer(model, rows) for rows in CALIBRATION_ROWS}
-        samples: dict[tuple[int, int], list[float]] = {}
-        for _ in range(reps + 1):  # the first round warms up and is dropped
+    timers = {rows: timer(model, rows) for rows in CALIBRATION_ROWS}
+    samples: dict[tuple[bool, int, int], list[float]] = {}
+    current = False
+    for rnd in range(reps + 1):  # the first round warms up and is dropped
+        # Both layouts in every round, in alternating order (a switch costs one
+        # copy of the weights): a change in the machine's load halfway through
+        # then hits both alike instead of deciding between them.
+        for pre in layouts if rnd % 2 == 0 else layouts[::-1]:
+            if pre != current:
+                (pretranspose_linears if pre else restore_linears)(model)
+                current = pre
             for n in threads:
                 blas.use(n)
                 for rows, once in timers.items():
-                    samples.setdefault((n, rows), []).append(once())
-        for (n, rows), ts in samples.items():
-            ms[_key(pre, n, rows)] = 1000 * min(ts[1:])
+                    samples.setdefault((pre, n, rows), []).append(once())
+    ms = {_key(pre, n, rows): 1000 * min(ts[1:]) for (pre, n, rows), ts in samples.items()}
     blas.use(0)
     best_pre, per_rows = choose(ms, layouts, threads)
-    if allow_pretranspose and not best_pre:
-        restore_linears(model)
+    if best_pre != current:
+        (pretranspose_linears if best_pre else restore_linears)(model)
     return CpuChoice(best_pre, per_rows, {k: round(v, 3) for k, v in ms.items()})
 
 

@@ -191,3 +191,23 @@ def test_the_key_changes_with_model_dtype_and_threads():
 def test_cache_dir_follows_ember_cache_dir(tmp_path):
     assert cc.cache_dir({"EMBER_CACHE_DIR": str(tmp_path)}) == tmp_path / "cpu"
     assert cc.cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "ember" / "cpu"
+
+
+def test_a_load_change_halfway_through_calibration_does_not_decide_the_layout():
+    """The machine gets 3x faster after the first half of the forwards timed
+    (another job ends). mlx-lm's layout is 5% faster throughout: measuring
+    the layouts one after the other would credit W.T with the quiet half."""
+    blas, model, calls = _Blas(), _model(), []
+    total = 2 + 5 * 2 * 2 * len(CALIBRATION_ROWS)  # probe + (reps + 1) rounds x layouts x threads x rows
+
+    def factory(m: nn.Module, rows: int):
+        def once() -> float:
+            calls.append(1)
+            slow = 3.0 if len(calls) <= total // 2 else 1.0
+            return slow * (0.105 if _pretransposed(m) else 0.100) * rows
+
+        return once
+
+    choice = calibrate(model, blas, reps=4, timer=factory)
+    assert len(calls) == total
+    assert choice.pretranspose is False and not _pretransposed(model)
