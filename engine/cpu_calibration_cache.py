@@ -30,7 +30,7 @@ from engine.cpu_layout import CALIBRATION_ROWS, LAYOUT_ROWS, CpuChoice
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # bump when calibrate measures or chooses differently
+CACHE_VERSION = 3  # bump when calibrate measures or chooses differently
 RECALIBRATE = "EMBER_CPU_RECALIBRATE"
 
 
