@@ -23,6 +23,7 @@ import os
 import pathlib
 import platform
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 
 CACHE_VERSION = 3  # bump when calibrate measures or chooses differently
 RECALIBRATE = "EMBER_CPU_RECALIBRATE"
+# A calibration that took less than this is not written: re-measuring costs the
+# start less than the file is worth (the toy and the tests' small models take
+# ~0.1 s; SmolLM2-135M 20-60 s on the shared 2-core machine).
+CACHE_MIN_S = 2.0
 
 
 def cache_dir(environ: Mapping[str, str] = os.environ) -> pathlib.Path:
@@ -111,13 +116,15 @@ def cached_calibration(
 ) -> CpuChoice:
     """The cached choice for ``key`` applied with ``apply``, or else ``measure()``
     (which leaves the model in its choice) stored for next time. A skipped
-    calibration (a model too slow to time) is not stored: it costs one probe."""
+    calibration (a model too slow to time) is not stored: it costs one probe;
+    nor is one quicker than ``CACHE_MIN_S``."""
     if not environ.get(RECALIBRATE):
         choice = load_choice(key, directory)
         if choice is not None:
             apply(choice)
             return choice
+    t = time.perf_counter()
     choice = measure()
-    if not choice.skipped:
+    if not choice.skipped and time.perf_counter() - t >= CACHE_MIN_S:
         store_choice(key, choice, directory)
     return choice

@@ -98,6 +98,7 @@ def test_blas_threads_switches_the_loaded_library_and_back():
 def test_mlx_backend_decodes_one_row_on_its_calibrated_count_and_prefills_on_all(tmp_path, monkeypatch):
     import pathlib
 
+    from engine import cpu_calibration_cache
     from engine.config import EngineConfig
     from engine.cpu_layout import CpuChoice
     from engine.mlx_backend import MLXBackend
@@ -106,6 +107,7 @@ def test_mlx_backend_decodes_one_row_on_its_calibrated_count_and_prefills_on_all
     from engine.types import SamplingParams
 
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_calibration_cache, "CACHE_MIN_S", 0.0)  # tiny calibrates in ~0.1 s
     be = MLXBackend.load(pathlib.Path(resolve_model("tiny")), EngineConfig())
     assert be.cpu_choice["source"] == "measured"
     # a restart reads the calibration back instead of measuring (engine.cpu_calibration_cache)

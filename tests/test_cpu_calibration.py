@@ -24,6 +24,14 @@ from engine.cpu_layout import (  # noqa: E402
 )
 
 
+pytestmark = pytest.mark.usefixtures("_store_any_calibration")
+
+
+@pytest.fixture
+def _store_any_calibration(monkeypatch):
+    monkeypatch.setattr(cc, "CACHE_MIN_S", 0.0)  # the choices here are made in microseconds
+
+
 class _Blas:
     """A stand-in for engine.blas.BlasThreads: 2 threads, records the current count."""
 
@@ -211,3 +219,9 @@ def test_a_load_change_halfway_through_calibration_does_not_decide_the_layout():
     choice = calibrate(model, blas, reps=4, timer=factory)
     assert len(calls) == total
     assert choice.pretranspose is False and not _pretransposed(model)
+
+
+def test_a_quick_calibration_is_not_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(cc, "CACHE_MIN_S", 60.0)
+    cc.cached_calibration("q", _choice, lambda c: None, directory=tmp_path, environ={})
+    assert not (tmp_path / "q.json").exists()
