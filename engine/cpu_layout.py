@@ -165,9 +165,10 @@ class CpuChoice:
         if not isinstance(pre, bool) or not isinstance(threads, dict) or not isinstance(ms, dict):
             raise ValueError("not a CPU choice")
         parsed = {int(r): int(n) for r, n in threads.items()}
-        if not parsed or any(r < 1 or n < 0 for r, n in parsed.items()):
-            raise ValueError("bad thread buckets")
-        return cls(pre, parsed, {str(k): float(v) for k, v in ms.items()}, str(d.get("skipped", "")), "cache")
+        skipped = str(d.get("skipped", ""))
+        if (not parsed and not skipped) or any(r < 1 or n < 0 for r, n in parsed.items()):
+            raise ValueError("bad thread buckets")  # only a skipped calibration has none (every thread)
+        return cls(pre, parsed, {str(k): float(v) for k, v in ms.items()}, skipped, "cache")
 
 
 # (model, rows) -> a closure timing one forward of ``rows`` decode rows, in seconds
