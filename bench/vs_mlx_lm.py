@@ -182,6 +182,7 @@ class Prompts:
 class Results:
     rows: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    load: list[float] = field(default_factory=list)  # 1-minute load average at the start of each round, and at the end
 
     def add(self, leg: str, who: str, value: float | None) -> None:
         if value is not None:
@@ -326,6 +327,7 @@ async def run(args: argparse.Namespace) -> Results:
             for s in servers:  # warm both (first-call compilation, allocator)
                 await stream_completion(client, s.url, prompts.of(32), 16)
             for rnd in range(args.rounds):
+                res.load.append(os.getloadavg()[0])
                 order = [ember, mlxlm] if rnd % 2 == 0 else [mlxlm, ember]
                 for srv in order:
                     who = "ember" if srv is ember else "mlx-lm"
@@ -422,6 +424,7 @@ async def run(args: argparse.Namespace) -> Results:
                         progress(f"round {rnd + 1}: {srv.name} (bare loop behind HTTP)")
                         res.add("bare_http", srv.name, await leg_decode1(client, srv, prompts, rnd))
     finally:
+        res.load.append(os.getloadavg()[0])
         for s in servers:
             s.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -83,7 +83,15 @@ from engine.config import EngineConfig
 from engine.device import ThreadDevice
 from engine.mlx.batch import DecodeBatch, merge_caches
 from engine.mlx.blas import blas_threads
-from engine.mlx.cpu_layout import PretransposedLinear, calibrate, wants_pretranspose
+from engine.mlx.calibration_cache import cached_calibration, calibration_key
+from engine.mlx.cpu_layout import (
+    SMALL_FORWARD_ROWS,
+    CpuChoice,
+    PretransposedLinear,
+    apply_choice,
+    calibrate,
+    wants_pretranspose,
+)
 from engine.mlx.device import MLXThread
 from engine.mlx.grammar import Grammars
 from engine.mlx.logits import RowLogits, apply_words, needs_processing, to_token_logprobs
@@ -109,11 +117,10 @@ _METADATA_KEYS = frozenset(
 )
 DEFAULT_CONTEXT = 4096
 CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
-# Forwards of at most this many token rows run on one OpenBLAS thread (engine.mlx.blas):
-# a 1-row decode, and a batch-1 verify window up to γ = 4 (switching the count
-# between a plain step and a verify step cost more than 2 threads gained on a
-# 5-row window: bench.spec, docs/bench/spec.md).
-SINGLE_THREAD_ROWS = 5  # their thread count: MLXBackend.small_threads, measured at load
+# OpenBLAS threads per decode width (engine.mlx.blas): before measurement, at most
+# SMALL_FORWARD_ROWS rows on one thread (the toy's rule: a 1-row decode and a
+# batch-1 verify window up to γ = 4, docs/bench/spec.md); on the CPU the count per
+# row bucket is measured per model at load (cpu_layout.calibrate, cached on disk).
 
 
 def load_mlx_backend(config: EngineConfig) -> tuple[MLXBackend, ThreadDevice]:
@@ -324,7 +331,8 @@ class MLXBackend:
         self.model = model
         self.tokenizer = MLXTokenizer(tokenizer)
         self.blas = blas_threads()
-        self.small_threads = 1  # OpenBLAS threads for small forwards; measured per model at load (cpu_layout.calibrate)
+        # OpenBLAS threads per decode width; measured per model at load (cpu_layout.calibrate)
+        self.cpu_threads = CpuChoice(False, {SMALL_FORWARD_ROWS: 1}, {})
         self.cpu_choice: dict[str, Any] = {}
         self.engine_seed = engine_seed
         self.max_kv_size = max_kv_size
@@ -402,8 +410,22 @@ class MLXBackend:
 
         model, tokenizer, model_config = load(str(path), return_config=True)
         choice = None
-        if wants_pretranspose():  # MLX's CPU backend: layout and thread count measured on this model
-            choice = calibrate(model, blas_threads(), allow_pretranspose=config.cpu_pretranspose)
+        digest = _weights_digest(path)
+        if wants_pretranspose():  # MLX's CPU backend: layout and thread counts measured on this model, cached
+            blas, allow = blas_threads(), config.cpu_pretranspose
+            flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+            params = (v for _, v in flat if mx.issubdtype(v.dtype, mx.floating))
+            key = calibration_key(
+                model=f"{path.resolve()}:{digest}",
+                dtype=str(next(params, mx.array(0.0)).dtype),
+                blas=blas,
+                allow_pretranspose=allow,
+            )
+            choice = cached_calibration(
+                key,
+                lambda: calibrate(model, blas, allow_pretranspose=allow),
+                lambda c: apply_choice(model, c, allow_pretranspose=allow),
+            )
             log.info("[mlx] CPU choices for %s: %s", path.name, choice.as_dict())
         backend = cls(
             model,
@@ -412,7 +434,7 @@ class MLXBackend:
             model_id=config.model_name or str(config.model),
             tokenizer_hash=_tokenizer_hash(path),
             engine_seed=config.seed,
-            weights_digest=_weights_digest(path),
+            weights_digest=digest,
             prefill_together=config.batch_prefill,
             max_kv_size=config.max_kv_size,
             kv_bits=config.kv_bits,
@@ -422,7 +444,7 @@ class MLXBackend:
             type(m) is PretransposedLinear for _, m in model.named_modules()
         )
         if choice is not None:
-            backend.small_threads = choice.small_threads
+            backend.cpu_threads = choice
             backend.cpu_choice = choice.as_dict()
         return backend
 
@@ -501,7 +523,7 @@ class MLXBackend:
         res = StepResult()
         self.steps += 1
         width = len(plan.decode) + sum(len(v.tokens) for v in plan.verify)
-        self.blas.use(self.small_threads if not plan.prefill and width <= SINGLE_THREAD_ROWS else 0)
+        self.blas.use(0 if plan.prefill else self.cpu_threads.threads_for(width))
         self._due = self._built = None  # without the run-ahead hook a built step is computed when read
         if self._ahead_error is not None:
             exc, self._ahead_error = self._ahead_error, None

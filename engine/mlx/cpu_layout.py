@@ -17,6 +17,7 @@ Measured with ``python -m bench.forward --legs layout`` (docs/mlx-backend.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -104,82 +105,173 @@ def restore_linears(model: nn.Module) -> int:
 # other processes only ever add time, and the least-disturbed sample is the
 # closest to what the configuration itself costs.
 
-CALIBRATION_ROWS = (1, 4)  # a decode step, and a batch-1 verify window (γ = 3)
-CALIBRATION_BUDGET_S = 20.0  # at most this long at load; a model too slow for 2 rounds in it keeps the defaults
+# Rows of a decode step (the batch width; a γ = 3 verify window is 4 rows of one
+# sequence, the same matmuls). A step of w rows uses the thread count measured
+# for the smallest of these ≥ w; wider steps and prefill keep every thread.
+CALIBRATION_ROWS = (1, 2, 4, 8)
+SMALL_FORWARD_ROWS = 5  # the rule before measurement: at most 5 rows on one thread (the toy's)
+# The shapes that choose the layout (fixed for the whole model): a single-stream
+# decode and a full 8-stream batch, each as its slowdown against the best layout
+# for that shape, so neither dominates because its forward is longer. The sum of
+# the 1-row and 4-row times used before picked W.T on Gemma-3-270M, which made
+# its 1-row decode 13% slower (issue 24).
+LAYOUT_ROWS = (1, 8)
+# At most this long at the first load (the result is cached on disk: engine.mlx.calibration_cache).
+# Gemma-3-270M (a 262k-token head) needs ~50 s on the shared 2-core machine.
+CALIBRATION_BUDGET_S = 60.0
 
 
 class CpuChoice:
-    """What ``calibrate`` measured and chose."""
+    """What ``calibrate`` measured and chose: the layout, and the OpenBLAS
+    thread count per row bucket (``threads[r]`` for steps of at most ``r`` rows)."""
 
-    def __init__(self, pretranspose: bool, small_threads: int, ms: dict[str, float], skipped: str = ""):
-        self.pretranspose, self.small_threads, self.ms, self.skipped = pretranspose, small_threads, ms, skipped
+    def __init__(
+        self,
+        pretranspose: bool,
+        threads: dict[int, int],
+        ms: dict[str, float],
+        skipped: str = "",
+        source: str = "measured",
+    ):
+        self.pretranspose, self.threads, self.ms, self.skipped = pretranspose, dict(threads), ms, skipped
+        self.source = source
+
+    @property
+    def small_threads(self) -> int:
+        """The count for a 1-row decode (0 = every thread)."""
+        return self.threads_for(1)
+
+    def threads_for(self, rows: int) -> int:
+        """OpenBLAS threads for a forward of ``rows`` token rows (0 = every thread)."""
+        for r in sorted(self.threads):
+            if rows <= r:
+                return self.threads[r]
+        return 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "pretranspose": self.pretranspose,
             "small_forward_threads": self.small_threads,
+            "threads_by_rows": {str(r): n for r, n in sorted(self.threads.items())},
             "ms": self.ms,
             "skipped": self.skipped,
+            "source": self.source,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CpuChoice:
+        """The inverse of ``as_dict``; raises ValueError on anything malformed."""
+        pre, threads, ms = d.get("pretranspose"), d.get("threads_by_rows"), d.get("ms", {})
+        if not isinstance(pre, bool) or not isinstance(threads, dict) or not isinstance(ms, dict):
+            raise ValueError("not a CPU choice")
+        parsed = {int(r): int(n) for r, n in threads.items()}
+        skipped = str(d.get("skipped", ""))
+        if (not parsed and not skipped) or any(r < 1 or n < 0 for r, n in parsed.items()):
+            raise ValueError("bad thread buckets")  # only a skipped calibration has none (every thread)
+        return cls(pre, parsed, {str(k): float(v) for k, v in ms.items()}, skipped, "cache")
 
-def _timer(model: nn.Module, rows: int) -> Any:
-    """A closure timing one ``rows``-token forward on a cache of 16 tokens, trimmed back after each."""
+
+# (model, rows) -> a closure timing one forward of ``rows`` decode rows, in seconds
+TimerFactory = Callable[[nn.Module, int], Callable[[], float]]
+
+
+def _timer(model: nn.Module, rows: int) -> Callable[[], float]:
+    """A closure timing one decode step of ``rows`` batch rows (one token each)
+    on a cache of 16 tokens per row, trimmed back after each."""
     import time
 
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([[1] * 16]), cache=cache))
-    x = mx.array([[2] * rows])
+    mx.eval(model(mx.array([[1] * 16] * rows), cache=cache))
+    x = mx.array([[2]] * rows)
 
     def once() -> float:
         t = time.perf_counter()
         mx.eval(model(x, cache=cache))
         dt = time.perf_counter() - t
-        trim_prompt_cache(cache, rows)
+        trim_prompt_cache(cache, 1)
         return dt
 
     return once
 
 
-def calibrate(model: nn.Module, blas: Any, *, allow_pretranspose: bool = True, reps: int = 5) -> CpuChoice:
-    """Time this model's 1- and 4-row forwards in mlx-lm's layout and stored as
-    W.T, each on one OpenBLAS thread and on all, rounds interleaved, minima;
-    leave ``model`` in the fastest layout and return the choice. The sum of
-    the 1-row and the 4-row time decides (decode, and a verify window)."""
-    threads = [1, blas.default] if blas.active else [0]
+def _key(pre: bool, n: int, rows: int) -> str:
+    return f"{'wt' if pre else 'w'}/threads={n or 'default'}/rows={rows}"
+
+
+def thread_candidates(blas: Any) -> list[int]:
+    """1, 2 and every thread (0 = OpenBLAS's default count); just [0] without OpenBLAS."""
+    if not blas.active:
+        return [0]
+    return sorted({1, min(2, blas.default)} - {blas.default}) + [0]
+
+
+def choose(ms: dict[str, float], layouts: list[bool], threads: list[int]) -> tuple[bool, dict[int, int]]:
+    """The layout with the smallest summed relative slowdown over ``LAYOUT_ROWS``
+    (each shape on its best thread count), then, in that layout, the fastest
+    thread count for every row bucket. ``ms`` holds ``_key`` → milliseconds."""
+
+    def best(pre: bool, rows: int) -> float:
+        return min(ms[_key(pre, n, rows)] for n in threads)
+
+    def slowdown(pre: bool) -> float:
+        return sum(best(pre, r) / min(best(p, r) for p in layouts) for r in LAYOUT_ROWS)
+
+    pre = min(layouts, key=lambda p: (slowdown(p), p))  # a tie keeps mlx-lm's own layout
+    per_rows = {r: min(threads, key=lambda n: ms[_key(pre, n, r)]) for r in CALIBRATION_ROWS}
+    return pre, per_rows
+
+
+def calibrate(
+    model: nn.Module,
+    blas: Any,
+    *,
+    allow_pretranspose: bool = True,
+    reps: int = 4,
+    timer: TimerFactory = _timer,
+) -> CpuChoice:
+    """Time this model's decode steps of 1, 2, 4 and 8 rows in mlx-lm's layout
+    and stored as W.T, each on 1, 2 and all OpenBLAS threads, all of them in
+    every round, minima; leave ``model`` in the chosen layout (``choose``) and
+    return the choice. ``timer`` is injectable for tests."""
+    threads = thread_candidates(blas)
     layouts = [False, True] if allow_pretranspose else [False]
     # One probe: a model too slow to time a few dozen forwards keeps the defaults
     # (its matmuls are large, where neither choice was measured to matter).
-    probe = _timer(model, 1)
+    probe = timer(model, 1)
     probe()
     cost = probe()
-    per_round = len(threads) * len(layouts) * len(CALIBRATION_ROWS) * cost * 2  # 4-row ~ up to 3x a 1-row
-    reps = min(reps, int(CALIBRATION_BUDGET_S / per_round) - 1)
+    per_round = len(threads) * len(layouts) * len(CALIBRATION_ROWS) * cost * 2  # 8 rows ~ up to 3x a 1-row
+    reps = min(reps, int(CALIBRATION_BUDGET_S / max(per_round, 1e-9)) - 1)
     if reps < 2:
-        if allow_pretranspose:
-            pretranspose_linears(model)
-        return CpuChoice(allow_pretranspose, 1, {}, skipped=f"a 1-row forward takes {cost * 1000:.0f} ms")
-    ms: dict[str, float] = {}
-    for pre in layouts:
-        if pre:
-            pretranspose_linears(model)
-        timers = {rows: _timer(model, rows) for rows in CALIBRATION_ROWS}
-        samples: dict[tuple[int, int], list[float]] = {}
-        for _ in range(reps + 1):  # the first round warms up and is dropped
+        # mlx-lm's own layout on every thread: what the toy-made rules cost on
+        # real models (issue 24), and large matmuls are what threads are for
+        return CpuChoice(False, {}, {}, skipped=f"a 1-row forward takes {cost * 1000:.0f} ms")
+    timers = {rows: timer(model, rows) for rows in CALIBRATION_ROWS}
+    samples: dict[tuple[bool, int, int], list[float]] = {}
+    current = False
+    for rnd in range(reps + 1):  # the first round warms up and is dropped
+        # Both layouts in every round, in alternating order (a switch costs one
+        # copy of the weights): a change in the machine's load halfway through
+        # then hits both alike instead of deciding between them.
+        for pre in layouts if rnd % 2 == 0 else layouts[::-1]:
+            if pre != current:
+                (pretranspose_linears if pre else restore_linears)(model)
+                current = pre
             for n in threads:
                 blas.use(n)
                 for rows, once in timers.items():
-                    samples.setdefault((n, rows), []).append(once())
-        for (n, rows), ts in samples.items():
-            ms[f"{'wt' if pre else 'w'}/threads={n or 'default'}/rows={rows}"] = 1000 * min(ts[1:])
+                    samples.setdefault((pre, n, rows), []).append(once())
+    ms = {_key(pre, n, rows): 1000 * min(ts[1:]) for (pre, n, rows), ts in samples.items()}
     blas.use(0)
+    best_pre, per_rows = choose(ms, layouts, threads)
+    if best_pre != current:
+        (pretranspose_linears if best_pre else restore_linears)(model)
+    return CpuChoice(best_pre, per_rows, {k: round(v, 3) for k, v in ms.items()})
 
-    def total(pre: bool, n: int) -> float:
-        return sum(ms[f"{'wt' if pre else 'w'}/threads={n or 'default'}/rows={rows}"] for rows in CALIBRATION_ROWS)
 
-    best_pre, best_n = min(((p, n) for p in layouts for n in threads), key=lambda c: total(*c))
-    if allow_pretranspose and not best_pre:
-        restore_linears(model)
-    return CpuChoice(best_pre, best_n if best_n else 1, {k: round(v, 3) for k, v in ms.items()})
+def apply_choice(model: nn.Module, choice: CpuChoice, *, allow_pretranspose: bool = True) -> None:
+    """Put a freshly loaded ``model`` in a cached choice's layout."""
+    if choice.pretranspose and allow_pretranspose:
+        pretranspose_linears(model)

@@ -341,7 +341,11 @@ class GammaPolicy:
             # for it while all of them drafting would (a batch of four that
             # accepts 90%: 0.9× alone at γ = 1, 1.9× all at γ = 6); each row
             # sees the same numbers and makes the same choice.
-            all_tokens = idle + mine + sum(o.hit * self.expected_tokens(self.effective_accept(o), g) + (1.0 - o.hit) for o in others)
+            all_tokens = (
+                idle
+                + mine
+                + sum(o.hit * self.expected_tokens(self.effective_accept(o), g) + (1.0 - o.hit) for o in others)
+            )
             all_drafts = row.hit * g + sum(o.hit * g for o in others)
             together = all_tokens / self._cost(b, all_drafts) if others else 0.0
             rates.append(max(alone, together))

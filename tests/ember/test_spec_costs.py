@@ -139,7 +139,9 @@ def simulate(rows: int, accept: float, fixed: int | None, rounds: int = 700, see
     return tokens / seconds
 
 
-MARGINAL = "acceptance 0.3 gains 13% at best: noise in a few rounds' acceptance sends the row into holds (~0.92 of best)"
+MARGINAL = (
+    "acceptance 0.3 gains 13% at best: noise in a few rounds' acceptance sends the row into holds (~0.92 of best)"
+)
 ONE_PROBE = (
     "8 rows: the probe spacing that keeps probing under 2% is ~600 rounds, so 700 rounds see about one "
     "verify shape per width; one that met a 3x load spike prices γ = 6 out for the rest of the run"

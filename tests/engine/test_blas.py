@@ -95,16 +95,26 @@ def test_blas_threads_switches_the_loaded_library_and_back():
 
 
 @pytest.mark.skipif(blas.blas_threads().default < 2, reason="needs OpenBLAS loaded with more than one thread")
-def test_mlx_backend_decodes_one_row_on_its_calibrated_count_and_prefills_on_all():
+def test_mlx_backend_decodes_one_row_on_its_calibrated_count_and_prefills_on_all(tmp_path, monkeypatch):
     import pathlib
 
     from engine.config import EngineConfig
+    from engine.mlx import calibration_cache as cpu_calibration_cache
     from engine.mlx.backend import MLXBackend
+    from engine.mlx.cpu_layout import CpuChoice
     from engine.models import resolve_model
     from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan
     from engine.types import SamplingParams
 
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_calibration_cache, "CACHE_MIN_S", 0.0)  # tiny calibrates in ~0.1 s
     be = MLXBackend.load(pathlib.Path(resolve_model("tiny")), EngineConfig())
+    assert be.cpu_choice["source"] == "measured"
+    # a restart reads the calibration back instead of measuring (engine.mlx.calibration_cache)
+    again = MLXBackend.load(pathlib.Path(resolve_model("tiny")), EngineConfig())
+    assert again.cpu_choice["source"] == "cache" and len(list((tmp_path / "cpu").glob("*.json"))) == 1
+    assert again.cpu_choice["pretranspose"] == be.cpu_choice["pretranspose"]
+    assert again.counters["pretransposed_linears"] == be.counters["pretransposed_linears"]
     threads = blas.blas_threads()
     ids = be.tokenizer.encode("import os\nimport sys\n")
     sp = SamplingParams(max_tokens=8)
@@ -112,10 +122,10 @@ def test_mlx_backend_decodes_one_row_on_its_calibrated_count_and_prefills_on_all
         be.step(StepPlan(open=[OpenRow(1, sp)], prefill=[PrefillChunk(1, ids[:-1])], decode=[DecodeRow(1, ids[-1])]))
         assert threads.current == threads.default  # a prefill step is a real GEMM
         res = be.step(StepPlan(decode=[DecodeRow(1, 5)]))
-        # the small-forward count is measured per model at load (cpu_layout.calibrate)
-        assert be.cpu_choice["small_forward_threads"] == be.small_threads in (1, threads.default)
-        assert threads.current == be.small_threads and res.tokens
-        be.small_threads = 1
+        # the count per decode width is measured per model at load (cpu_layout.calibrate)
+        assert be.cpu_choice["small_forward_threads"] == be.cpu_threads.threads_for(1) in (0, 1)
+        assert threads.current == (be.cpu_threads.threads_for(1) or threads.default) and res.tokens
+        be.cpu_threads = CpuChoice(False, {1: 1}, {})
         be.step(StepPlan(decode=[DecodeRow(1, res.tokens[1])]))
         assert threads.current == 1
     finally:

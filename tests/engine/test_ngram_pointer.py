@@ -51,4 +51,3 @@ def test_a_token_far_from_the_pointer_does_not_realign_it():
     assert idx.propose(2) == FILE[14:16]
     idx.extend([99, FILE[19]])  # FILE[19] is five tokens past where the source had got to
     assert idx.propose(2) == []
-
