@@ -53,11 +53,13 @@ Design:
   (``_queue_heads_windows``), instead of undoing a whole decode.
 """
 
+# Over 500 lines on purpose (issue 18): ``MLXBackend`` is one object because its
+# step phases (close, open, prefill, decode, verify, run-ahead and its undo) all
+# mutate the same row table and persistent DecodeBatch on the MLX thread; the
+# parts without that state live apart (cache_views, model_identity, batch,
+# sampling, logits, cpu_layout).
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
 import logging
 import pathlib
 from collections.abc import Callable, Sequence
@@ -70,7 +72,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import (
     BatchRotatingKVCache,
-    CacheList,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -83,6 +84,7 @@ from engine.config import EngineConfig
 from engine.device import ThreadDevice
 from engine.mlx.batch import DecodeBatch, merge_caches
 from engine.mlx.blas import blas_threads
+from engine.mlx.cache_views import CachePrefix, layer_nbytes, prefix_view, snapshot_cache
 from engine.mlx.calibration_cache import cached_calibration, calibration_key
 from engine.mlx.cpu_layout import (
     SMALL_FORWARD_ROWS,
@@ -95,27 +97,18 @@ from engine.mlx.cpu_layout import (
 from engine.mlx.device import MLXThread
 from engine.mlx.grammar import Grammars
 from engine.mlx.logits import RowLogits, apply_words, needs_processing, to_token_logprobs
+from engine.mlx.model_identity import (
+    config_fingerprint,
+    context_length,
+    tokenizer_hash,
+    weights_digest,
+)
 from engine.mlx.sampling import RowSampler, row_seed
 from engine.mlx.tokenizer import MLXTokenizer
 from engine.ports import ModelInfo, StepPlan, StepResult
 
 log = logging.getLogger("ember.mlx")
 
-# config.json keys that describe the checkpoint, not the computation graph.
-_METADATA_KEYS = frozenset(
-    {
-        "_name_or_path",
-        "architectures",
-        "transformers_version",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "use_cache",
-        "generation_config",
-        "tokenizer_class",
-    }
-)
-DEFAULT_CONTEXT = 4096
 CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
 # OpenBLAS threads per decode width (engine.mlx.blas): before measurement, at most
 # SMALL_FORWARD_ROWS rows on one thread (the toy's rule: a 1-row decode and a
@@ -136,50 +129,6 @@ def load_mlx_backend(config: EngineConfig) -> tuple[MLXBackend, ThreadDevice]:
         raise
     device.after_each = lambda: backend.run_ahead(device.idle)
     return backend, device
-
-
-def _config_fingerprint(config: dict[str, Any], kv_scheme: list[str]) -> str:
-    graph = {k: v for k, v in config.items() if k not in _METADATA_KEYS}
-    blob = json.dumps({"config": graph, "kv": kv_scheme}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _weights_digest(path: pathlib.Path, block: int = 1 << 16) -> str:
-    """A cheap identity of the weight files: names, sizes and three sampled blocks
-    of each (start — the safetensors header —, middle, end). Retrained weights
-    with an unchanged config must not reuse SSD entries made by the old ones,
-    and hashing every byte of a multi-GB model at each start would be slow."""
-    h = hashlib.sha256()
-    for f in sorted(path.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            for at in (0, max(0, size // 2 - block // 2), max(0, size - block)):
-                fh.seek(at)
-                h.update(fh.read(block))
-    return h.hexdigest()[:16]
-
-
-def _tokenizer_hash(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    names = (
-        ["tokenizer.json"]
-        if (path / "tokenizer.json").is_file()
-        else sorted(p.name for p in path.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges", "spiece")))
-    )
-    for name in names:
-        h.update(name.encode())
-        h.update((path / name).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _context_length(config: dict[str, Any], tokenizer: Any) -> int:
-    for cfg in (config, config.get("text_config") or {}):
-        n = cfg.get("max_position_embeddings")
-        if isinstance(n, int) and n > 0:
-            return n
-    n = getattr(tokenizer, "model_max_length", None)
-    return n if isinstance(n, int) and 0 < n < 10_000_000 else DEFAULT_CONTEXT
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -218,95 +167,6 @@ class _Ahead:
     keys: list[tuple[_Row, mx.array]]  # the sampled rows' PRNG keys before it, to undo it
     fed: Sequence[_Row] = ()  # rows whose RowLogits were fed its inputs (undo: trim 1)
     logprobs: dict[int, tuple[mx.array, ...]] | None = None  # lazy, by rid
-
-
-@dataclass(frozen=True)
-class CachePrefix:
-    """The first ``n`` positions of a stored cache, as ``PromptCache.take``
-    hands them out on the event loop: the slices are cut by ``prefix_view``
-    when the row opens on the MLX thread (MLX's streams belong to the thread
-    that made them; an op built on the loop cannot run on the MLX thread)."""
-
-    cache: list[Any]
-    n: int
-
-
-def prefix_view(cache: list[Any], n: int) -> list[Any]:
-    """A private cache of the first ``n`` positions of a stored one, with
-    nothing copied or evaluated yet. Each ``KVCache`` gets lazy slices of the stored arrays;
-    the row's first forward on the MLX thread copies them as it writes
-    (MLX never writes into a buffer another array still holds, so the
-    stored entry stays as it was; tested). The copy the prompt cache used
-    to take evaluated the whole entry on the loop and then trimmed it: 7-17 ms
-    for an 8k-token entry of the bundled model, a stall of every stream on
-    every hit, however few of its tokens the hit reused. Other cache kinds
-    are copied whole and trimmed to ``n``."""
-    out: list[Any] = []
-    for c in cache:
-        if type(c) is KVCache:
-            view = KVCache()
-            if c.keys is not None and n > 0:
-                if n > c.offset:
-                    raise ValueError(f"the cache holds {c.offset} tokens, not {n}")
-                view.keys, view.values, view.offset = c.keys[..., :n, :], c.values[..., :n, :], n
-            out.append(view)
-            continue
-        if type(c) is QuantizedKVCache:  # --kv-bits: the same lazy slices, of each quantized triple
-            out.append(_quantized_view(c, n))
-            continue
-        c = copy.deepcopy(c)
-        size = getattr(c, "offset", None)
-        if isinstance(size, int) and size != n and (size < n or not c.is_trimmable() or c.trim(size - n) != size - n):
-            raise ValueError(f"a {type(c).__name__} holding {size} tokens cannot serve {n}")
-        out.append(c)
-    return out
-
-
-def _quantized_view(c: QuantizedKVCache, n: int) -> QuantizedKVCache:
-    view = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
-    if c.keys is not None and n > 0:
-        if n > c.offset:
-            raise ValueError(f"the cache holds {c.offset} tokens, not {n}")
-        view.keys = tuple(x[..., :n, :] for x in c.keys)
-        view.values = tuple(x[..., :n, :] for x in c.values)
-        view.offset = n
-    return view
-
-
-def _layer_nbytes(c: Any) -> int:
-    """Bytes of one layer's tokens in use. A rotating window holds at most its
-    buffer, however many tokens went through it (its ``offset``): counting
-    ``offset`` tokens overcounted sliding-window layers (1.46x on the tiny
-    gemma3, ~5x for a real one at 32k tokens)."""
-    if type(c) is CacheList:
-        return sum(_layer_nbytes(sub) for sub in c.caches)
-    keys, offset = getattr(c, "keys", None), getattr(c, "offset", None)
-    if type(c) is QuantizedKVCache and keys is not None:
-        return sum(x.nbytes // x.shape[2] for x in (*keys, *c.values)) * offset
-    if isinstance(keys, mx.array) and isinstance(offset, int) and keys.shape[2]:
-        values = c.values
-        held = min(offset, keys.shape[2])
-        return (keys.nbytes // keys.shape[2] + values.nbytes // values.shape[2]) * held
-    return c.nbytes
-
-
-def snapshot_cache(cache: list[Any]) -> list[Any]:
-    """A private copy of a row's cache as it stands, for a checkpoint entry:
-    plain KV layers as lazy slices of the tokens in use (nothing copied: the
-    row's next write makes its own buffer, see ``prefix_view``), every other
-    kind (rotating windows, SSM state, lists) a deep copy, which is bounded
-    by the window or the state size, not by the prompt."""
-    out: list[Any] = []
-    for c in cache:
-        if type(c) is KVCache and c.keys is not None:
-            view = KVCache()
-            view.keys, view.values, view.offset = c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset
-            out.append(view)
-        elif type(c) is QuantizedKVCache:
-            out.append(_quantized_view(c, c.offset))
-        else:
-            out.append(copy.deepcopy(c))
-    return out
 
 
 class MLXBackend:
@@ -367,8 +227,8 @@ class MLXBackend:
         self.info = ModelInfo(
             model_id=model_id,
             vocab_size=int(vocab),
-            context_length=_context_length(config, tokenizer),
-            config_fingerprint=_config_fingerprint(config, kv_scheme),
+            context_length=context_length(config, tokenizer),
+            config_fingerprint=config_fingerprint(config, kv_scheme),
             tokenizer_hash=tokenizer_hash,
             num_layers=len(getattr(model, "layers", probe)),
             logits_processing=True,
@@ -410,7 +270,7 @@ class MLXBackend:
 
         model, tokenizer, model_config = load(str(path), return_config=True)
         choice = None
-        digest = _weights_digest(path)
+        digest = weights_digest(path)
         if wants_pretranspose():  # MLX's CPU backend: layout and thread counts measured on this model, cached
             blas, allow = blas_threads(), config.cpu_pretranspose
             flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
@@ -432,7 +292,7 @@ class MLXBackend:
             tokenizer,
             model_config,
             model_id=config.model_name or str(config.model),
-            tokenizer_hash=_tokenizer_hash(path),
+            tokenizer_hash=tokenizer_hash(path),
             engine_seed=config.seed,
             weights_digest=digest,
             prefill_together=config.batch_prefill,
@@ -474,7 +334,7 @@ class MLXBackend:
 
     def cache_nbytes(self, cache: list[Any]) -> int:
         """Bytes of the tokens in use; mlx-lm's ``nbytes`` counts the 256-step capacity."""
-        return sum(_layer_nbytes(c) for c in cache)
+        return sum(layer_nbytes(c) for c in cache)
 
     def prefix_view(self, cache: list[Any], n: int) -> CachePrefix:
         """Called on the event loop: checks the length, defers the slicing to ``_open``."""

@@ -176,7 +176,7 @@ def checkpoint_names(plan_no: int, rids: Any) -> dict[int, int]:
 
 def encode_wire(plan: StepPlan, drops: list[int]) -> bytes:
     """The plan with each prefix cache replaced by its name, and the names to drop."""
-    from engine.mlx.backend import CachePrefix
+    from engine.mlx.cache_views import CachePrefix
 
     if any(o.cache is not None for o in plan.open):
         opened = []
@@ -203,7 +203,9 @@ def load_sharded(config: EngineConfig) -> Any:
     thread that will run its steps."""
     from mlx_lm.utils import sharded_load
 
-    from engine.mlx.backend import MLXBackend, _tokenizer_hash, _weights_digest
+    from engine.mlx.backend import MLXBackend
+    from engine.mlx.model_identity import tokenizer_hash as _tokenizer_hash
+    from engine.mlx.model_identity import weights_digest as _weights_digest
     from engine.models import resolve_model
 
     path = resolve_model(config.model)
@@ -470,7 +472,7 @@ def run_follower(config: EngineConfig, make_tier: Callable[[EngineConfig, Any, R
                 os._exit(3)
 
     threading.Thread(target=watchdog, name="ember-follower-watchdog", daemon=True).start()
-    from engine.mlx.backend import CachePrefix
+    from engine.mlx.cache_views import CachePrefix
 
     steps = 0
     stored: dict[int, list[Any]] = {}  # this rank's shard of every closed cache rank 0 holds, by name

@@ -382,7 +382,7 @@ def test_cache_ops_count_real_bytes_and_views_are_private(rig):
     per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * cache[0].keys.dtype.size
     assert rig.d.call(b.cache_nbytes, cache) == per_token * (len(p) - 1)
     assert sum(c.nbytes for c in cache) > per_token * (len(p) - 1)  # mlx-lm counts capacity
-    from engine.mlx.backend import prefix_view
+    from engine.mlx.cache_views import prefix_view
 
     clone = rig.d.call(prefix_view, cache, len(p) - 1)  # what a row opened from a prompt-cache hit gets
     assert rig.d.call(b.cache_trimmable, clone)
@@ -406,7 +406,7 @@ def test_cache_ops_count_real_bytes_and_views_are_private(rig):
 def test_caches_handed_out_are_taken_on_another_thread_and_opened_on_the_mlx_one(rig):
     """The prompt-cache tier takes a prefix between steps on the event-loop
     thread; the row that opens with it cuts the view on the MLX thread."""
-    from engine.mlx.backend import CachePrefix
+    from engine.mlx.cache_views import CachePrefix
 
     p = rig.ids(PROMPTS[0])
     r = rig.open_prefilled(p)
@@ -483,7 +483,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(rig):
 
 
 def test_fingerprint_covers_the_kv_scheme():
-    from engine.mlx.backend import _config_fingerprint
+    from engine.mlx.model_identity import config_fingerprint as _config_fingerprint
 
     cfg = {"model_type": "llama", "hidden_size": 8}
     assert _config_fingerprint(cfg, ["KVCache"]) == _config_fingerprint(dict(cfg), ["KVCache"])
@@ -548,7 +548,7 @@ def test_retrained_weights_change_the_fingerprint(tmp_path):
 
     import mlx.core as mx
 
-    from engine.mlx.backend import _weights_digest
+    from engine.mlx.model_identity import weights_digest as _weights_digest
     from engine.models import resolve_model
 
     src = resolve_model("tiny")
@@ -682,7 +682,7 @@ def test_a_prefix_view_continues_exactly_and_leaves_the_stored_cache_as_it_was(m
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from engine.mlx.backend import CachePrefix, prefix_view
+    from engine.mlx.cache_views import CachePrefix, prefix_view
 
     backend, device = mlx
     model = backend.model

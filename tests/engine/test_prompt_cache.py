@@ -286,7 +286,7 @@ class MlxOps:
         return cache_bytes(cache)
 
     def prefix_view(self, cache, n):
-        from engine.mlx.backend import prefix_view
+        from engine.mlx.cache_views import prefix_view
 
         return prefix_view(cache, n)
 

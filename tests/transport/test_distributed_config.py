@@ -49,7 +49,7 @@ def test_unknown_mode_is_refused():
 
 
 def test_a_step_plan_survives_the_wire():
-    from engine.mlx.backend import CachePrefix
+    from engine.mlx.cache_views import CachePrefix
     from engine.mlx.distributed import TrackedCache, _decode_wire, encode_wire
 
     shared = TrackedCache(["layer0", "layer1"])
@@ -111,7 +111,7 @@ class _Inner:
 def test_rank0_names_the_caches_it_keeps_and_tells_when_it_drops_them():
     import gc
 
-    from engine.mlx.backend import CachePrefix
+    from engine.mlx.cache_views import CachePrefix
     from engine.mlx.distributed import LeaderBackend, TrackedCache, _decode_wire
 
     link = _Link()
