@@ -116,11 +116,19 @@ def parts(model: Any, prompts: list[list[int]]) -> dict[str, Callable[[], Any]]:
         mx.eval(out)
         fwd.trim([1] * rows)
 
+    def forward() -> None:
+        mx.eval(fwd.decode(model, toks))
+        fwd.trim([1] * rows)
+
+    def body_only() -> None:
+        mx.eval(model.model(toks[:, None], cache=body.cache))
+        body.trim([1] * rows)
+
     return {
         "ember_step": ember_step,
         "batchgen_next": gen.next,
-        "forward": lambda: (mx.eval(fwd.decode(model, toks)), fwd.trim([1] * rows)),
-        "body": lambda: (mx.eval(model.model(toks[:, None], cache=body.cache)), body.trim([1] * rows)),
+        "forward": forward,
+        "body": body_only,
         "head": lambda: mx.eval(head(hidden)),
         "linears": lambda: mx.eval([m(xs[m.weight.shape[1]]) for m in lins]),
         "linears_fused": lambda: mx.eval([xs[w.shape[1]] @ w.T for w in fused]),
