@@ -101,7 +101,10 @@ def parts(model: Any, prompts: list[list[int]]) -> dict[str, Callable[[], Any]]:
             m.down_proj.weight,
         ]
     xs = {k: mx.random.normal((rows, 1, k)) for k in {m.weight.shape[1] for m in lins}}
-    n_kv, head_dim = args.num_key_value_heads, getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    n_kv, head_dim = (
+        args.num_key_value_heads,
+        getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads,
+    )
     q = mx.random.normal((rows, args.num_attention_heads, 1, head_dim))
     k = mx.random.normal((rows, n_kv, len(prompts[0]) + 32, head_dim))
     v = mx.random.normal(k.shape)
