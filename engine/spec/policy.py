@@ -397,6 +397,17 @@ class GammaPolicy:
             row.retired = True
             self.retired += 1
             return 0, 1 << 30
+        if self.rows_now <= 1 and not row.seen[0]:
+            # A lone row none of whose own drafts were judged yet chose on the
+            # engine's past alone: prices and acceptance that other requests
+            # (other text) measured. Its first probe comes after the engine's
+            # probe spacing, not after the budget's: priced from a few slow
+            # verify rounds, the budget held a 48-token copy request for 95
+            # rounds, so it never drafted (tests/ember/test_spec_first_hold.py).
+            # Alone a probe costs less than one extra plain round; in a batch
+            # every new row probing early would cost the whole batch, so there
+            # the budget rules.
+            return 0, row.probe_every
         return 0, max(row.probe_every, spacing)
 
     def _probe_spacing(self) -> int | None:
