@@ -28,15 +28,21 @@ def verify_s(drafts: int, cold: bool = False) -> float:
     return PLAIN_S * (3.2 if cold else 1.6 + 0.05 * drafts)
 
 
-def fixed_request(core: VerifierCore, rid: int, gamma: int, rounds: int, cold: int, costs: list[StepCost]) -> list[StepCost]:
+def fixed_request(
+    core: VerifierCore, rid: int, gamma: int, rounds: int, cold: int, costs: list[StepCost]
+) -> list[StepCost]:
     """A request at fixed γ whose drafts are all accepted; its round costs
-    reach the Verifier two Verifies late, as the Scheduler sends them."""
+    reach the Verifier with a later Verify, as the Scheduler sends them."""
     lag: list[StepCost] = []
     core.verify(Verify(windows=[Window(rid=rid, drafts=[], targets=[5], fixed_gamma=gamma)], costs=costs))
     for i in range(rounds):
         lag.append(StepCost(gamma=gamma, step_s=verify_s(gamma, cold=i < cold), rows=1, drafted=gamma))
         sent, lag = lag[:-1], lag[-1:]
-        core.verify(Verify(windows=[Window(rid=rid, drafts=[7] * gamma, targets=[7] * gamma + [8], fixed_gamma=gamma)], costs=sent))
+        core.verify(
+            Verify(
+                windows=[Window(rid=rid, drafts=[7] * gamma, targets=[7] * gamma + [8], fixed_gamma=gamma)], costs=sent
+            )
+        )
     core.forget([rid])
     return lag
 
