@@ -51,7 +51,10 @@ plain decode, ``E = 1``.
   them all before the probe (the catch-up); that is priced too, per token as
   measured, so the hold grows with it, and where even the longest hold
   cannot keep probing within budget the row stops speculating for good
-  (``retired``). A row drafts only when the model promises ``margin`` (5%)
+  (``retired``). A lone row none of whose own drafts were judged yet holds
+  only the engine's probe spacing before its first probe: its choice rests on
+  other requests' prices and acceptance, and the budget's hold can outlast
+  the request. A row drafts only when the model promises ``margin`` (5%)
   more than plain decode.
 * In a batch a row must also pay for the others: its γ is chosen for the
   most tokens per second of the whole batch, the other rows drafting as they
