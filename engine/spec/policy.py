@@ -51,7 +51,10 @@ plain decode, ``E = 1``.
   them all before the probe (the catch-up); that is priced too, per token as
   measured, so the hold grows with it, and where even the longest hold
   cannot keep probing within budget the row stops speculating for good
-  (``retired``). A row drafts only when the model promises ``margin`` (5%)
+  (``retired``). A lone row none of whose own drafts were judged yet holds
+  only the engine's probe spacing before its first probe: its choice rests on
+  other requests' prices and acceptance, and the budget's hold can outlast
+  the request. A row drafts only when the model promises ``margin`` (5%)
   more than plain decode.
 * In a batch a row must also pay for the others: its γ is chosen for the
   most tokens per second of the whole batch, the other rows drafting as they
@@ -401,6 +404,17 @@ class GammaPolicy:
             row.retired = True
             self.retired += 1
             return 0, 1 << 30
+        if self.rows_now <= 1 and not row.seen[0]:
+            # A lone row none of whose own drafts were judged yet chose on the
+            # engine's past alone: prices and acceptance that other requests
+            # (other text) measured. Its first probe comes after the engine's
+            # probe spacing, not after the budget's: priced from a few slow
+            # verify rounds, the budget held a 48-token copy request for 95
+            # rounds, so it never drafted (tests/ember/test_spec_first_hold.py).
+            # Alone a probe costs less than one extra plain round; in a batch
+            # every new row probing early would cost the whole batch, so there
+            # the budget rules.
+            return 0, row.probe_every
         return 0, max(row.probe_every, spacing)
 
     def _probe_spacing(self) -> int | None:
