@@ -1,0 +1,181 @@
+"""The report of ``bench.spec``: the γ-sweep table with its free-drafter
+ceiling, and the paired (speculation on/off, same request) report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.spec import Config
+
+
+def fmt_ratio(x: float) -> str:
+    return f"{x:.2f}×"
+
+
+def ceiling(
+    per_call: float | None, gamma: int | None, width_ms: dict[int, float] | None, draft_step_ms: float = 0.0
+) -> float | None:
+    """Speedup a fixed-γ configuration would reach with no per-round overhead:
+    the tokens it gains per target call over what the round's forwards cost
+    against a one-token target step — the (γ+1)-token verify, plus γ drafter
+    steps of ``draft_step_ms`` each (0: a drafter that costs nothing). Above
+    1.0 the engine has room to win; below it no engine work can make that γ
+    pay, at the acceptance this pair reaches."""
+    if per_call is None or gamma is None or not width_ms or gamma + 1 not in width_ms:
+        return None
+    return per_call / ((width_ms[gamma + 1] + gamma * draft_step_ms) / width_ms[1])
+
+
+def report(
+    configs: list[Config],
+    workloads: list[str],
+    args: argparse.Namespace,
+    meta: dict[str, str],
+    width_ms: dict[int, float] | None = None,
+    draft_step_ms: float | None = None,
+) -> str:
+    base = configs[0]
+    lines = [
+        f"Command: `python -m bench.spec {' '.join(sys.argv[1:])}`".rstrip(),
+        "",
+        f"Machine: {meta['machine']}; BLAS: {meta['blas']}; target `{meta['model']}`, "
+        f"drafter `{meta['draft']}`; {args.tokens} tokens per request, greedy, {args.rounds} interleaved "
+        "rounds. Ratios are against speculation off in the same run: of the best round (interference on a "
+        "shared machine only ever slows a round down, so the best round is the least disturbed one) and of "
+        "the medians.",
+        "",
+    ]
+    if width_ms:
+        lines += [
+            "Verify forward cost on the target, same run (`bench.forward` width leg, 1 OpenBLAS thread, "
+            "batch 1): "
+            + ", ".join(f"n={n} {ms / width_ms[1]:.2f}×" for n, ms in width_ms.items())
+            + " of n=1"
+            + (
+                f"; a one-token step of the draft model {draft_step_ms / width_ms[1]:.2f}× of the target's"
+                if draft_step_ms
+                else ""
+            )
+            + ". The last columns of the one-request workloads are the speedup each fixed γ would reach with no "
+            "per-round overhead: tokens per target call ÷ the cost of the γ+1-token verify forward, with a drafter "
+            "that costs nothing and, for the draft model, with its γ measured steps added.",
+            "",
+        ]
+    for w in workloads:
+        b_best, b_med = max(base.tps[w]), statistics.median(base.tps[w])
+        bounded = width_ms is not None and w != "batch4"  # the width cost was measured at batch 1
+        lines += [
+            f"### {w}",
+            "",
+            "| config | tok/s (best round) | speedup (best) | speedup (median) | acceptance | tokens / target call |"
+            + (" ceiling, free drafter | ceiling, this drafter |" if bounded else ""),
+            "|---|---|---|---|---|---|" + ("---|---|" if bounded else ""),
+        ]
+        for c in configs:
+            best, med = max(c.tps[w]), statistics.median(c.tps[w])
+            acc = c.accepted.get(w, 0) / c.drafted[w] if c.drafted.get(w) else None
+            per_call = None
+            if c.rounds.get(w):
+                per_call = (c.rounds[w] + c.accepted.get(w, 0)) / c.rounds[w]
+            row = (
+                f"| {c.name} | {best:.1f} | {fmt_ratio(best / b_best)} | {fmt_ratio(med / b_med)} | "
+                f"{'–' if acc is None else f'{acc:.0%}'} | {'–' if per_call is None else f'{per_call:.2f}'} |"
+            )
+            if bounded:
+                gamma = c.gamma if c.drafter else None
+                cap = ceiling(per_call, gamma, width_ms)
+                # prompt lookup is a Python scan (0.1 ms a round in the anatomy): its own ceiling is the free one
+                own = (
+                    cap
+                    if c.drafter == "ngram"
+                    else ceiling(per_call, gamma, width_ms, draft_step_ms or 0.0)
+                    if draft_step_ms
+                    else None
+                )
+                row += f" {'–' if cap is None else fmt_ratio(cap)} | {'–' if own is None else fmt_ratio(own)} |"
+            lines.append(row)
+        lines.append("")
+    adaptive = [c for c in configs if c.drafter and c.gamma is None]
+    if adaptive:
+        lines += ["Adaptive γ chosen (all workloads, rounds per γ):", ""]
+        for c in adaptive:
+            st = c.engine.stats().get("speculation", {})
+            lines.append(
+                f"- {c.name}: {st.get('gamma_chosen')}; round cost fit {st.get('policy', {}).get('round_s_fit')}"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat, elapsed) -> str:
+    from bench.adaptive import paired_interval
+
+    lines = [
+        f"Command: `python -m bench.spec {' '.join(sys.argv[1:])}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cpus, shared with other work (load average at the end "
+        f"{os.getloadavg()[0]:.1f}); BLAS {os.environ.get('LD_PRELOAD') or 'reference'}; target `{args.model}`; "
+        f"up to {args.tokens} tokens per request, greedy, EOS ends a request; {args.rounds} rounds in {elapsed / 60:.1f} min.",
+        "",
+        "Speedup = an arm's decode tok/s over plain decode (`speculate=false`) of the same requests on the same "
+        "engine in the same round; geometric mean of the rounds with its 95% interval, and the median round. "
+        "`identical`: rounds whose greedy output equalled the plain run's token for token. "
+        "`tok/call`: tokens per target forward. Ceiling, free drafter: tok/call ÷ (cost of a γ+1-token verify "
+        "forward ÷ a 1-token step), the speedup with no per-round overhead and a drafter that costs nothing; "
+        "this drafter: with its γ measured one-token steps added (batch 1 only: widths measured at batch 1).",
+        "",
+    ]
+    if width_ms:
+        lines += [
+            "Verify forward cost on the target (1 OpenBLAS thread, batch 1): "
+            + ", ".join(f"n={n} {ms / width_ms[1]:.2f}×" for n, ms in width_ms.items())
+            + " of n=1 "
+            f"({width_ms[1]:.1f} ms)"
+            + "".join(
+                f"; a one-token step of `{Path(d).name}` {ms / width_ms[1]:.3f}× of the target's"
+                for d, ms in draft_ms.items()
+                if ms
+            )
+            + ".",
+            "",
+        ]
+    for w in workloads:
+        for b in batches:
+            rows = [(d, a) for d in drafters for a in arms[d] if (w, b) in a.ratios]
+            if not rows:
+                continue
+            lines += [
+                f"### {w}, batch {b}",
+                "",
+                "| drafter / γ | speedup (geo. mean) | 95% interval | median round | identical | acceptance | "
+                "tok/call | ceiling, free drafter | ceiling, this drafter | tok/s (plain) |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for d, a in rows:
+                key = (w, b)
+                g, lo, hi = paired_interval(a.ratios[key])
+                acc = a.accepted.get(key, 0) / a.drafted[key] if a.drafted.get(key) else None
+                per_call = a.tokens[key] / a.calls[key] if a.calls.get(key) else None
+                cap = own = None
+                if b == 1 and a.gamma is not None and width_ms:
+                    cap = ceiling(per_call, a.gamma, width_ms)
+                    own = cap if d == "ngram" else ceiling(per_call, a.gamma, width_ms, draft_ms.get(d) or 0.0)
+                lines.append(
+                    f"| {a.name} | {g:.2f}× | {lo:.2f}–{hi:.2f} | {statistics.median(a.ratios[key]):.2f}× | "
+                    f"{sum(a.identical[key])}/{len(a.identical[key])} | {'–' if acc is None else f'{acc:.0%}'} | "
+                    f"{'–' if per_call is None else f'{per_call:.2f}'} | {'–' if cap is None else fmt_ratio(cap)} | "
+                    f"{'–' if own is None else fmt_ratio(own)} | {statistics.median(a.tps[key]):.1f} "
+                    f"({statistics.median(off_tps[(d, w, b)]):.1f}) |"
+                )
+            lines.append("")
+    lines += ["Adaptive γ: rounds per γ chosen, and the policy's fitted round costs (s):", ""]
+    for d, st in stats.items():
+        lines.append(f"- `{Path(d).name}`: {st.get('gamma_chosen')}; fit {st.get('policy', {}).get('round_s_fit')}")
+    return "\n".join(lines + [""] + anat)
