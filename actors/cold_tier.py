@@ -37,10 +37,10 @@ from actors.messages import Handoff, Wire
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
 from actors.scheduler import Demote, Restored
 from engine.errors import EngineDead
-from engine.kv.cold_io import ColdIO, Runner, WaitTurn, run_in_thread
+from engine.kv.cold_io import ColdIO, WaitTurn
 from engine.kv.cold_store import ColdStore
 from engine.kv.prompt_cache import token_bytes
-from engine.ports import Backend, Clock, Device
+from engine.ports import Backend, Clock, Device, IoRunner, run_in_thread
 
 log = logging.getLogger("ember.cold_tier")
 
@@ -189,7 +189,7 @@ class ColdTier(Actor[Inbox]):
         device: Device,
         clock: Clock,
         *,
-        io: Runner = run_in_thread,
+        io: IoRunner = run_in_thread,
         scheduler: ActorRef[Any] | None = None,
         demote_idle_s: float | None = None,
         wall: Callable[[], float] = time.time,

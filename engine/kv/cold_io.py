@@ -15,7 +15,7 @@ entries holding as many bytes as the write and retries it once; if that cannot
 help (no entries left) the write is dropped, a warning is logged once, and the
 tier keeps serving.
 
-Where work runs is a port too: file I/O goes through a ``Runner``
+Where work runs is a port too: file I/O goes through an ``IoRunner`` (``engine.ports``)
 (``run_in_thread`` off the event loop, ``run_inline`` in virtual time, where no
 thread may run) and tensor work through the engine's ``Device``.
 """
@@ -34,11 +34,10 @@ from engine.kv import kvfile
 from engine.kv.cold_store import ColdStore
 from engine.kv.kvfile import KvReader, KvWriter
 from engine.kv.prompt_cache import as_tokens
-from engine.ports import Backend, Clock, Device, IoRunner, run_in_thread, run_inline  # noqa: F401 - the runners are the ports'; re-exported for the tier's callers
+from engine.ports import Backend, Clock, Device, IoRunner
 
 log = logging.getLogger("ember.cold_tier")
 
-Runner = IoRunner
 WaitTurn = Callable[[], Awaitable[None]]
 
 
@@ -56,7 +55,7 @@ class ColdIO:
         device: Device,
         clock: Clock,
         *,
-        io: Runner,
+        io: IoRunner,
         wall: Callable[[], float],
     ):
         self.store = store

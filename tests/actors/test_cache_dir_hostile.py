@@ -291,8 +291,7 @@ def test_restore_revalidates_a_file_swapped_after_the_scan(tmp_path):
     import anyio
 
     from actors.cold_tier import ColdTier
-    from engine.kv.cold_io import run_inline
-    from engine.ports import InlineDevice, LoopClock
+    from engine.ports import InlineDevice, LoopClock, run_inline
 
     root = str(tmp_path)
     path = good_entry(root)

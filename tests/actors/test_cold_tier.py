@@ -27,10 +27,10 @@ from engine.errors import EngineDead
 from engine.fake.gpu import FakeBackend
 from engine.fake.kv_cache import FakeKVCache
 from engine.kv import kvfile
-from engine.kv.cold_io import run_inline, ungated
+from engine.kv.cold_io import ungated
 from engine.kv.cold_store import ColdEntry, ColdStore, entry_id, ns_folder
 from engine.kv.disk import FaultyDisk, RealDisk
-from engine.ports import InlineDevice, LoopClock, ModelInfo
+from engine.ports import InlineDevice, LoopClock, ModelInfo, run_inline
 
 BE = FakeBackend()
 A = list(range(10, 50))  # 40 tokens

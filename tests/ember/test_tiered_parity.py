@@ -31,11 +31,11 @@ from engine.config import EngineConfig
 from engine.eventlog import EventLog
 from engine.fake.gpu import FakeBackend, FakeGPUConfig, expected_tokens
 from engine.kv import kvfile
-from engine.kv.cold_io import run_inline, ungated
+from engine.kv.cold_io import ungated
 from engine.kv.cold_store import ColdStore
 from engine.kv.disk import RealDisk
 from engine.kv.prompt_cache import PromptCache
-from engine.ports import InlineDevice, LoopClock, ModelInfo
+from engine.ports import InlineDevice, LoopClock, ModelInfo, run_inline
 from engine.types import SamplingParams
 
 # ---------------------------------------------------------------------------
