@@ -204,8 +204,7 @@ def load_sharded(config: EngineConfig) -> Any:
     from mlx_lm.utils import sharded_load
 
     from engine.mlx.backend import MLXBackend
-    from engine.mlx.model_identity import tokenizer_hash as _tokenizer_hash
-    from engine.mlx.model_identity import weights_digest as _weights_digest
+    from engine.mlx.model_identity import tokenizer_hash, weights_digest
     from engine.models import resolve_model
 
     path = resolve_model(config.model)
@@ -222,10 +221,10 @@ def load_sharded(config: EngineConfig) -> Any:
         tokenizer,
         model_config,
         model_id=config.model_name or str(config.model),
-        tokenizer_hash=_tokenizer_hash(path),
+        tokenizer_hash=tokenizer_hash(path),
         engine_seed=config.seed,
         pipeline=False,  # no running ahead: see the module docstring
-        weights_digest=_weights_digest(path) + f":{config.distributed}{grp.rank()}/{grp.size()}",
+        weights_digest=weights_digest(path) + f":{config.distributed}{grp.rank()}/{grp.size()}",
         prefill_together=config.batch_prefill,
     )
     backend.counters["rank"] = grp.rank()

@@ -483,11 +483,11 @@ def test_seeded_sampling_does_not_depend_on_the_batch(rig):
 
 
 def test_fingerprint_covers_the_kv_scheme():
-    from engine.mlx.model_identity import config_fingerprint as _config_fingerprint
+    from engine.mlx.model_identity import config_fingerprint
 
     cfg = {"model_type": "llama", "hidden_size": 8}
-    assert _config_fingerprint(cfg, ["KVCache"]) == _config_fingerprint(dict(cfg), ["KVCache"])
-    assert _config_fingerprint(cfg, ["KVCache"]) != _config_fingerprint(cfg, ["RotatingKVCache"])
+    assert config_fingerprint(cfg, ["KVCache"]) == config_fingerprint(dict(cfg), ["KVCache"])
+    assert config_fingerprint(cfg, ["KVCache"]) != config_fingerprint(cfg, ["RotatingKVCache"])
 
 
 def test_mlx_thread_runs_everything_on_one_thread():
@@ -548,18 +548,18 @@ def test_retrained_weights_change_the_fingerprint(tmp_path):
 
     import mlx.core as mx
 
-    from engine.mlx.model_identity import weights_digest as _weights_digest
+    from engine.mlx.model_identity import weights_digest
     from engine.models import resolve_model
 
     src = resolve_model("tiny")
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(src, a)
     shutil.copytree(src, b)
-    assert _weights_digest(a) == _weights_digest(b)
+    assert weights_digest(a) == weights_digest(b)
     weights = mx.load(str(b / "model.safetensors"))
     weights = {k: (v * 1.001 if k.endswith("norm.weight") or "embed" in k else v) for k, v in weights.items()}
     mx.save_safetensors(str(b / "model.safetensors"), weights, metadata={"format": "mlx"})
-    assert _weights_digest(a) != _weights_digest(b)
+    assert weights_digest(a) != weights_digest(b)
 
 
 @pytest.mark.parametrize("together", [True, False], ids=["together", "alone"])
