@@ -15,7 +15,15 @@ ahead of where it was, so the copy resumes one round after the change
 instead of waiting for ``min_n`` tokens that match somewhere. Re-aligning on
 one token is a guess, made only inside a long copy (``realign_after`` tokens
 copied in a row): after a chance match in free text it would draft, and
-fail, every round. Prompt lookup finds the most recent earlier occurrence of the
+fail, every round. When the copy lost its place and the text continues
+with something the source has further on (the target skipped a stretch: a
+135M model asked to return an edited file wrote the def lines and skipped
+the bodies), the lookup prefers the occurrence of the suffix after where the
+source had got to — the one agreeing with the context furthest back, the
+nearest on a tie — over the most recent one, which after a few lines is
+often the copy's own output (``_forward``).
+
+Prompt lookup finds the most recent earlier occurrence of the
 context's last ``n`` tokens and proposes the tokens that followed it. No model,
 no device time: a dict lookup per round.
 

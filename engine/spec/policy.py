@@ -420,15 +420,17 @@ class GammaPolicy:
             # the budget rules.
             return 0, row.probe_every
         if leaving and self.rows_now <= 1:
-            # A lone row stopped drafting on its own recent acceptance, which paid until
-            # now: probe again after the engine's probe spacing, not after the
-            # budget's (~30 rounds for a lone row, a verify round ~1.6× plain).
-            # On an edited file one departure from the source held a 48-token
-            # request for most of its length: 1.55 tokens per target call
+            # A lone row stopped drafting on its own recent acceptance, which
+            # paid until now: on copied text a rejection comes in bursts (the
+            # text departs from its source for a token or two, then copies
+            # again), so it decodes one round plainly and probes, instead of
+            # holding for the budget's spacing (~30 rounds for a lone row whose
+            # verify round costs ~1.6× a plain one). On an edited file that
+            # hold took most of a 48-token request: 1.55 tokens per target call
             # against 2.67 at fixed γ = 4 (tests/ember/test_spec_bursty.py).
-            # If that probe fails the spacing doubles and the budget rules; in a
-            # batch the budget always rules (every row's probe costs the batch).
-            return 0, row.probe_every
+            # If the probe fails the spacing doubles and the budget rules; in
+            # a batch the budget always rules (every row's probe costs the batch).
+            return 0, 1
         return 0, max(row.probe_every, spacing)
 
     def _probe_spacing(self) -> int | None:
