@@ -131,7 +131,7 @@ class NgramIndex:
         """Where a copy that lost its place resumes: the occurrence of the
         context's suffix after where the copy's source had got to that
         agrees with the context furthest back (the nearest on a tie)."""
-        if self._ptr is None or L < self.min_n:
+        if self._ptr is None or self.min_n > L:
             return None
         occ = self._all.get(tuple(self.tokens[L - self.min_n :]))
         if not occ:

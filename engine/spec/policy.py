@@ -328,6 +328,15 @@ class GammaPolicy:
         # start as deep as the engine's latest judged round reached.
         reach = next((j for j, n in enumerate(row.seen) if n == 0), self.gamma_max)
         deepest = max(reach + 1, 2 * reach, row.depth_seed)
+        if reach == 0:
+            # Nothing of this request judged yet: its first window may go as deep
+            # as the engine-wide acceptance pays for. The latest judged round
+            # (depth_seed) is another request's text: after a chat answer it
+            # started a 48-token copy at γ = 1, and the ramp 1, 2, 4, 6 took a
+            # fifth of its rounds (0.80 of fixed γ = 6 on the mixed-workload
+            # fake machine, 0.96 with this). A deep first window on text that
+            # does not copy costs one verify round's few extra draft tokens.
+            deepest = self.gamma_max
         if b > 1:  # in a batch the jump, not the width, is what a verify round costs (probe_gamma)
             deepest = self.gamma_max
         # Rows that do not speculate at all (other engines' settings) give one token each.

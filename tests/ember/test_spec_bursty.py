@@ -9,10 +9,11 @@ probe-budget hold (~30 plain rounds for a lone row whose verify round costs
 ~1.6× a plain one), a large part of a 48-token request.
 
 Here, 30 requests of 48 tokens each: before the fix adaptive got 0.86 and
-0.87 of the best fixed γ (seeds 0 and 1), after it 0.95 and 0.95. What is
-left is each request's first rounds: one judged round moves a row's
-acceptance most of the way (GammaPolicy.observe_round), so a rejection in
-a request's first round makes it draft shallower for a few rounds.
+0.87 of the best fixed γ (seeds 0 and 1); with it 0.95 and 0.95, and 0.98
+and 0.95 with the deep first window tested below. What is left is each
+request's first rounds: one judged round moves a row's acceptance most of
+the way (GammaPolicy.observe_round), so a rejection in a request's first
+round makes it draft shallower for a few rounds.
 
 The machine is ``FakeMachine`` (tests/ember/test_spec_costs.py): load that
 changes over time, and a verify round at batch 1 costing 1.12× a plain one
@@ -84,3 +85,18 @@ def test_adaptive_keeps_drafting_through_the_departures_of_an_edited_copy(seed):
     adaptive = bursty(None, seed=seed)
     best = max(fixed.values())
     assert adaptive >= 0.93 * best, (round(adaptive / plain, 3), {g: round(v / plain, 3) for g, v in fixed.items()})
+
+
+def test_a_new_request_may_start_as_deep_as_the_engines_acceptance_pays():
+    """The latest judged round is another request's text: after a chat answer
+    rejected its first draft, a copy request began at γ = 1 and spent a fifth
+    of its 48 tokens ramping up (1, 2, 4, 6). A request none of whose drafts
+    were judged yet may draft as deep as the engine-wide acceptance pays for."""
+    policy = GammaPolicy()
+    rounds = []
+    for _ in range(6):  # plain rounds and verify rounds of every width, priced alike
+        rounds += [(0, 0.070, 1, 0, 0.0)] * 3 + [(d, 0.070 * (1.45 + 0.05 * d), 1, d, 0.0) for d in range(1, 7)]
+    policy.observe_costs(rounds)
+    policy.accept = [0.95] * policy.gamma_max  # the engine's requests so far copied
+    policy.depth_seed = 1  # but the latest one's round was rejected at its first draft
+    assert policy.best(policy.new_row(None)) == policy.gamma_max
