@@ -28,7 +28,9 @@ plain decode, ``E = 1``.
   reached borrows the one before it. Alone, a row drafts at most twice as
   deep as it has had judged (a probe's single accepted draft says little
   about positions 2..6), or as deep as the engine's latest judged round
-  reached; in a batch, any depth (there the jump, not the width, is the cost).
+  reached, and before any of its own drafts were judged as deep as the
+  engine-wide acceptance pays for; in a batch, any depth (there the jump, not
+  the width, is the cost).
 * The cost model (``engine.spec.costs.RoundCosts``) prices each verify shape
   as a ratio to the plain rounds at the same batch size measured within a
   few rounds of it — the same load on both sides of the ratio — times the
@@ -54,7 +56,10 @@ plain decode, ``E = 1``.
   (``retired``). A lone row none of whose own drafts were judged yet holds
   only the engine's probe spacing before its first probe: its choice rests on
   other requests' prices and acceptance, and the budget's hold can outlast
-  the request. A row drafts only when the model promises ``margin`` (5%)
+  the request. A lone row that was drafting and stops (not a failed probe)
+  decodes one round plainly and probes: on copied text rejections come in
+  bursts, and the budget's hold after one departure took most of an edited
+  file's request. A row drafts only when the model promises ``margin`` (5%)
   more than plain decode.
 * In a batch a row must also pay for the others: its γ is chosen for the
   most tokens per second of the whole batch, the other rows drafting as they
