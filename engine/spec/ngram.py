@@ -58,10 +58,10 @@ class NgramIndex:
         # Every occurrence of each min_n-gram (ending positions, ascending): a
         # copy that lost its place looks forward from where its source was.
         self._all: dict[tuple[int, ...], list[int]] = {}
-        self.forward = True
-        self.forward_candidates = 8
-        self.forward_window = 1024
-        self.forward_match = 8
+        self.forward = True  # off: the most recent occurrence only (as before; for comparisons)
+        self.forward_candidates = 8  # occurrences after the source position weighed, at most
+        self.forward_window = 1024  # how far past the source position a candidate may lie
+        self.forward_match = 8  # tokens of agreement with the context counted, at most
         # Copy pointer: (position the latest proposal was read from, context length then).
         self._ptr: tuple[int, int] | None = None
         self.realign_window = 16
