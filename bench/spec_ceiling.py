@@ -9,7 +9,9 @@ replayed through a drafter in a simulated speculative loop: each round drafts
 at most γ tokens, accepts the prefix that matches the output and adds the
 target's own next token. Three drafters, on the same output:
 
-- **ngram**: prompt lookup as Ember has it (``engine.spec.ngram.NgramIndex``);
+- **ngram**: prompt lookup as Ember has it (``engine.spec.ngram.NgramIndex``;
+  **ngram-recent**: the same with ``forward`` off, the most recent occurrence
+  only, as it was before issue #21's fourth pass);
 - **aligner**: the ideal aligner, difflib's alignment of the output tokens to
   the prompt tokens; inside a matching block it proposes the aligned source
   continuation, elsewhere nothing (what a lookup that never loses its place in
@@ -146,6 +148,8 @@ class OracleDrafter:
 
 
 DRAFTERS: dict[str, Callable[[Sequence[int], Sequence[int]], Drafter]] = {
+    # the lookup before spec4's fix (most recent occurrence only): the "ngram before" column
+    "ngram-recent": lambda prompt, output: NgramDrafter(prompt, forward=False),
     "ngram": lambda prompt, output: NgramDrafter(prompt),
     "aligner": AlignerDrafter,
     "oracle": OracleDrafter,
@@ -164,7 +168,8 @@ def report(
 ) -> str:
     """One row per (case, γ): tokens per call for each drafter (ngram's
     acceptance in brackets), then the mean over the cases per workload and
-    γ; with ``verify_costs`` (one per γ) each mean's speedup ceiling."""
+    γ; with ``verify_costs`` (one per γ) each row's and each mean's speedup
+    ceiling (tokens per call ÷ the verify round's cost), in the same order."""
     names = list(DRAFTERS)
     lines = [
         f"{'case':12} {'γ':>2} {'tokens':>6}  " + "  ".join(f"{n:>12}" for n in names) + "  (tokens per target call)"
@@ -179,7 +184,11 @@ def report(
                 if n == "ngram":
                     cell += f" ({r[n].acceptance:.0%})"
                 cells.append(f"{cell:>12}")
-            lines.append(f"{key:12} {g:>2} {len(output):>6}  " + "  ".join(cells))
+            line = f"{key:12} {g:>2} {len(output):>6}  " + "  ".join(cells)
+            if verify_costs:
+                cost = verify_costs[gammas.index(g)]
+                line += "  ÷ " + f"{cost:.2f}: " + " ".join(f"{r[n].tokens_per_call / cost:.2f}×" for n in names)
+            lines.append(line)
             workload = key.rstrip("0123456789.")
             means.setdefault((workload, g), []).append({n: r[n].tokens_per_call for n in names})
     lines.append("")
