@@ -182,7 +182,7 @@ def report(
             for n in names:
                 cell = f"{r[n].tokens_per_call:.2f}"
                 if n == "ngram":
-                    cell += f" ({r[n].acceptance:.0%})"
+                    cell += f" ({r[n].acceptance:.0%})" if r[n].drafted else " (none)"
                 cells.append(f"{cell:>12}")
             line = f"{key:12} {g:>2} {len(output):>6}  " + "  ".join(cells)
             if verify_costs:
@@ -213,7 +213,7 @@ def _greedy(model: Any, tokenizer: Any, prompt: list[int], n: int) -> list[int]:
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    eos = set(tokenizer._tok.eos_token_ids)
+    eos = tokenizer.eos_token_ids
     ids: list[int] = []
     for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=make_sampler(0.0)):
         ids.append(int(t))
@@ -266,6 +266,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     gammas = [int(g) for g in args.gammas.split(",") if g.strip()]
+    if not gammas or min(gammas) < 1:
+        ap.error(f"--gammas: need draft lengths >= 1, got {args.gammas!r}")
+    if args.tokens < 1 or args.prompts < 1:
+        ap.error("--tokens and --prompts must be >= 1")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in workloads:
         if w not in ("chat", "edit", "copy", "agent"):
