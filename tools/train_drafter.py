@@ -426,6 +426,8 @@ def stage_train(args: argparse.Namespace) -> dict:
     model.model.embed_tokens.weight = mx.array(proj.astype(np.float32))
     model.head.weight = mx.array((proj[ids] / 0.02 * 0.05).astype(np.float32))  # the same directions, to start
     model.freeze(keys=["head_ids"])
+    if args.freeze_embedding:  # few labelled tokens: keep the target's token geometry, train the rest
+        model.model.embed_tokens.freeze()
     mx.eval(model.parameters())
     covered = sum(int(full_to_small[t] >= 0) for _, y, m in local_eval + chat_eval for t, w in zip(y, m) if w)
     total = sum(int(w) for _, _, m in local_eval + chat_eval for w in m)
@@ -450,7 +452,9 @@ def stage_train(args: argparse.Namespace) -> dict:
     )
     step_fn = nn.value_and_grad(model, loss_fn)
     t0 = time.time()
-    curve = []
+    curve: list[tuple] = []
+    evals: list[tuple] = []
+    best = (-1.0, -1)
     step = 0
     for step in range(args.steps):
         if args.train_minutes and time.time() - t0 > args.train_minutes * 60:
@@ -466,7 +470,20 @@ def stage_train(args: argparse.Namespace) -> dict:
         if step % 25 == 0 or step == args.steps - 1:
             curve.append((step, round(float(loss), 4), round(time.time() - t0, 1)))
             print(f"[train] step {step} loss {float(loss):.3f} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-    model.save_weights(str(args.work / "drafter.safetensors"))
+        if args.eval_every and step and step % args.eval_every == 0:
+            # Keep the weights that agree best on the held-out chat answers (the
+            # benchmark's own prompts stay out of this choice: reported apart).
+            a = agreement(model, chat_eval, 512)["agreement"]
+            evals.append((step, a))
+            print(f"[train] step {step} held-out chat agreement {a:.3f}", file=sys.stderr, flush=True)
+            if a > best[0]:
+                best = (a, step)
+                model.save_weights(str(args.work / "drafter.safetensors"))
+    final = agreement(model, chat_eval, 512)["agreement"] if args.eval_every else 1.0
+    evals.append((step, final))
+    if final >= best[0]:
+        best = (final, step)
+        model.save_weights(str(args.work / "drafter.safetensors"))
     (args.work / "drafter_config.json").write_text(json.dumps(cfg))
     return {
         "steps": step + 1,
@@ -474,6 +491,8 @@ def stage_train(args: argparse.Namespace) -> dict:
         "loss_curve": curve,
         "train_rows": {"chat": len(chat), "local": len(local)},
         "head_covers_heldout_labels": round(covered / max(1, total), 4),
+        "heldout_chat_agreement_by_step": evals,
+        "kept_step": best[1],
     }
 
 
@@ -567,7 +586,11 @@ def stage_export_full(args: argparse.Namespace) -> dict:
     full_cfg["tie_word_embeddings"] = False
     model = llama.Model(llama.ModelArgs.from_dict(full_cfg))
     model.model = small.model
-    w = np.zeros((full_cfg["vocab_size"], cfg["hidden_size"]), np.float32)
+    # Rows outside the small head start pointing away from the mean feature
+    # (logit about -10): the head starts as the small head's argmax, and the fit
+    # only has to raise the rare ids the small head could not name.
+    mu = np.concatenate(feats).mean(0)
+    w = np.tile(-10.0 * mu / float(mu @ mu), (full_cfg["vocab_size"], 1)).astype(np.float32)
     w[np.array(small.head_ids)] = np.array(small.head.weight)
     head = nn.Linear(cfg["hidden_size"], full_cfg["vocab_size"], bias=False)
     head.weight = mx.array(w)
@@ -643,6 +666,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--chat-repeat", type=int, default=2, help="weight of the generated chat rows against local text")
     ap.add_argument("--train-minutes", type=float, default=25.0, help="stop training at this wall time")
+    ap.add_argument("--eval-every", type=int, default=100, help="steps between held-out checks (0: keep the last)")
+    ap.add_argument("--freeze-embedding", action="store_true", help="keep the input embedding as initialised")
     ap.add_argument("--bits", type=int, default=4, help="quantize the shipped weights (0: keep fp32)")
     ap.add_argument("--full-out", type=Path, default=None, help="stage export-full: the mlx-lm directory to write")
     ap.add_argument("--full-head-minutes", type=float, default=4.0)
