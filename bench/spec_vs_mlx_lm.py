@@ -130,6 +130,18 @@ def spec_counters(srv: Server) -> dict[str, float]:
     return {k: v for k, v in (found or {}).items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the rounds added to Ember's cumulative speculation counters (rates
+    and gauges are left out: a difference of them means nothing), with the
+    acceptance over those rounds."""
+    keys = [k for k in after if k.startswith("spec_decode_") or k in ("plain_rounds", "fallbacks", "draft_faults")]
+    out = {k: after[k] - before.get(k, 0) for k in keys}
+    drafted = out.get("spec_decode_num_draft_tokens", 0)
+    if drafted:
+        out["acceptance"] = round(out.get("spec_decode_num_accepted_tokens", 0) / drafted, 4)
+    return out
+
+
 def _walk(obj):
     yield obj
     if isinstance(obj, dict):
@@ -194,7 +206,7 @@ async def run(args: argparse.Namespace) -> dict:
                         f"({r['tokens']} tokens, {r['wall_s']:.1f}s, TTFT {r['ttft_first_s']:.1f}-{r['ttft_last_s']:.1f}s)"
                     )
             after = spec_counters(ember)
-            res["ember_spec"] = {k: after[k] - before.get(k, 0) for k in after}
+            res["ember_spec"] = counter_deltas(before, after)
     finally:
         res["load"].append(os.getloadavg()[0])
         for s in servers:
@@ -241,7 +253,9 @@ def report(res: dict, args: argparse.Namespace) -> str:
         )
     spec = res.get("ember_spec") or {}
     if spec:
-        lines.append("Ember's speculation counters over the rounds: " + ", ".join(f"{k} {v:g}" for k, v in spec.items()))
+        lines.append(
+            "Ember's speculation counters over the rounds: " + ", ".join(f"{k} {v:g}" for k, v in spec.items())
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -44,6 +44,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -237,30 +238,29 @@ async def _generate(
     t0 = time.time()
     async with Engine.open(cfg) as engine:
         sem = asyncio.Semaphore(batch)
+
+        async def one(i: int, text: str, f: Any, done: set[int], path: Path, n: int) -> None:
+            ids = engine.chat_prompt([{"role": "user", "content": text}])
+            async with sem:
+                if minutes and time.time() - t0 > minutes * 60:
+                    return
+                c = await engine.acomplete(ids, params)
+            f.write(json.dumps({"i": i, "prompt": ids, "answer": c.token_ids}) + "\n")
+            f.flush()
+            done.add(i)
+            if len(done) % 16 == 0:
+                n_tok = sum(len(json.loads(ln)["answer"]) for ln in path.read_text().splitlines())
+                print(
+                    f"[data] {path.name}: {len(done)}/{n} answers, {n_tok} tokens, {time.time() - t0:.0f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
         for path, prompts in jobs:
             done = {json.loads(ln)["i"] for ln in path.read_text().splitlines()} if path.exists() else set()
-            todo = [(i, p) for i, p in enumerate(prompts) if i not in done]
             with path.open("a") as f:
-
-                async def one(i: int, text: str) -> None:
-                    ids = engine.chat_prompt([{"role": "user", "content": text}])
-                    async with sem:
-                        if minutes and time.time() - t0 > minutes * 60:
-                            return
-                        c = await engine.acomplete(ids, params)
-                    f.write(json.dumps({"i": i, "prompt": ids, "answer": c.token_ids}) + "\n")
-                    f.flush()
-                    done.add(i)
-                    if len(done) % 16 == 0:
-                        n_tok = sum(len(json.loads(ln)["answer"]) for ln in path.read_text().splitlines())
-                        print(
-                            f"[data] {path.name}: {len(done)}/{len(prompts)} answers, {n_tok} tokens, "
-                            f"{time.time() - t0:.0f}s",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-
-                await asyncio.gather(*[one(i, p) for i, p in todo])
+                todo = [one(i, p, f, done, path, len(prompts)) for i, p in enumerate(prompts) if i not in done]
+                await asyncio.gather(*todo)
 
 
 def label_windows(target: str, texts: list[str], window: int, max_windows: int, seed: int, batch: int = 8) -> dict:

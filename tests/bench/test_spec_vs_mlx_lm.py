@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.spec_vs_mlx_lm import ember_gamma_flags, parse_args, ratios, report, round_prompts
+from bench.spec_vs_mlx_lm import counter_deltas, ember_gamma_flags, parse_args, ratios, report, round_prompts
 
 BASE = ["--model", "/m", "--draft-model", "/d"]
 
@@ -69,3 +69,20 @@ def test_report_states_the_target_and_the_verdict():
     assert "drafted 900, accepted 300" in text
     res["summary"] = ratios([30.0, 32.0], [20.0, 20.0])
     assert "target ≥ 2×: NOT met" in report(res, args)
+
+
+def test_counter_deltas_leave_rates_out_and_recompute_acceptance():
+    before = {
+        "spec_decode_num_draft_tokens": 10,
+        "spec_decode_num_accepted_tokens": 5,
+        "acceptance_rate": 0.5,
+        "rows": 2,
+    }
+    after = {
+        "spec_decode_num_draft_tokens": 110,
+        "spec_decode_num_accepted_tokens": 30,
+        "acceptance_rate": 0.27,
+        "rows": 0,
+    }
+    d = counter_deltas(before, after)
+    assert d == {"spec_decode_num_draft_tokens": 100, "spec_decode_num_accepted_tokens": 25, "acceptance": 0.25}
