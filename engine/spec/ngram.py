@@ -15,7 +15,15 @@ ahead of where it was, so the copy resumes one round after the change
 instead of waiting for ``min_n`` tokens that match somewhere. Re-aligning on
 one token is a guess, made only inside a long copy (``realign_after`` tokens
 copied in a row): after a chance match in free text it would draft, and
-fail, every round. Prompt lookup finds the most recent earlier occurrence of the
+fail, every round. When the copy lost its place and the text continues
+with something the source has further on (the target skipped a stretch: a
+135M model asked to return an edited file wrote the def lines and skipped
+the bodies), the lookup prefers the occurrence of the suffix after where the
+source had got to — the one agreeing with the context furthest back, the
+nearest on a tie — over the most recent one, which after a few lines is
+often the copy's own output (``_forward``).
+
+Prompt lookup finds the most recent earlier occurrence of the
 context's last ``n`` tokens and proposes the tokens that followed it. No model,
 no device time: a dict lookup per round.
 
@@ -31,6 +39,8 @@ loops small models fall into), so it can still propose ``k`` tokens.
 
 from __future__ import annotations
 
+import bisect
+
 
 class NgramIndex:
     """The context of one request and its n-gram → next-position index."""
@@ -45,6 +55,13 @@ class NgramIndex:
         # ending at j, and tokens[j] followed it. Only grams with j < len(tokens)
         # are indexed, so the context's own suffix never matches itself.
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        # Every occurrence of each min_n-gram (ending positions, ascending): a
+        # copy that lost its place looks forward from where its source was.
+        self._all: dict[tuple[int, ...], list[int]] = {}
+        self.forward = True  # off: the most recent occurrence only (as before; for comparisons)
+        self.forward_candidates = 8  # occurrences after the source position weighed, at most
+        self.forward_window = 1024  # how far past the source position a candidate may lie
+        self.forward_match = 8  # tokens of agreement with the context counted, at most
         # Copy pointer: (position the latest proposal was read from, context length then).
         self._ptr: tuple[int, int] | None = None
         self.realign_window = 16
@@ -68,6 +85,8 @@ class NgramIndex:
             for n, idx in self._index.items():
                 if j >= n:
                     idx[tuple(toks[j - n : j])] = j
+            if j >= self.min_n:
+                self._all.setdefault(tuple(toks[j - self.min_n : j]), []).append(j)
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens: the copy pointer's continuation, else what
@@ -80,7 +99,9 @@ class NgramIndex:
             self._ptr, self._run = None, 0  # the copy did not resume: back to the index
         j = self._follow(L)
         if j is None:
-            j = self._lookup(L)
+            j = self._forward(L) if self.forward else None
+            if j is None:
+                j = self._lookup(L)
             if j is not None:
                 self._run = 0
         if j is None:  # keep the pointer: the copy may resume after the change
@@ -105,6 +126,28 @@ class NgramIndex:
             if j is not None:
                 return j
         return None
+
+    def _forward(self, L: int) -> int | None:
+        """Where a copy that lost its place resumes: the occurrence of the
+        context's suffix after where the copy's source had got to that
+        agrees with the context furthest back (the nearest on a tie)."""
+        if self._ptr is None or self.min_n > L:
+            return None
+        occ = self._all.get(tuple(self.tokens[L - self.min_n :]))
+        if not occ:
+            return None
+        toks, j0 = self.tokens, self._ptr[0]
+        i = bisect.bisect_right(occ, j0)
+        best, best_m = None, 0
+        for p in occ[i : i + self.forward_candidates]:
+            if p >= L or p - j0 > self.forward_window:
+                break
+            m = self.min_n
+            while m < self.forward_match and p - m - 1 >= 0 and toks[p - m - 1] == toks[L - m - 1]:
+                m += 1
+            if m > best_m:
+                best, best_m = p, m
+        return best
 
     def _follow(self, L: int) -> int | None:
         """Where the copy pointer continues: the tokens emitted since the last

@@ -28,7 +28,9 @@ plain decode, ``E = 1``.
   reached borrows the one before it. Alone, a row drafts at most twice as
   deep as it has had judged (a probe's single accepted draft says little
   about positions 2..6), or as deep as the engine's latest judged round
-  reached; in a batch, any depth (there the jump, not the width, is the cost).
+  reached, and before any of its own drafts were judged as deep as the
+  engine-wide acceptance pays for; in a batch, any depth (there the jump, not
+  the width, is the cost).
 * The cost model (``engine.spec.costs.RoundCosts``) prices each verify shape
   as a ratio to the plain rounds at the same batch size measured within a
   few rounds of it — the same load on both sides of the ratio — times the
@@ -54,7 +56,10 @@ plain decode, ``E = 1``.
   (``retired``). A lone row none of whose own drafts were judged yet holds
   only the engine's probe spacing before its first probe: its choice rests on
   other requests' prices and acceptance, and the budget's hold can outlast
-  the request. A row drafts only when the model promises ``margin`` (5%)
+  the request. A lone row that was drafting and stops (not a failed probe)
+  decodes one round plainly and probes: on copied text rejections come in
+  bursts, and the budget's hold after one departure took most of an edited
+  file's request. A row drafts only when the model promises ``margin`` (5%)
   more than plain decode.
 * In a batch a row must also pay for the others: its γ is chosen for the
   most tokens per second of the whole batch, the other rows drafting as they
@@ -328,6 +333,15 @@ class GammaPolicy:
         # start as deep as the engine's latest judged round reached.
         reach = next((j for j, n in enumerate(row.seen) if n == 0), self.gamma_max)
         deepest = max(reach + 1, 2 * reach, row.depth_seed)
+        if reach == 0:
+            # Nothing of this request judged yet: its first window may go as deep
+            # as the engine-wide acceptance pays for. The latest judged round
+            # (depth_seed) is another request's text: after a chat answer it
+            # started a 48-token copy at γ = 1, and the ramp 1, 2, 4, 6 took a
+            # fifth of its rounds (0.80 of fixed γ = 6 on the mixed-workload
+            # fake machine, 0.96 with this). A deep first window on text that
+            # does not copy costs one verify round's few extra draft tokens.
+            deepest = self.gamma_max
         if b > 1:  # in a batch the jump, not the width, is what a verify round costs (probe_gamma)
             deepest = self.gamma_max
         # Rows that do not speculate at all (other engines' settings) give one token each.
@@ -391,6 +405,10 @@ class GammaPolicy:
         if row.fixed is not None:
             return row.fixed, (1 << 30 if row.fixed == 0 else 0)
         g = self.best(row)
+        # A row that was drafting (not probing) and now stops: its own drafts
+        # were just judged, and on copied text a rejection comes in bursts —
+        # the text departs from its source for a token or two and copies again.
+        leaving = row.gamma > 0 and not row.probing
         if row.probing:  # the probe round just ran: keep its verdict
             row.probing = False
             row.probe_every = self.probe_first if g > 0 else min(self.probe_max, row.probe_every * 2)
@@ -415,6 +433,18 @@ class GammaPolicy:
             # every new row probing early would cost the whole batch, so there
             # the budget rules.
             return 0, row.probe_every
+        if leaving and self.rows_now <= 1:
+            # A lone row stopped drafting on its own recent acceptance, which
+            # paid until now: on copied text a rejection comes in bursts (the
+            # text departs from its source for a token or two, then copies
+            # again), so it decodes one round plainly and probes, instead of
+            # holding for the budget's spacing (~30 rounds for a lone row whose
+            # verify round costs ~1.6× a plain one). On an edited file that
+            # hold took most of a 48-token request: 1.55 tokens per target call
+            # against 2.67 at fixed γ = 4 (tests/ember/test_spec_bursty.py).
+            # If the probe fails the spacing doubles and the budget rules; in
+            # a batch the budget always rules (every row's probe costs the batch).
+            return 0, 1
         return 0, max(row.probe_every, spacing)
 
     def _probe_spacing(self) -> int | None:

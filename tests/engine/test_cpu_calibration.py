@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("_store_any_calibration")
 @pytest.fixture
 def _store_any_calibration(monkeypatch):
     monkeypatch.setattr(cc, "CACHE_MIN_S", 0.0)  # the choices here are made in microseconds
+    monkeypatch.setattr(cc, "_loadavg", lambda: None)  # this machine's load must not decide a test
 
 
 class _Blas:
@@ -182,6 +183,45 @@ def test_recalibrate_env_and_skipped_choices(tmp_path):
     # kept: a restart at a quieter moment would otherwise measure for a minute
     again = cc.load_choice("s", tmp_path)
     assert again is not None and again.skipped == "too slow" and again.threads == {}
+
+
+@pytest.mark.parametrize(
+    ("measured_at", "now", "remeasured"),
+    [
+        (15.0, 0.8, True),  # measured busy, quiet now: the busy choice is not trusted
+        (15.0, 1.5, False),  # not quiet enough to do better: keep it, start fast
+        (15.0, 9.0, False),
+        (0.7, 0.2, False),  # measured quiet: kept whatever the load now
+        (0.7, 12.0, False),
+        (None, 0.1, False),  # a file from before the load was recorded
+    ],
+)
+def test_a_choice_measured_on_a_busy_machine_is_measured_again_when_quiet(tmp_path, measured_at, now, remeasured):
+    cc.store_choice("k", _choice(), tmp_path, measured_load=measured_at)
+    calls, applied = [], []
+    choice = cc.cached_calibration(
+        "k",
+        lambda: calls.append(1) or _choice(),
+        applied.append,
+        directory=tmp_path,
+        environ={},
+        loadavg=lambda: now,
+        cores=2,
+    )
+    assert (calls == [1]) is remeasured and (applied == []) is remeasured
+    assert choice.source == ("measured" if remeasured else "cache")
+    if remeasured:  # the new file records the quiet load, so the next start reads it back
+        again = cc.cached_calibration(
+            "k",
+            lambda: calls.append(1) or _choice(),
+            applied.append,
+            directory=tmp_path,
+            environ={},
+            loadavg=lambda: now,
+            cores=2,
+        )
+        assert calls == [1] and again.source == "cache"
+        assert json.loads((tmp_path / "k.json").read_text())["measured_load"] == now
 
 
 def test_the_key_changes_with_model_dtype_and_threads():

@@ -51,3 +51,19 @@ def test_a_token_far_from_the_pointer_does_not_realign_it():
     assert idx.propose(2) == FILE[14:16]
     idx.extend([99, FILE[19]])  # FILE[19] is five tokens past where the source had got to
     assert idx.propose(2) == []
+
+
+def test_a_copy_that_skips_ahead_resumes_after_its_source_not_at_the_latest_match():
+    """The target copies a file but skips a stretch of it (SmolLM2 asked to
+    return an edited file wrote the def lines and skipped the bodies): the
+    copy resumes at the next occurrence of the suffix after where its source
+    had got to, not at the most recent one (its own earlier output)."""
+    a, b, c = [30, 31, 32], [40, 41, 42], [50, 51, 52]
+    body = [60, 61, 62, 63, 64]
+    src = [1, 2] + a + body + [1, 2] + b + body[::-1] + [1, 2] + c
+    idx = NgramIndex(min_n=2, max_n=4)
+    idx.extend(src + [9] + [1, 2] + a)  # the copy began: the first def line
+    assert idx.propose(2) == body[:2]  # the pointer follows the source into the body
+    idx.extend([1, 2])  # the target skipped the body and wrote the next def line
+    assert idx.lookup(3) == a  # the index alone: the latest [1, 2] is the copy's own
+    assert idx.propose(3) == b  # forward from where the source had got to
