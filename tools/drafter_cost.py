@@ -75,12 +75,17 @@ def needed_acceptance(speedup: float, gamma: int, verify: float, c: float) -> fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.blas import blas_threads, maybe_reexec_with_openblas
+    from engine.mlx.blas import blas_threads, maybe_reexec_with_openblas
 
     maybe_reexec_with_openblas()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--shapes", default="128x2,192x2,256x4")
+    ap.add_argument(
+        "--drafters",
+        default="",
+        help="comma-separated drafter directories (trained, small-head or mlx-lm) to time instead of --shapes",
+    )
     ap.add_argument("--speedup", type=float, default=1.3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
@@ -96,12 +101,20 @@ def main(argv: list[str] | None = None) -> None:
     blas_threads().use(1)
     tmp = Path(tempfile.mkdtemp(prefix="drafter-cost-"))
     rows = []
-    for shape in args.shapes.split(","):
-        hidden, layers = (int(x) for x in shape.split("x"))
-        d = write_drafter(args.target, tmp / shape, hidden, layers)
+    from engine.spec.draft_model import MlxDraftModel
+
+    items = args.drafters.split(",") if args.drafters else args.shapes.split(",")
+    for shape in items:
+        if args.drafters:  # a real drafter directory, loaded as the engine loads it
+            drafter = MlxDraftModel(shape).model
+            cfg = json.loads((Path(shape) / "config.json").read_text())
+            hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+        else:
+            hidden, layers = (int(x) for x in shape.split("x"))
+            drafter = load_model(write_drafter(args.target, tmp / shape, hidden, layers))[0]
         target, _ = load(str(args.target))
         width = width_leg(target, ids, args.rounds, args.steps, 7)
-        draft = width_leg(load_model(d)[0], ids, args.rounds, args.steps, 1)[1]
+        draft = width_leg(drafter, ids, args.rounds, args.steps, 1)[1]
         width2 = width_leg(target, ids, args.rounds, args.steps, 1)  # the target again, after: load drift
         step = (width[1] + width2[1]) / 2
         c = draft / step
