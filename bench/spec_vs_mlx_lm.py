@@ -109,7 +109,7 @@ def chat_texts(model_dir: Path) -> list[str]:
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     return [
-        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        str(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False))
         for p in CHAT_PROMPTS
     ]
 
