@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -207,13 +207,12 @@ def report(
 # --- the model: greedy outputs of the workloads (mlx_lm's own decode loop) ---
 
 
-def _greedy(model: Any, tokenizer: Any, prompt: list[int], n: int) -> list[int]:
-    """Up to ``n`` greedy tokens after ``prompt``, stopping after EOS."""
+def greedy(model: Any, prompt: list[int], n: int, eos: Collection[int] = ()) -> list[int]:
+    """Up to ``n`` greedy tokens after ``prompt`` (mlx-lm's own decode loop), stopping after one in ``eos``."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    eos = tokenizer.eos_token_ids
     ids: list[int] = []
     for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=make_sampler(0.0)):
         ids.append(int(t))
@@ -235,13 +234,13 @@ def workload_cases(
         for i, s in enumerate(sw.agent_sessions(n)):
             for t in range(s.TURNS):
                 prompt = s.next_prompt(tokenizer)
-                out = _greedy(model, tokenizer, prompt, tokens)
+                out = greedy(model, prompt, tokens, tokenizer.eos_token_ids)
                 s.answered(tokenizer.decode(out))
                 cases.append((f"agent{i}.{t}", prompt, out))
         return cases
     make = {"chat": sw.chat_prompts, "edit": sw.edit_prompts, "copy": sw.copy_prompts}[workload]
     for i, prompt in enumerate(make(tokenizer, n)):
-        cases.append((f"{workload}{i}", prompt, _greedy(model, tokenizer, prompt, tokens)))
+        cases.append((f"{workload}{i}", prompt, greedy(model, prompt, tokens, tokenizer.eos_token_ids)))
     return cases
 
 

@@ -17,23 +17,12 @@ from __future__ import annotations
 
 import argparse
 
-from actors.verifier import accept_window
-from engine.spec.ngram import NgramIndex
+from bench.spec_ceiling import NgramDrafter, greedy, replay
 
 
 def tokens_per_call(prompt: list[int], continuation: list[int], gamma: int) -> float:
-    """Tokens each target call yields with prompt lookup at ``gamma``."""
-    index = NgramIndex()
-    index.extend(list(prompt))
-    i = calls = 0
-    while i < len(continuation):
-        draft = index.propose(gamma)[: len(continuation) - i - 1]  # no drafts past the end
-        # the Verifier's own rule, against the target's tokens for this window
-        _, emitted = accept_window(draft, continuation[i : i + len(draft) + 1])
-        index.extend(emitted)
-        i += len(emitted)
-        calls += 1
-    return len(continuation) / calls
+    """Tokens each target call yields with prompt lookup at ``gamma`` (``bench.spec_ceiling.replay``)."""
+    return replay(continuation, gamma, NgramDrafter(prompt)).tokens_per_call
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,19 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = workload_prompts(tok, 3)
     print(f"prompt lookup, tokens per target call ({args.model}, {args.tokens} greedy tokens, mean of 3 prompts)")
     for w in ("free", "grounded"):
-        outs = [(p, _greedy(model, p, args.tokens)) for p in prompts[w]]
+        outs = [(p, greedy(model, p, args.tokens)) for p in prompts[w]]  # EOS ignored
         row = [sum(tokens_per_call(p, o, g) for p, o in outs) / len(outs) for g in range(1, 5)]
         print(f"{w:9s} " + "  ".join(f"γ={g} {v:.2f}" for g, v in enumerate(row, 1)))
-
-
-def _greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    """n greedy tokens after ``prompt_ids`` (EOS ignored), mlx-lm's own decode loop."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
-
-    steps = generate_step(mx.array(prompt_ids), model, max_tokens=n, sampler=make_sampler(0.0))
-    return [int(t) for t, _ in steps]
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ import random
 
 import pytest
 
+from actors.verifier import accept_window
 from bench.spec_ceiling import AlignerDrafter, NgramDrafter, OracleDrafter, ceilings, replay, report
-from bench.spec_replay import tokens_per_call
+from engine.spec.ngram import NgramIndex
 
 PROMPT = list(range(100, 140))  # 40 distinct tokens: one alignment, no accidental repeats
 
@@ -63,15 +64,29 @@ def test_the_oracle_continues_a_repetition_into_the_tokens_it_copies():
     assert OracleDrafter(prompt, output).propose(6) == [7, 8, 7, 8, 7, 8]
 
 
-def test_the_ngram_drafter_replays_as_bench_spec_replay_does():
-    # bench.spec_replay accepts with the Verifier's own rule: an independent check of replay()
+def _verifier_tokens_per_call(prompt: list[int], output: list[int], gamma: int) -> float:
+    """Prompt lookup replayed with the Verifier's own acceptance rule (``accept_window``)."""
+    index = NgramIndex()
+    index.extend(list(prompt))
+    i = calls = 0
+    while i < len(output):
+        draft = index.propose(gamma)[: len(output) - i - 1]
+        _, emitted = accept_window(draft, output[i : i + len(draft) + 1])
+        index.extend(emitted)
+        i += len(emitted)
+        calls += 1
+    return len(output) / calls
+
+
+def test_the_ngram_drafter_replays_as_the_verifier_accepts():
+    # the Verifier's own rule (actors.verifier.accept_window): an independent check of replay()
     rng = random.Random(7)
     for _ in range(20):
         prompt = [rng.randrange(12) for _ in range(60)]
         output = [rng.randrange(12) for _ in range(40)]
         for gamma in (1, 3, 5):
             got = replay(output, gamma, NgramDrafter(prompt)).tokens_per_call
-            assert got == pytest.approx(tokens_per_call(prompt, output, gamma))
+            assert got == pytest.approx(_verifier_tokens_per_call(prompt, output, gamma))
 
 
 def _edited_copy(rng: random.Random, prompt: list[int]) -> list[int]:
