@@ -332,18 +332,18 @@ class GammaPolicy:
         # the depth it has had judged per round (1, 2, 4, 6), and a new row may
         # start as deep as the engine's latest judged round reached.
         reach = next((j for j, n in enumerate(row.seen) if n == 0), self.gamma_max)
-        deepest = max(reach + 1, 2 * reach, row.depth_seed)
-        if reach == 0:
-            # Nothing of this request judged yet: its first window may go as deep
-            # as the engine-wide acceptance pays for. The latest judged round
-            # (depth_seed) is another request's text: after a chat answer it
-            # started a 48-token copy at γ = 1, and the ramp 1, 2, 4, 6 took a
-            # fifth of its rounds (0.80 of fixed γ = 6 on the mixed-workload
-            # fake machine, 0.96 with this). A deep first window on text that
-            # does not copy costs one verify round's few extra draft tokens.
+        # Nothing of this request judged yet: its first window may go as deep
+        # as the engine-wide acceptance pays for. The latest judged round
+        # (depth_seed) is another request's text: after a chat answer it
+        # started a 48-token copy at γ = 1, and the ramp 1, 2, 4, 6 took a
+        # fifth of its rounds (0.80 of fixed γ = 6 on the mixed-workload
+        # fake machine, 0.96 with this). A deep first window on text that
+        # does not copy costs one verify round's few extra draft tokens.
+        # In a batch the jump, not the width, is what a verify round costs (probe_gamma).
+        if reach == 0 or b > 1:
             deepest = self.gamma_max
-        if b > 1:  # in a batch the jump, not the width, is what a verify round costs (probe_gamma)
-            deepest = self.gamma_max
+        else:
+            deepest = max(reach + 1, 2 * reach, row.depth_seed)
         # Rows that do not speculate at all (other engines' settings) give one token each.
         idle = float(max(0, b - 1 - len(others)))
         shape = [0]  # draft tokens in all, per γ, of the option that won
@@ -405,10 +405,7 @@ class GammaPolicy:
         if row.fixed is not None:
             return row.fixed, (1 << 30 if row.fixed == 0 else 0)
         g = self.best(row)
-        # A row that was drafting (not probing) and now stops: its own drafts
-        # were just judged, and on copied text a rejection comes in bursts —
-        # the text departs from its source for a token or two and copies again.
-        leaving = row.gamma > 0 and not row.probing
+        leaving = row.gamma > 0 and not row.probing  # was drafting, not probing (see below)
         if row.probing:  # the probe round just ran: keep its verdict
             row.probing = False
             row.probe_every = self.probe_first if g > 0 else min(self.probe_max, row.probe_every * 2)
