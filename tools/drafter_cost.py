@@ -27,29 +27,14 @@ import tempfile
 from pathlib import Path
 
 
-def narrow_config(target_cfg: dict, hidden: int, layers: int) -> dict:
-    heads = max(1, hidden // 64)
-    return {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "intermediate_size": hidden * 3,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "rms_norm_eps": target_cfg.get("rms_norm_eps", 1e-5),
-        "rope_theta": target_cfg.get("rope_theta", 100000.0),
-        "vocab_size": target_cfg["vocab_size"],
-        "max_position_embeddings": target_cfg.get("max_position_embeddings", 8192),
-        "tie_word_embeddings": True,
-    }
-
-
 def write_drafter(target: Path, out: Path, hidden: int, layers: int, seed: int = 0) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    cfg = narrow_config(json.loads((target / "config.json").read_text()), hidden, layers)
+    from engine.spec.draft_model import narrow_llama_config
+
+    cfg = narrow_llama_config(json.loads((target / "config.json").read_text()), hidden, layers)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(cfg))
     out.mkdir(parents=True, exist_ok=True)

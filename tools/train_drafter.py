@@ -344,18 +344,10 @@ def bench_chat_rows(args: argparse.Namespace) -> list[tuple]:
 
 
 def drafter_config(args: argparse.Namespace, target_cfg: dict, head_vocab: int) -> dict:
-    heads = max(1, args.hidden // 64)
+    from engine.spec.draft_model import narrow_llama_config
+
     return {
-        "model_type": "llama",
-        "hidden_size": args.hidden,
-        "num_hidden_layers": args.layers,
-        "intermediate_size": args.hidden * 3,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "rms_norm_eps": target_cfg.get("rms_norm_eps", 1e-5),
-        "rope_theta": target_cfg.get("rope_theta", 100000.0),
-        "vocab_size": target_cfg["vocab_size"],
-        "max_position_embeddings": target_cfg.get("max_position_embeddings", 8192),
+        **narrow_llama_config(target_cfg, args.hidden, args.layers),
         "tie_word_embeddings": False,
         "ember_head_vocab": head_vocab,
     }

@@ -129,6 +129,26 @@ def vocab_digest(vocab: dict[str, int]) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def narrow_llama_config(target_cfg: dict[str, Any], hidden: int, layers: int) -> dict[str, Any]:
+    """The llama shape of a narrow drafter for ``target_cfg``: its vocabulary,
+    norm epsilon and RoPE base, ``hidden`` wide (64-wide heads), ``layers`` deep,
+    a tied embedding (``tools/drafter_cost.py``, ``tools/train_drafter.py``)."""
+    heads = max(1, hidden // 64)
+    return {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 3,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "rms_norm_eps": target_cfg.get("rms_norm_eps", 1e-5),
+        "rope_theta": target_cfg.get("rope_theta", 100000.0),
+        "vocab_size": target_cfg["vocab_size"],
+        "max_position_embeddings": target_cfg.get("max_position_embeddings", 8192),
+        "tie_word_embeddings": True,
+    }
+
+
 def small_head_drafter(config: dict[str, Any]) -> Any:
     """A llama body over the target's whole vocabulary with its own small
     head: logits over only the ``ember_head_vocab`` tokens the target emits
