@@ -199,19 +199,9 @@ def test_recalibrate_env_and_skipped_choices(tmp_path):
 def test_a_choice_measured_on_a_busy_machine_is_measured_again_when_quiet(tmp_path, measured_at, now, remeasured):
     cc.store_choice("k", _choice(), tmp_path, measured_load=measured_at)
     calls, applied = [], []
-    choice = cc.cached_calibration(
-        "k",
-        lambda: calls.append(1) or _choice(),
-        applied.append,
-        directory=tmp_path,
-        environ={},
-        loadavg=lambda: now,
-        cores=2,
-    )
-    assert (calls == [1]) is remeasured and (applied == []) is remeasured
-    assert choice.source == ("measured" if remeasured else "cache")
-    if remeasured:  # the new file records the quiet load, so the next start reads it back
-        again = cc.cached_calibration(
+
+    def start():
+        return cc.cached_calibration(
             "k",
             lambda: calls.append(1) or _choice(),
             applied.append,
@@ -220,6 +210,12 @@ def test_a_choice_measured_on_a_busy_machine_is_measured_again_when_quiet(tmp_pa
             loadavg=lambda: now,
             cores=2,
         )
+
+    choice = start()
+    assert (calls == [1]) is remeasured and (applied == []) is remeasured
+    assert choice.source == ("measured" if remeasured else "cache")
+    if remeasured:  # the new file records the quiet load, so the next start reads it back
+        again = start()
         assert calls == [1] and again.source == "cache"
         assert json.loads((tmp_path / "k.json").read_text())["measured_load"] == now
 
