@@ -49,17 +49,24 @@ def output_memory(engine: Any) -> OutputMemory:
     return memory
 
 
-def chat_prompt(engine: Any, messages: list[dict[str, Any]], setup: ToolSetup, param: str = "messages") -> Prompt:
+def chat_prompt(
+    engine: Any,
+    messages: list[dict[str, Any]],
+    setup: ToolSetup,
+    param: str = "messages",
+    template_kwargs: dict[str, Any] | None = None,
+) -> Prompt:
     """The prompt tokens — earlier answers as the model generated them, where
     the conversation repeats them; a template that cannot render the input is
-    the input's fault (400)."""
+    the input's fault (400). ``template_kwargs`` are extra chat-template
+    variables (``enable_thinking``…)."""
     tok = engine.tokenizer
     setup.check_markup(markup_of(tok))
     tools = setup.template_tools()
     try:
         if not hasattr(tok, "render_chat"):
             return Prompt(engine.chat_prompt(messages, tools))
-        text = tok.render_chat(messages, tools)
+        text = tok.render_chat(messages, tools, **(template_kwargs or {}))
     except InvalidRequest:
         raise
     except Exception as exc:  # a template raises on what it cannot render (roles, order)

@@ -35,6 +35,7 @@ from engine.errors import EngineError, InvalidRequest
 from engine.limits import DEFAULT_MAX_TOKENS
 from transport import chat_turn
 from transport.choices import ChoiceStream, submit_choices
+from transport.envelope import EnvelopeCounter
 from transport.errors import ApiError, error_body, from_engine_error
 from transport.gateway_compat import ExtensionCounter, request_type
 from transport.gateway_compat import routes as gateway_routes
@@ -87,6 +88,9 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
         self.metrics.registry.register(self.extensions)
+        # envelope fields the clients send, accepted or rewritten (transport/envelope.py)
+        self.envelope = EnvelopeCounter()
+        self.metrics.registry.register(self.envelope)
         self.settled: anyio.Event | None = None  # set once ready or failed (made on the serving loop)
         self._stop: anyio.Event | None = None
         self._tokenize_limiter: anyio.CapacityLimiter | None = None
@@ -155,13 +159,19 @@ class ServerState:
                 )
 
     async def chat_prompt(
-        self, engine: Engine, messages: list[dict[str, Any]], setup: Any, param: str = "messages"
+        self,
+        engine: Engine,
+        messages: list[dict[str, Any]],
+        setup: Any,
+        param: str = "messages",
+        template_kwargs: dict[str, Any] | None = None,
     ) -> Any:
         """``chat_turn.chat_prompt`` behind the byte bound and off the event
         loop: what every chat-shaped route (chat completions, Messages,
-        Responses) renders its prompt with."""
+        Responses) renders its prompt with. ``template_kwargs`` go to the chat
+        template (e.g. ``enable_thinking``)."""
         self.check_prompt_bytes(message_texts(messages), param)
-        return await self.off_loop(chat_turn.chat_prompt, engine, messages, setup, param)
+        return await self.off_loop(chat_turn.chat_prompt, engine, messages, setup, param, template_kwargs)
 
     def health(self) -> tuple[str, int]:
         if self.phase == "ready" and self.engine is not None:
@@ -362,7 +372,8 @@ def _plain(obj: Any) -> Any:
 
 async def stats(request: Request, host: ServerState) -> Response:
     engine = host.require_engine()
-    return Response(msgspec.json.encode(engine.stats(), enc_hook=_plain), media_type="application/json")
+    body = {**engine.stats(), "envelope": host.envelope.snapshot()}
+    return Response(msgspec.json.encode(body, enc_hook=_plain), media_type="application/json")
 
 
 async def cache_flush(request: Request, host: ServerState) -> Response:

@@ -70,7 +70,10 @@ class ByteTokenizer:
     def encode_rendered(self, text: str) -> list[int]:
         return self.encode(text)
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **template_kwargs: Any
+    ) -> str:
+        # template variables (enable_thinking…) change nothing in the fake's fixed format
         text = f"<|tools|>{json.dumps(tools)}\n" if tools else ""
         for m in messages:
             text += f"<|{m['role']}|>{m.get('content') or ''}"

@@ -47,13 +47,17 @@ class MLXTokenizer:
         # It already has add_token / finalize / last_segment.
         return self._tok.detokenizer
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat template's text; ``encode_rendered`` of it equals ``apply_chat_template``."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **template_kwargs: Any
+    ) -> str:
+        """The chat template's text; ``encode_rendered`` of it equals ``apply_chat_template``.
+        ``template_kwargs`` are extra template variables (``enable_thinking``…)."""
         if not self._tok.has_chat_template:
             raise InvalidRequest("this model has no chat template; send a plain prompt", "messages")
         if tools and self.tool_markup is None:
             raise InvalidRequest("this model's chat template does not support tools", "tools")
-        kw = {"tools": tools} if tools else {}
+        kw: dict[str, Any] = {"tools": tools} if tools else {}
+        kw.update(template_kwargs)
         try:
             return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
         except Exception as exc:  # jinja errors on malformed messages: the caller's fault
