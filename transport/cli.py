@@ -32,8 +32,8 @@ log = logging.getLogger("ember.cli")
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        help="smollm2-135m or gemma3-270m (the `models` extra), tiny (bundled toy), a .gguf file, or an mlx-lm "
-        "model directory; default: smollm2-135m when installed, else tiny",
+        help="smollm2-135m or gemma3-270m (the `models` extra), tiny (bundled toy), a .gguf file, an mlx-lm "
+        "model directory, or scripted:SCRIPT.json (the scripted test model); default: smollm2-135m when installed, else tiny",
     )
     p.add_argument("--draft-model", help="speculative decoding drafter: a model directory, tiny-draft, or ngram")
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
@@ -153,6 +153,10 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "kv_group_size": "kv_group_size",
     }
     fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": default_model(args)}
+    if not args.fake_gpu and fields["model"].startswith("scripted:"):  # the scripted test model (engine.fake.scripted)
+        fields.update(backend="scripted", model=fields["model"].removeprefix("scripted:"))
+        if not os.path.isfile(fields["model"]):
+            parser.error(f"no script file {fields['model']!r} (--model scripted:PATH)")
     for flag, field in mapping.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -168,7 +172,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         config = EngineConfig(**fields).validate()
     except InvalidRequest as exc:
         parser.error(f"{exc} ({exc.param})" if exc.param else str(exc))
-    if not args.fake_gpu:
+    if config.backend == "mlx":
         from engine.models import resolve_model
 
         try:
@@ -208,6 +212,8 @@ def _import_mlx_on_main_thread(config: Any) -> None:
     engine's portal thread in ``ember generate``), the process aborts at exit
     with "terminate called without an active exception" (status 134).
     """
+    if config.backend == "scripted":  # its tokenizer comes from mlx-lm
+        import mlx_lm  # noqa: F401
     if config.backend == "mlx":
         import mlx_lm  # noqa: F401
 

