@@ -3,6 +3,7 @@
     ember serve [--model PATH|tiny] [--port 8000] [--fake-gpu] ...   OpenAI-compatible server
     ember generate --prompt TEXT [--max-tokens N] ...                stream one completion to stdout
     ember convert FILE.gguf OUTDIR [--dtype float32|...]             a GGUF file → an mlx-lm model directory
+    ember launch claude|codex|opencode [--model M] [-- ARGS]         an agent client on Ember (transport/launch.py)
 
 Bad flags, an invalid combination, or a model that does not load exit with
 status 2 and one line saying why. ``serve`` prints its URL once the model is
@@ -119,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.set_defaults(run=generate, parser=g)
 
+    la = sub.add_parser(
+        "launch", help="run Claude Code, Codex or OpenCode on Ember (starting a server if none answers)"
+    )
+    la.add_argument("client", choices=["claude", "codex", "opencode"])
+    la.add_argument("--model", help="the model a started server serves (as `ember serve --model`)")
+    la.add_argument("--host", default="127.0.0.1")
+    la.add_argument("--port", type=int, default=8000, help="reuse the server answering here, or start one here")
+    la.add_argument("--ssd-cache", metavar="DIR", help="SSD prompt-cache tier (default: ~/.cache/ember/ssd)")
+    la.add_argument("--served-model-name", help="the name a started server reports")
+    la.add_argument("--bin", help="the client's executable (default: found on PATH)")
+    # the client's own arguments follow `--` (split off in main: argparse's subparsers keep no remainder)
+    la.set_defaults(run=launch, parser=la, client_args=[])
+
     c = sub.add_parser("convert", help="convert a GGUF file into an mlx-lm model directory")
     c.add_argument("gguf", help="a .gguf file (llama or gemma3 architecture)")
     c.add_argument("outdir", help="the directory to write (config.json, model.safetensors, tokenizer)")
@@ -222,6 +236,30 @@ def _import_mlx_on_main_thread(config: Any) -> None:
         from ember import preload_mlx
 
         preload_mlx()
+
+
+# ---------------------------------------------------------------------------
+# launch
+
+
+def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from transport.launch import launch as run_client
+
+    rest = list(args.client_args)
+    serve_args: list[str] = []
+    if args.model:
+        serve_args += ["--model", args.model]
+    if args.served_model_name:
+        serve_args += ["--served-model-name", args.served_model_name]
+    return run_client(
+        args.client,
+        rest,
+        host=args.host,
+        port=args.port,
+        serve_args=serve_args,
+        ssd_cache=args.ssd_cache,
+        binary=args.bin,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -440,7 +478,14 @@ def main(argv: list[str] | None = None) -> int:
     # transport/ first on sys.path, where transport/http.py shadows the stdlib.
     maybe_reexec_with_openblas()
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rest: list[str] | None = None
+    if argv[:1] == ["launch"] and "--" in argv:  # ember launch CLIENT [FLAGS] -- CLIENT_ARGS
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
+    if rest is not None:
+        args.client_args = rest
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # model output is text, whatever the terminal's encoding
     return args.run(args, args.parser)

@@ -99,3 +99,30 @@ def test_claude_code_on_smollm2_completes(tmp_path):
         env = _claude_env(tmp_path, url, "smollm2-135m")
         res = run_client([claude, "-p", "Say hello.", "--tools", "Read"], env, work, timeout=600)
         assert res.returncode == 0, _report(res, proc)
+
+
+@pytest.mark.parametrize("client", ["claude", "codex"])
+def test_ember_launch_runs_the_real_client(tmp_path, client):
+    """`ember launch CLIENT` starts the server and sets everything: the client,
+    given nothing but its own HOME, completes the tool round trip."""
+    import socket
+    import sys
+
+    exe = _need(client)
+    work = _workdir(tmp_path)
+    tool = (
+        ("Read", {"file_path": str(work / "note.txt")})
+        if client == "claude"
+        else ("exec_command", {"cmd": "cat note.txt"})
+    )
+    script = write_script(tmp_path / "script.json", *tool)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**base_env(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    args = ["-p", "What does note.txt say?"] if client == "claude" else ["exec", "What does note.txt say?"]
+    argv = [sys.executable, "-m", "transport.cli", "launch", client, "--model", f"scripted:{script}"]
+    argv += ["--port", str(port), "--bin", exe, "--", *args]
+    res = run_client(argv, env, work)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert SECRET in res.stdout
