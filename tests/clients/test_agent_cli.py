@@ -86,6 +86,31 @@ def test_codex_runs_a_command_and_quotes_it(tmp_path):
         assert SECRET in res.stdout, _report(res, proc)
 
 
+def test_opencode_reads_a_file_and_quotes_it(tmp_path):
+    import json
+
+    opencode = _need("opencode")
+    work = _workdir(tmp_path)
+    script = write_script(tmp_path / "script.json", "read", {"filePath": str(work / "note.txt")})
+    with ember_serve("--model", f"scripted:{script}") as (proc, url):
+        config = {
+            "model": "ember/scripted",
+            "provider": {
+                "ember": {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "options": {"baseURL": f"{url}/v1", "apiKey": "dummy"},
+                    "models": {"scripted": {}},
+                }
+            },
+        }
+        (tmp_path / "opencode.json").write_text(json.dumps(config))
+        env = {**base_env(tmp_path / "home"), "OPENCODE_CONFIG": str(tmp_path / "opencode.json")}
+        env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+        res = run_client([opencode, "run", "What does note.txt say?"], env, work)
+        assert res.returncode == 0, _report(res, proc)
+        assert SECRET in res.stdout, _report(res, proc)
+
+
 @pytest.mark.real_model
 def test_claude_code_on_smollm2_completes(tmp_path):
     """SmolLM2 (8k context) with a tool set small enough for it: any answer, exit 0."""
@@ -101,7 +126,7 @@ def test_claude_code_on_smollm2_completes(tmp_path):
         assert res.returncode == 0, _report(res, proc)
 
 
-@pytest.mark.parametrize("client", ["claude", "codex"])
+@pytest.mark.parametrize("client", ["claude", "codex", "opencode"])
 def test_ember_launch_runs_the_real_client(tmp_path, client):
     """`ember launch CLIENT` starts the server and sets everything: the client,
     given nothing but its own HOME, completes the tool round trip."""
@@ -110,17 +135,17 @@ def test_ember_launch_runs_the_real_client(tmp_path, client):
 
     exe = _need(client)
     work = _workdir(tmp_path)
-    tool = (
-        ("Read", {"file_path": str(work / "note.txt")})
-        if client == "claude"
-        else ("exec_command", {"cmd": "cat note.txt"})
-    )
+    tool = {
+        "claude": ("Read", {"file_path": str(work / "note.txt")}),
+        "codex": ("exec_command", {"cmd": "cat note.txt"}),
+        "opencode": ("read", {"filePath": str(work / "note.txt")}),
+    }[client]
     script = write_script(tmp_path / "script.json", *tool)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**base_env(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    args = ["-p", "What does note.txt say?"] if client == "claude" else ["exec", "What does note.txt say?"]
+    args = {"claude": ["-p"], "codex": ["exec"], "opencode": ["run"]}[client] + ["What does note.txt say?"]
     argv = [sys.executable, "-m", "transport.cli", "launch", client, "--model", f"scripted:{script}"]
     argv += ["--port", str(port), "--bin", exe, "--", *args]
     res = run_client(argv, env, work)
