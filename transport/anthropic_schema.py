@@ -99,9 +99,26 @@ class ToolResultBlock(_Strict, kw_only=True, tag_field="type", tag="tool_result"
 Block = TextBlock | ImageBlock | DocumentBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock
 
 
+class ThinkingConfig(_Strict, kw_only=True):
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = None
+    display: str | None = None
+
+
+class OutputFormat(_Strict, kw_only=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(_Strict, kw_only=True):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
 class Message(_Strict, kw_only=True):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
+    output_config: OutputConfig | None = None  # Claude Code sets it on its system messages (effort): counted no-op
 
 
 class ToolDef(_Strict, kw_only=True):
@@ -126,22 +143,6 @@ class ToolChoiceBody(_Strict, kw_only=True):
 
 class Metadata(_Strict, kw_only=True):
     user_id: str | None = None
-
-
-class ThinkingConfig(_Strict, kw_only=True):
-    type: Literal["enabled", "adaptive", "disabled"]
-    budget_tokens: int | None = None
-    display: str | None = None
-
-
-class OutputFormat(_Strict, kw_only=True):
-    type: Literal["json_schema"]
-    schema: dict[str, Any]
-
-
-class OutputConfig(_Strict, kw_only=True):
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: OutputFormat | None = None
 
 
 # Top-level fields accepted as counted no-ops when set (docs/agent-api.md).
@@ -262,24 +263,29 @@ class _Prompt(_Strict, kw_only=True):
                 note("output_config.effort", "ignored")
             if self.output_config.format is not None:
                 note("output_config.format", "honoured")
+        once: set[tuple[str, str]] = set()  # per-block fields: counted once a request
         if any(isinstance(b, TextBlock) and b.cache_control for b in self.system or [] if not isinstance(b, str)):
-            note("system[].cache_control", "ignored")
+            once.add(("system[].cache_control", "ignored"))
         for m in self.messages:
             if m.role == "system":
-                note("messages[].role=system", "honoured")
+                once.add(("messages[].role=system", "honoured"))
+            if m.output_config is not None:
+                once.add(("messages[].output_config", "ignored"))
             for b in m.content if isinstance(m.content, list) else []:
                 if getattr(b, "cache_control", None):
-                    note("messages[].content[].cache_control", "ignored")
+                    once.add(("messages[].content[].cache_control", "ignored"))
                 if isinstance(b, (ThinkingBlock, RedactedThinkingBlock)):
-                    note("messages[].content[].type=thinking", "dropped")
+                    once.add(("messages[].content[].type=thinking", "dropped"))
         for t in self.tools or []:
             for key in ("cache_control", "allowed_callers", "eager_input_streaming", "input_examples"):
                 if t.get(key) is not None:
-                    note(f"tools[].{key}", "ignored")
+                    once.add((f"tools[].{key}", "ignored"))
             if t.get("strict"):
-                note("tools[].strict", "honoured")
+                once.add(("tools[].strict", "honoured"))
             if t.get("defer_loading"):
-                note("tools[].defer_loading", "honoured")
+                once.add(("tools[].defer_loading", "honoured"))
+        for field, action in sorted(once):
+            note(field, action)
 
     def constraint(self) -> Constraint | None:
         fmt = self.output_config.format if self.output_config is not None else None

@@ -137,7 +137,10 @@ async def test_bad_tool_traffic_is_a_400_naming_the_parameter_on_every_route():
                 {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]},
                 "messages[0].content[0].type",
             ),
-            ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "pre"}]}, "messages[1].role"),
+            (
+                {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "pre"}]},
+                "messages[1].role",
+            ),
             ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "m"}]}, "mcp_servers"),
             ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
         ]
