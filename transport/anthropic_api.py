@@ -17,6 +17,7 @@ counts it: ``input_tokens + cache_read_input_tokens`` is the whole prompt.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,7 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ember.api import Completion
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidRequest
 from engine.types import Delta
 from transport import chat_turn
 from transport.anthropic_schema import (
@@ -39,9 +40,11 @@ from transport.anthropic_schema import (
     TextOut,
     ToolUseOut,
     Usage,
+    template_error,
     tool_input,
 )
 from transport.errors import ApiError, from_engine_error
+from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
@@ -233,6 +236,23 @@ class MessagesRenderer:
 # Routes.
 
 
+async def _prompt(host: Any, engine: Any, req: Any, setup: Any) -> Any:
+    """The request's prompt: system messages where they stand, or — for a
+    template that refuses a non-leading system message — as reminders in the
+    neighbouring user turn (``template_messages(reminders=True)``)."""
+    note = functools.partial(host.envelope.note, "messages")
+    req.system_text(note)  # counts the volatile head lines taken out
+    req.note_envelope(note)
+    try:
+        return await host.chat_prompt(engine, req.template_messages(setup), setup)
+    except InvalidRequest as exc:
+        if not (req.inner_system and template_error(exc)):
+            raise
+    prompt = await host.chat_prompt(engine, req.template_messages(setup, reminders=True), setup)
+    note("messages[].role=system", "canonicalised")  # rendered as a <system-reminder>
+    return prompt
+
+
 async def messages(request: Request, host: Any) -> Response:
     from transport.http import read_body
 
@@ -241,8 +261,10 @@ async def messages(request: Request, host: Any) -> Response:
     req: MessagesRequest = decode_request(await read_body(request, host.max_body_bytes), MessagesRequest)
     model = host.check_model(req.model)
     setup = req.tool_setup()
-    prompt = await host.chat_prompt(engine, req.template_messages(), setup)
-    params = chat_turn.tool_params(engine, req.sampling_params(engine.info.vocab_size), setup)
+    prompt = await _prompt(host, engine, req, setup)
+    limit = output_limit(req.max_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
+    params = req.sampling_params(limit, engine.info.vocab_size)
+    params = chat_turn.tool_params(engine, params, setup)
     stream = await chat_turn.submit(engine, prompt, params, req.param_names())
     renderer = MessagesRenderer(
         model, len(prompt), chat_turn.splitter(engine, setup, "toolu_"), engine.tokenizer, params.stop
@@ -257,7 +279,7 @@ async def count_tokens(request: Request, host: Any) -> Response:
     req: CountTokensRequest = decode_request(await read_body(request, host.max_body_bytes), CountTokensRequest)
     host.check_model(req.model)
     setup = req.tool_setup()
-    prompt = await host.chat_prompt(engine, req.template_messages(), setup)
+    prompt = await _prompt(host, engine, req, setup)
     return Response(_encode({"input_tokens": len(prompt)}), media_type="application/json")
 
 

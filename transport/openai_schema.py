@@ -96,7 +96,7 @@ class FunctionDef(_Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # always strict here: a forced call's arguments follow the schema
+    strict: bool | None = None  # the schema must compile; a forced call's arguments follow it (always, strict or not)
 
 
 class ChatTool(_Strict):
@@ -227,16 +227,17 @@ class _Common(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
-        """The engine's settings; unset fields take the engine defaults (greedy)."""
+    def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
+        """The engine's settings; unset fields take the engine defaults (greedy).
+        ``max_tokens`` is the output limit resolved against the context
+        (``transport.limits.output_limit`` of ``requested_max_tokens()``)."""
         d = SamplingParams()
-        max_tokens = self.requested_max_tokens()
         top_k = d.top_k if self.top_k is None else self.top_k
         if top_k >= vocab_size:
             top_k = 0  # keeps every token, which is what "no top-k" means; a sampler may choke on k > vocab
         bias = self.logit_bias_ids()
         return SamplingParams(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             temperature=d.temperature if self.temperature is None else self.temperature,
             top_p=d.top_p if self.top_p is None else self.top_p,
             top_k=top_k,
@@ -314,7 +315,13 @@ class ChatCompletionRequest(_Common, kw_only=True):
     def tool_setup(self) -> ToolSetup:
         """The checked tools and choice (``tool_choice: none`` offers none)."""
         tools = [
-            check_tool(t.function.name, t.function.description, t.function.parameters, f"tools[{i}].function")
+            check_tool(
+                t.function.name,
+                t.function.description,
+                t.function.parameters,
+                f"tools[{i}].function",
+                strict=bool(t.function.strict),
+            )
             for i, t in enumerate(self.tools or [])
         ]
         c = self.tool_choice

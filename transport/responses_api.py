@@ -30,6 +30,7 @@ from engine.errors import EngineError
 from engine.types import Delta
 from transport import chat_turn
 from transport.errors import from_engine_error
+from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
 from transport.responses_schema import ResponsesRequest
@@ -249,8 +250,8 @@ async def responses(request: Request, host: Any) -> Response:
     model = host.check_model(req.model)
     setup = req.tool_setup()
     prompt = await host.chat_prompt(engine, req.template_messages(), setup, param="input")
-    room = engine.info.context_length - len(prompt)
-    params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
+    limit = output_limit(req.max_output_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
+    params = msgspec.structs.replace(req.sampling_params(limit, engine.info.vocab_size), max_tokens=limit)
     params = chat_turn.with_constraint(engine, params, req.constraint(), "text.format")
     params = chat_turn.tool_params(engine, params, setup)
     stream = await chat_turn.submit(engine, prompt, params, req.param_names(setup.forced))
