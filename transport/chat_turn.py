@@ -18,6 +18,7 @@ import msgspec
 
 from engine.errors import InvalidRequest
 from engine.types import Constraint, SamplingParams
+from transport import generic_tools
 from transport.output_memory import OutputMemory
 from transport.tool_calls import CallSplitter, markup_of
 from transport.tools import ToolSetup
@@ -49,6 +50,12 @@ def output_memory(engine: Any) -> OutputMemory:
     return memory
 
 
+def tool_markup(engine: Any) -> Any:
+    """The markers calls are written in: the template's own, else the generic
+    format's (transport/generic_tools.py)."""
+    return markup_of(engine.tokenizer) or generic_tools.MARKUP
+
+
 def chat_prompt(
     engine: Any,
     messages: list[dict[str, Any]],
@@ -61,8 +68,10 @@ def chat_prompt(
     the input's fault (400). ``template_kwargs`` are extra chat-template
     variables (``enable_thinking``…)."""
     tok = engine.tokenizer
-    setup.check_markup(markup_of(tok))
+    setup.check_markup(tool_markup(engine))
     tools = setup.template_tools()
+    if generic_tools.applies(markup_of(tok), messages, tools):
+        messages, tools = generic_tools.render_messages(messages, tools), None
     try:
         if not hasattr(tok, "render_chat"):
             return Prompt(engine.chat_prompt(messages, tools))
@@ -119,8 +128,7 @@ def with_constraint(engine: Any, params: SamplingParams, constraint: Constraint 
 
 
 def tool_params(engine: Any, params: SamplingParams, setup: ToolSetup) -> SamplingParams:
-    markup = markup_of(engine.tokenizer)
-    return with_constraint(engine, params, setup.constraint(markup), setup.param_choice)
+    return with_constraint(engine, params, setup.constraint(tool_markup(engine)), setup.param_choice)
 
 
 def splitter(engine: Any, setup: ToolSetup, id_prefix: str = "call_") -> CallSplitter | None:
@@ -129,7 +137,7 @@ def splitter(engine: Any, setup: ToolSetup, id_prefix: str = "call_") -> CallSpl
         return None
     names = [t.as_template_tool() for t in setup.tools]
     single = not setup.parallel
-    return CallSplitter(markup_of(engine.tokenizer), names, single=single, id_prefix=id_prefix)
+    return CallSplitter(tool_markup(engine), names, single=single, id_prefix=id_prefix)
 
 
 async def submit(engine: Any, prompt: list[int], params: SamplingParams, param_names: dict[str, str]) -> Any:
