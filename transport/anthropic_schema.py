@@ -81,6 +81,12 @@ class _Prompt(_Strict, kw_only=True):
     system: str | list[TextBlock] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoiceBody | None = None
+    thinking: dict[str, Any] | None = None  # {"type": "enabled" | "adaptive" | "disabled", ...}
+
+    def thinking_choice(self) -> bool | None:
+        """``thinking.type`` as the template's reasoning switch (None: its default)."""
+        kind = (self.thinking or {}).get("type")
+        return False if kind == "disabled" else True if kind in ("enabled", "adaptive") else None
 
     def check(self) -> Any:
         if not self.messages:
@@ -207,10 +213,15 @@ class ToolUseOut(msgspec.Struct, tag_field="type", tag="tool_use"):
     input: Any
 
 
+class ThinkingOut(msgspec.Struct, tag_field="type", tag="thinking"):
+    thinking: str
+    signature: str
+
+
 class MessageBody(msgspec.Struct, kw_only=True, tag_field="type", tag="message"):
     id: str
     model: str
-    content: list[TextOut | ToolUseOut]
+    content: list[ThinkingOut | TextOut | ToolUseOut]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ember import EngineConfig, FakeGPUConfig, SamplingParams, load_ports
+from ember import EngineConfig
 from transport import chat_turn, generic_tools
 from transport.http import build_app
 from transport.tools import ToolChoice, ToolSetup, check_tool
