@@ -47,7 +47,19 @@ class ToolResultBlock(_Strict, kw_only=True, tag_field="type", tag="tool_result"
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock
+class ThinkingBlock(_Strict, kw_only=True, tag_field="type", tag="thinking"):
+    """A reasoning model's earlier thinking, sent back (transport/reasoning.py)."""
+
+    thinking: str
+    signature: str | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class RedactedThinkingBlock(_Strict, kw_only=True, tag_field="type", tag="redacted_thinking"):
+    data: str
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 
 
 class Message(_Strict, kw_only=True):
@@ -129,11 +141,17 @@ class _Prompt(_Strict, kw_only=True):
                 out.append({"role": m.role, "content": m.content})
                 continue
             text = ""
+            thought = ""
             calls = []
             for j, b in enumerate(m.content):
                 where = f"messages[{i}].content[{j}]"
                 if isinstance(b, TextBlock):
                     text += b.text
+                elif isinstance(b, ThinkingBlock | RedactedThinkingBlock):
+                    if m.role != "assistant":
+                        raise InvalidRequest("thinking blocks belong to assistant messages", f"{where}.type")
+                    # the template renders it or drops it (Qwen3 drops it before the last user turn)
+                    thought += b.thinking if isinstance(b, ThinkingBlock) else ""
                 elif isinstance(b, ToolUseBlock):
                     if m.role != "assistant":
                         raise InvalidRequest("tool_use blocks belong to assistant messages", f"{where}.type")
@@ -152,6 +170,8 @@ class _Prompt(_Strict, kw_only=True):
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
             if m.role == "assistant":
                 msg: dict[str, Any] = {"role": "assistant", "content": text}
+                if thought:
+                    msg["reasoning_content"] = thought
                 if calls:
                     msg["tool_calls"] = calls
                 out.append(msg)

@@ -234,3 +234,20 @@ async def test_reasoning_sent_back_renders_append_only(served):
     )
     cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= first["usage"]["prompt_tokens"]
+
+
+@pytest.mark.anyio
+async def test_anthropic_thinking_sent_back_renders_like_chat_reasoning(served):
+    """Claude Code sends the thinking blocks it got back in the assistant turn: they reach the template
+    as ``reasoning_content``, the same prompt the chat route renders."""
+    _, client = served
+    thinking = {"type": "thinking", "thinking": "Rayleigh.", "signature": "abc"}
+    assistant = {"role": "assistant", "content": [thinking, {"type": "text", "text": "Scattering."}]}
+    body = {"messages": [*Q, assistant, {"role": "user", "content": "More?"}]}
+    anthropic_count = (await client.post("/v1/messages/count_tokens", json=body)).json()["input_tokens"]
+    chat = [*Q, {"role": "assistant", "content": "Scattering.", "reasoning_content": "Rayleigh."}, body["messages"][2]]
+    r = await client.post("/v1/chat/completions", json={"messages": chat, "max_tokens": 1})
+    assert anthropic_count == r.json()["usage"]["prompt_tokens"]
+    plain = [*Q, {"role": "assistant", "content": "Scattering."}, body["messages"][2]]
+    r = await client.post("/v1/chat/completions", json={"messages": plain, "max_tokens": 1})
+    assert anthropic_count > r.json()["usage"]["prompt_tokens"]  # the reasoning was rendered, not dropped
