@@ -359,13 +359,16 @@ async def root(request: Request, host: ServerState) -> Response:
 
 
 async def models(request: Request, host: ServerState) -> Response:
-    card = ModelCard(id=host.model_name, created=host.created)
+    ctx = host.engine.info.context_length if host.engine is not None else None
+    card = ModelCard(id=host.model_name, created=host.created, context_length=ctx, max_model_len=ctx)
     return Response(msgspec.json.encode(ModelList(data=[card])), media_type="application/json")
 
 
 async def model_detail(request: Request, host: ServerState) -> Response:
     name = host.check_model(request.path_params["model"])
-    return Response(msgspec.json.encode(ModelCard(id=name, created=host.created)), media_type="application/json")
+    ctx = host.engine.info.context_length if host.engine is not None else None
+    card = ModelCard(id=name, created=host.created, context_length=ctx, max_model_len=ctx)
+    return Response(msgspec.json.encode(card), media_type="application/json")
 
 
 async def health(request: Request, host: ServerState) -> Response:

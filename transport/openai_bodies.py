@@ -157,6 +157,10 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str = "ember"
     object: str = "model"
+    # the model's context window (tokens), once it is loaded: what an agent
+    # compacts by (vLLM's max_model_len, LM Studio's/OpenRouter's context_length)
+    context_length: int | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(msgspec.Struct):
