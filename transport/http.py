@@ -300,7 +300,10 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
         tools = req.tool_setup()
-        prompt = await host.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
+        field = "chat_template_kwargs" if "enable_thinking" in (req.chat_template_kwargs or {}) else "reasoning_effort"
+        thinking = chat_turn.thinking_kwargs(host, engine, "chat", field, req.thinking_choice())
+        messages = [m.as_template_message() for m in req.messages]
+        prompt = await host.chat_prompt(engine, messages, tools, template_kwargs=thinking)
     else:
         if isinstance(req.prompt, str):
             host.check_prompt_bytes([req.prompt], "prompt")
@@ -322,7 +325,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
             req.include_usage,
             rids=rids,
             token_bytes=engine.token_bytes,
-            splitter=lambda: chat_turn.splitter(engine, tools),
+            splitter=lambda: chat_turn.splitter(engine, tools, prompt=prompt),
         )
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
     completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)

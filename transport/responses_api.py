@@ -41,6 +41,7 @@ from transport.errors import ApiError, from_engine_error
 from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
+from transport.reasoning import OutputSplitter, Reasoning
 from transport.response_store import ResponseNotFound, ResponseStore
 from transport.responses_schema import CUSTOM_INPUT, ResponsesRequest
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
@@ -59,7 +60,7 @@ class ResponsesRenderer:
         self,
         model: str,
         req: ResponsesRequest,
-        splitter: CallSplitter | None,
+        splitter: CallSplitter | OutputSplitter | None,
         on_done: Callable[[str, list[dict[str, Any]]], None] | None = None,
     ):
         self.on_done = on_done  # (response id, output items) once the answer is whole: the store
@@ -71,6 +72,7 @@ class ResponsesRenderer:
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # items, as they are so far
         self._text_item: dict[str, Any] | None = None  # the open message item
+        self._reasoning_item: dict[str, Any] | None = None  # the open reasoning item
         self._calls: dict[int, dict[str, Any]] = {}  # call index → its function_call item
 
     # ---- the response object ----------------------------------------------
@@ -137,6 +139,10 @@ class ResponsesRenderer:
 
     def _apply(self, e: Event, out: list[tuple[str, dict[str, Any]]]) -> None:
         """Update the items by one event; ``out`` gets the stream events it makes."""
+        if isinstance(e, Reasoning):
+            self._reason(e.text, out)
+            return
+        self._close_reasoning(out)
         if isinstance(e, Text):
             item = self._text_item
             if item is None:
@@ -217,7 +223,40 @@ class ResponsesRenderer:
             )
             out.append(("response.output_item.done", {"output_index": idx, "item": _copy(item)}))
 
+    def _reason(self, text: str, out: list[tuple[str, dict[str, Any]]]) -> None:
+        """A ``reasoning`` item with one ``reasoning_text`` part (openai.types.responses)."""
+        item = self._reasoning_item
+        if item is None:
+            item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            self._reasoning_item = item
+            self.output.append(item)
+            out.append(("response.output_item.added", {"output_index": len(self.output) - 1, "item": _copy(item)}))
+            item["content"].append({"type": "reasoning_text", "text": ""})
+        item["content"][0]["text"] += text
+        out.append(
+            (
+                "response.reasoning_text.delta",
+                {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0, "delta": text},
+            )
+        )
+
+    def _close_reasoning(self, out: list[tuple[str, dict[str, Any]]]) -> None:
+        item, self._reasoning_item = self._reasoning_item, None
+        if item is None:
+            return
+        idx = self.output.index(item)
+        item["status"] = "completed"
+        text = item["content"][0]["text"]
+        out.append(
+            (
+                "response.reasoning_text.done",
+                {"item_id": item["id"], "output_index": idx, "content_index": 0, "text": text},
+            )
+        )
+        out.append(("response.output_item.done", {"output_index": idx, "item": _copy(item)}))
+
     def _close_text(self, out: list[tuple[str, dict[str, Any]]]) -> None:
+        self._close_reasoning(out)
         item, self._text_item = self._text_item, None
         if item is None:
             return
@@ -339,7 +378,9 @@ async def responses(request: Request, host: Any) -> Response:
     for field, action in req.envelope_notes():
         host.envelope.note("responses", field, action)
     setup = req.tool_setup()
-    prompt = await host.chat_prompt(engine, req.template_messages(history), setup, param="input")
+    thinking = chat_turn.thinking_kwargs(host, engine, "responses", "reasoning", req.thinking_choice())
+    messages = req.template_messages(history)
+    prompt = await host.chat_prompt(engine, messages, setup, param="input", template_kwargs=thinking)
     limit = output_limit(req.max_output_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
     params = msgspec.structs.replace(req.sampling_params(limit, engine.info.vocab_size), max_tokens=limit)
     params = chat_turn.with_constraint(engine, params, _text_constraint(req, setup), "text.format")
@@ -352,7 +393,7 @@ async def responses(request: Request, host: Any) -> Response:
         def on_done(rid: str, output: list[dict[str, Any]]) -> None:
             store.put(rid, conversation + [_copy(item) for item in output])
 
-    renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup), on_done)
+    renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup, prompt=prompt), on_done)
     return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
 
 

@@ -408,7 +408,7 @@ class ResponsesRequest(_Strict, kw_only=True, dict=True):
                 notes.append((name, "ignored"))
         if self.include is not None:
             notes.append(("include", "ignored"))
-        if self.reasoning is not None:
+        if self.reasoning is not None and self.thinking_choice() is None:  # an effort is counted where it acts
             notes.append(("reasoning", "ignored"))
         if self.truncation == "auto":
             notes.append(("truncation", "ignored"))
@@ -432,9 +432,7 @@ class ResponsesRequest(_Strict, kw_only=True, dict=True):
         turns it off (False), any other effort on (True); None: not said. For the
         chat template's ``enable_thinking`` (transport/reasoning.py)."""
         effort = self.reasoning.effort if self.reasoning is not None else None
-        if effort is None:
-            return None
-        return effort != "none"
+        return False if effort == "none" else None  # other efforts: the template's default
 
     def constraint(self) -> Constraint | None:
         fmt = self.text.format if self.text is not None else None
