@@ -24,6 +24,19 @@ def test_the_page_ships_as_package_data() -> None:
     assert "http://" not in page and "https://" not in page  # no CDN: every file is this server's
 
 
+def test_every_page_file_is_declared_package_data() -> None:
+    """A wheel carries only what ``[tool.setuptools.package-data]`` names (checked
+    on a built wheel too: `pip wheel . && unzip -l` lists transport/ui/*)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["transport"]
+    files = [f"ui/{p.name}" for p in (root / "transport" / "ui").iterdir()]
+    assert files and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files), (files, patterns)
+
+
 @pytest.fixture
 def client():  # type: ignore[no-untyped-def]
     with TestClient(
