@@ -103,7 +103,11 @@ class Engine:
         ports = load_ports(config, ports)
         assert ports.clock is not None and ports.events is not None and ports.device is not None
         ports.events.start(ports.clock.now())
-        engine = cls(assemble(config, ports))
+        try:
+            engine = cls(assemble(config, ports))
+        except BaseException:  # e.g. a drafter refused: the loaded model's thread must not outlive it
+            ports.device.close()
+            raise
         backend = engine.backend
         if hasattr(backend, "attach_engine"):  # rank 0 of a distributed engine (engine.mlx.distributed)
             backend.attach_engine(engine, asyncio.get_running_loop())

@@ -8,7 +8,10 @@ in their module with plain "asyncio".
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+import time
 
 import async_solipsism
 import pytest
@@ -36,8 +39,86 @@ def anyio_backend():
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
-    # A real pretrained model takes seconds to load and run: keep such tests out
+    # A real pretrained model (or a stress test) takes seconds: keep such tests out
     # of the fast lane (`pytest -m "not slow"`) without a second marker on each.
     for item in items:
-        if item.get_closest_marker("real_model") and not item.get_closest_marker("slow"):
+        heavy = item.get_closest_marker("real_model") or item.get_closest_marker("stress")
+        if heavy and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+
+
+# --- Leaks: an engine a test opens is closed by the end of its scope.
+#
+# An Engine (or ServerState, or a bare MLXThread) owns a thread named
+# ``ember-mlx*`` that holds the model's weights and caches; one left running keeps
+# its memory and its CPU for the rest of the run (a whole suite once grew to
+# 8.7 GB this way). After the last test of each module, when the module-scoped
+# fixtures are torn down too, a thread named ``ember-*`` that the module started
+# and that is still alive fails that test's teardown, naming the thread.
+
+LEAK_GRACE_S = 5.0  # a closed engine's thread finishes its last job and exits
+
+
+def _ember_threads() -> dict[int, threading.Thread]:
+    return {t.ident: t for t in threading.enumerate() if t.name.startswith("ember-") and t.ident is not None}
+
+
+def leaked_threads(before: set[int], grace_s: float = LEAK_GRACE_S) -> list[str]:
+    """Names of the ``ember-*`` threads alive now that were not alive in ``before``,
+    after waiting up to ``grace_s`` for them to exit."""
+    deadline = time.monotonic() + grace_s
+    for ident, t in _ember_threads().items():
+        if ident not in before:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return sorted(t.name for ident, t in _ember_threads().items() if ident not in before and t.is_alive())
+
+
+_threads_at_module_start: dict[str, set[int]] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    _threads_at_module_start.setdefault(item.nodeid.split("::")[0], set(_ember_threads()))
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    module = item.nodeid.split("::")[0]
+    if nextitem is not None and nextitem.nodeid.split("::")[0] == module:
+        return result
+    before = _threads_at_module_start.pop(module, set())
+    leaked = leaked_threads(before)
+    if leaked:
+        raise AssertionError(
+            f"{module} left {len(leaked)} engine thread(s) running after its tests and fixtures "
+            f"finished: {', '.join(leaked)}; close every Engine/ServerState/MLXThread it opens "
+            "(async with Engine.open(...), or a fixture that closes it)"
+        )
+    return result
+
+
+# --- Skips: with EMBER_SKIP_LOG set, every skipped test or module is written
+# there with its reason (one JSON object a line); .ci/run fails on a reason that
+# .ci/allowed-skips does not allow (.ci/check_skips.py).
+
+
+def _log_skip(nodeid: str, longrepr) -> None:
+    path = os.environ.get("EMBER_SKIP_LOG")
+    if not path:
+        return
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    with open(path, "a") as f:
+        f.write(json.dumps({"nodeid": nodeid, "reason": reason}) + "\n")
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _log_skip(report.nodeid, report.longrepr)
+
+
+def pytest_collectreport(report):
+    if report.skipped:
+        _log_skip(report.nodeid, report.longrepr)

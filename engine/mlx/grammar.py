@@ -21,15 +21,11 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import llguidance
 import msgspec
 
 from engine.errors import InvalidRequest
 from engine.types import Constraint
-
-try:
-    import llguidance
-except ImportError:  # declared in dependencies; a broken install gets a clear message
-    llguidance = None  # type: ignore[assignment]
 
 # JSON from a schema is written compactly: with llguidance's default
 # ("flexible" whitespace, any run of blanks between tokens) a small model can
@@ -66,8 +62,6 @@ class Grammars:
     (compiled on worker threads, copied on the MLX thread)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: list[int]):
-        if llguidance is None:
-            raise RuntimeError("constrained decoding needs the llguidance package (pip install llguidance)")
         self._hf = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)

@@ -526,6 +526,7 @@ async def test_under_random_faults_a_restore_is_exact_or_a_miss(seed):
     verify = seed % 2 == 0
     t = scanned(tier(disk, "/ssd", max_bytes=cap, verify=verify))
     stems = [[rng.randrange(256) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+    hits = misses = 0
     for _ in range(60):
         op = rng.random()
         stem = rng.choice(stems)
@@ -540,6 +541,9 @@ async def test_under_random_faults_a_restore_is_exact_or_a_miss(seed):
             disk.eio_prob = disk.bitflip_prob = 0.0
             if cache is not None:
                 assert 0 < n < len(prompt) and same_kv(cache, feed(prompt[:n]))
+                hits += 1
+            else:
+                misses += 1
         elif op < 0.8 and t.store.entries():
             e = rng.choice(t.store.entries())
             if rng.random() < 0.5 or not verify:
@@ -550,6 +554,14 @@ async def test_under_random_faults_a_restore_is_exact_or_a_miss(seed):
             disk.crash()
             t = scanned(tier(disk, "/ssd", max_bytes=cap, verify=verify))
         assert t.store.bytes <= cap
+    # "exact or a miss" must not pass by always missing: restores hit, and faults made some miss
+    assert hits > 0 and misses > 0, (hits, misses)
+    # after the faults the tier still works: a fresh entry, with no fault, restores exactly
+    disk.eio_prob = disk.bitflip_prob = 0.0
+    toks = [7, 7, 7] + stems[0]
+    await t.store_entry(toks, "", feed(toks), wait_turn=ungated)
+    cache, n = await t.restore(toks + [1], "")
+    assert cache is not None and n == len(toks) and same_kv(cache, feed(toks))
 
 
 def test_faulty_disk_forgets_files_no_name_can_bring_back():

@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
-pytest.importorskip("mlx.core")
-
 from starlette.testclient import TestClient  # noqa: E402
 
 from engine.models import resolve_model  # noqa: E402

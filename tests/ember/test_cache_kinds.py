@@ -14,9 +14,8 @@ from __future__ import annotations
 import asyncio
 import pathlib
 
+import mlx.core as mx
 import pytest
-
-mx = pytest.importorskip("mlx.core")
 
 from ember import Engine, EngineConfig, SamplingParams  # noqa: E402
 from sims.tiny_archs import build  # noqa: E402

@@ -22,10 +22,7 @@ from engine.types import SamplingParams
 async def test_flipped_tensor_bytes_are_a_miss_and_the_file_goes_under_default_settings(tmp_path):
     from engine.models import resolve_model
 
-    try:
-        resolve_model("tiny")
-    except FileNotFoundError:
-        pytest.skip("the bundled model is not built yet (python -m tools.train_tiny, docs/models.md)")
+    resolve_model("tiny")
     cfg = EngineConfig(backend="mlx", model="tiny", ssd_cache_dir=str(tmp_path / "ssd"), prefill_chunk=64)
     assert cfg.ssd_cache_verify, "verification is the default"
     sp = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -16,16 +16,13 @@ import math
 import os
 import threading
 
-import numpy as np
-import pytest
-
-mx = pytest.importorskip("mlx.core")
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("llguidance")
-
+import jsonschema
 import llguidance  # noqa: E402
 import llguidance.hf  # noqa: E402
 import llguidance.numpy  # noqa: E402
+import mlx.core as mx
+import numpy as np
+import pytest
 
 from ember import Engine, EngineConfig, InvalidRequest, SamplingParams  # noqa: E402
 from engine.models import resolve_model  # noqa: E402
@@ -55,10 +52,7 @@ def anyio_backend():
 
 
 def _cfg(**kw) -> EngineConfig:
-    try:
-        model = resolve_model(MODEL)
-    except FileNotFoundError as exc:
-        pytest.skip(f"no model to test with: {exc}")
+    model = resolve_model(MODEL)
     return EngineConfig(model=str(model), max_batch=8, prompt_cache_gib=0, **kw)
 
 

@@ -12,10 +12,8 @@ import asyncio
 import os
 from typing import Any
 
+import mlx.core as mx
 import pytest
-
-mx = pytest.importorskip("mlx.core")
-
 from mlx_lm import load, stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
@@ -54,10 +52,7 @@ def anyio_backend():
 
 @pytest.fixture(scope="module")
 def path():
-    try:
-        return str(resolve_model(MODEL))
-    except FileNotFoundError as exc:
-        pytest.skip(f"no model to test with: {exc}")
+    return str(resolve_model(MODEL))
 
 
 @pytest.fixture(scope="module")
@@ -166,10 +161,7 @@ async def test_chunked_prefill_progress_is_in_stats(path, ref):
 async def test_defaults_are_mlx_and_the_bundled_tiny():
     config = EngineConfig()
     assert (config.backend, config.model) == ("mlx", "tiny")
-    try:
-        resolve_model("tiny")
-    except FileNotFoundError as exc:
-        pytest.skip(f"bundled model not built: {exc}")
+    resolve_model("tiny")
     async with Engine.open(EngineConfig(prompt_cache_gib=0)) as engine:
         assert engine.info.model_id == "tiny"
         out = await engine.acomplete("def ", SamplingParams(max_tokens=4, ignore_eos=True))

@@ -48,10 +48,7 @@ def model():
 
     from engine.models import resolve_model
 
-    try:
-        path = resolve_model("tiny")
-    except FileNotFoundError:
-        pytest.skip("the bundled model is not built (python -m tools.train_tiny, docs/models.md)")
+    path = resolve_model("tiny")
     m, _ = load(str(path))
     return m
 
@@ -386,10 +383,7 @@ async def test_ram_evictions_spill_and_come_back_from_ssd(tmp_path):
 async def test_mlx_engine_restart_restores_the_prefix_and_matches_the_cold_run(tmp_path):
     from engine.models import resolve_model
 
-    try:
-        resolve_model("tiny")
-    except FileNotFoundError:
-        pytest.skip("the bundled model is not built yet (python -m tools.train_tiny, docs/models.md)")
+    resolve_model("tiny")
     cfg = EngineConfig(backend="mlx", model="tiny", ssd_cache_dir=str(tmp_path / "ssd"), prefill_chunk=64)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     async with Engine.open(cfg) as engine:

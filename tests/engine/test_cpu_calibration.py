@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
+import mlx.nn as nn
 import pytest
-
-mx = pytest.importorskip("mlx.core")
-nn = pytest.importorskip("mlx.nn")
 
 from engine.mlx import calibration_cache as cc  # noqa: E402
 from engine.mlx.cpu_layout import (  # noqa: E402

@@ -3,11 +3,9 @@ mlx-lm's layout computes. The oracle is mlx-lm's own load of the checkpoint."""
 
 from __future__ import annotations
 
+import mlx.core as mx
+import mlx.nn as nn
 import pytest
-
-mx = pytest.importorskip("mlx.core")
-nn = pytest.importorskip("mlx.nn")
-
 from mlx_lm import load  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 
+import gguf
+import mlx.core as mx
 import numpy as np
 import pytest
-
-gguf = pytest.importorskip("gguf", reason="the `gguf` package (extra `models`) is not installed")
-mx = pytest.importorskip("mlx.core")
 
 from engine.mlx.gguf_convert import GGUFError, cached_conversion, convert, mlx_name, model_config  # noqa: E402
 

@@ -12,10 +12,8 @@ import os
 import shutil
 import sys
 
+import mlx.core as mx
 import pytest
-
-mx = pytest.importorskip("mlx.core")
-
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
@@ -40,10 +38,7 @@ PROMPTS = [
 
 
 def _path():
-    try:
-        return resolve_model(MODEL)
-    except FileNotFoundError as exc:
-        pytest.skip(f"no model to test with: {exc}")
+    return resolve_model(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import mlx.core as mx
 import pytest
-
-mx = pytest.importorskip("mlx.core")
-
 from mlx_lm import load, stream_generate  # noqa: E402
 
 from engine.models import resolve_model  # noqa: E402

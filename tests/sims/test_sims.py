@@ -368,15 +368,6 @@ def test_sweep_seed_ranges_and_one_run(capsys):
 # Live replay against `ember serve --fake-gpu` (127.0.0.1, a few seconds).
 
 
-def test_replay_report_without_matplotlib_says_so_and_writes_no_png(tmp_path, capsys, monkeypatch):
-    from sims import replay
-
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    assert replay.plot([], [], str(tmp_path / "ttft.png"), "t") is False
-    assert not (tmp_path / "ttft.png").exists()
-    assert "matplotlib is not installed" in capsys.readouterr().err
-
-
 @pytest.mark.slow  # a live server, restarted
 def test_replay_against_ember_serve_with_a_crash_and_a_flush(tmp_path, capsys):
     from sims import replay

@@ -6,8 +6,8 @@ Agents SDK running a function tool end to end.
 Oracles: the SDKs parse every body and event with their own types; the three
 APIs must produce the same greedy text for the same conversation (one model,
 one prompt); a streamed answer must equal the non-streamed one. A forced tool
-call needs grammar-constrained decoding: where the engine cannot enforce a
-grammar the server answers 400, and those tests skip saying so."""
+call needs grammar-constrained decoding, which the MLX engine always has
+(llguidance is a dependency): a 400 for it fails the test."""
 
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ def claude(server) -> Iterator[anthropic.Anthropic]:
 
 
 @pytest.fixture(scope="module")
-def grammar(oai) -> bool:
-    """Whether the server enforces grammars: a forced call is served or refused with a 400."""
+def grammar(oai) -> None:
+    """The MLX engine enforces grammars (llguidance is a dependency): a forced call
+    is served. A 400 here ("cannot enforce a grammar") is a failure, never a skip."""
     try:
         oai.chat.completions.create(
             model=MODEL,
@@ -70,16 +71,7 @@ def grammar(oai) -> bool:
             max_tokens=60,
         )
     except openai.BadRequestError as exc:
-        assert "cannot enforce a grammar" in str(exc), exc
-        return False
-    return True
-
-
-def needs_grammar(grammar: bool) -> None:
-    if not grammar:
-        pytest.skip(
-            "the engine cannot enforce grammars yet (constrained decoding, branch `grammar`): forced calls answer 400"
-        )
+        pytest.fail(f"the bundled model on MLX refused a forced tool call: {exc}")
 
 
 def check_weather_args(args: dict) -> None:
@@ -109,7 +101,6 @@ def test_chat_with_tools_offers_them_in_the_prompt(oai):
 
 
 def test_forced_named_tool_call_parses(oai, grammar):
-    needs_grammar(grammar)
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r = oai.chat.completions.create(
         model=MODEL, messages=MESSAGES, tools=CHAT_TOOLS, tool_choice=choice, parallel_tool_calls=False, max_tokens=80
@@ -122,7 +113,6 @@ def test_forced_named_tool_call_parses(oai, grammar):
 
 
 def test_streamed_tool_call_reassembles_to_the_same_call(oai, grammar):
-    needs_grammar(grammar)
     kw = dict(
         model=MODEL,
         messages=MESSAGES,
@@ -168,7 +158,6 @@ def test_responses_text_matches_chat_streaming_and_not(oai, chat_text):
 
 
 def test_responses_forced_function_call(oai, grammar):
-    needs_grammar(grammar)
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}]
     r = oai.responses.create(model=MODEL, input=QUESTION, tools=tools, tool_choice="required", max_output_tokens=80)
     calls = [o for o in r.output if o.type == "function_call"]
@@ -221,7 +210,6 @@ def test_anthropic_stop_sequence(claude, chat_text):
 
 
 def test_anthropic_forced_tool_use(claude, grammar):
-    needs_grammar(grammar)
     tools = [{"name": "get_weather", "description": "Weather forecast", "input_schema": WEATHER}]
     msg = claude.messages.create(
         model=MODEL,
@@ -249,12 +237,9 @@ def test_anthropic_forced_tool_use(claude, grammar):
 
 
 def test_openai_agents_runs_a_function_tool(server, grammar):
-    needs_grammar(grammar)
-    try:  # openai-agents (test extra) imports as `agents`
-        import agents
-        from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-    except ImportError:
-        pytest.skip("openai-agents is not installed (it is in the test extra)")
+    # openai-agents (the test extra) imports as `agents`
+    import agents
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)
     calls: list[tuple[str, int]] = []

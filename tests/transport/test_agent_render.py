@@ -240,7 +240,8 @@ def test_responses_body_validates_and_length_is_incomplete():
 
 
 def test_forced_call_grammar_is_valid_lark_for_llguidance():
-    llg = pytest.importorskip("llguidance", reason="llguidance comes with the grammar engine (extra of branch grammar)")
+    import llguidance as llg
+
     tools = [
         check_tool(
             "get_weather",

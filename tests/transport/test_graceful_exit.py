@@ -14,13 +14,11 @@ from sims.shutdowns import one
 
 
 @pytest.mark.slow
+@pytest.mark.stress
 def test_25_graceful_shutdowns_of_the_bundled_model_all_exit_0():
     from engine.models import resolve_model
 
-    try:
-        resolve_model("tiny")
-    except FileNotFoundError:
-        pytest.skip("the bundled model is not built yet (python -m tools.train_tiny, docs/models.md)")
+    resolve_model("tiny")
     args = argparse.Namespace(model="tiny", ssd=True, requests=1, start_timeout=180.0, gdb=False)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda i: one(i, args), range(25)))

@@ -54,10 +54,7 @@ def _hostile(url: str, path: str, body: dict) -> tuple[float, int, list[float]]:
 def test_an_8mb_prompt_is_a_quick_400_and_health_keeps_its_latency():
     from engine.models import resolve_model
 
-    try:
-        resolve_model("tiny")
-    except FileNotFoundError:
-        pytest.skip("the bundled model is not built yet (python -m tools.train_tiny, docs/models.md)")
+    resolve_model("tiny")
     proc = subprocess.Popen(
         [sys.executable, "-m", "transport.cli", "serve", "--model", "tiny", "--port", "0", "--log-level", "warning"],
         stdout=subprocess.PIPE,

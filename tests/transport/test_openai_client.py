@@ -15,7 +15,6 @@ import pytest
 from engine.fake.gpu import expected_tokens
 from engine.fake.tokenizer import ByteTokenizer
 from engine.mlx.gguf_models import installed
-from engine.models import BUNDLED
 from tests.live_server import ember_serve, read_url
 
 TOK = ByteTokenizer()
@@ -122,10 +121,6 @@ def test_sigterm_drains_and_exits_zero(server, client):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (BUNDLED["tiny"] / "config.json").is_file(),
-    reason="the bundled tiny model is not built (python -m tools.train_tiny)",
-)
 @pytest.mark.skipif(
     installed("smollm2-135m"), reason="the models extra is installed: `ember serve` defaults to smollm2-135m"
 )

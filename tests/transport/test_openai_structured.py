@@ -10,12 +10,11 @@ import json
 from collections.abc import Iterator
 
 import httpx
+import jsonschema
+import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-
-mx = pytest.importorskip("mlx.core")
-jsonschema = pytest.importorskip("jsonschema")
 
 from engine.models import resolve_model  # noqa: E402
 from tests.live_server import ember_serve  # noqa: E402
@@ -37,10 +36,7 @@ MESSAGES = [{"role": "user", "content": "Give me a city as JSON."}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    try:
-        resolve_model("tiny")
-    except FileNotFoundError as exc:
-        pytest.skip(f"no bundled model: {exc}")
+    resolve_model("tiny")
     with ember_serve("--model", "tiny", "--draft-model", "ngram") as (_, url):
         yield url
 
@@ -73,7 +69,7 @@ def test_response_format_json_schema_validates(client):
 
 
 def test_response_format_parse_with_the_sdk(client):
-    pydantic = pytest.importorskip("pydantic")
+    import pydantic
 
     class City(pydantic.BaseModel):
         model_config = pydantic.ConfigDict(extra="forbid")
