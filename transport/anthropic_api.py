@@ -17,6 +17,7 @@ counts it: ``input_tokens + cache_read_input_tokens`` is the whole prompt.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,7 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ember.api import Completion
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidRequest
 from engine.types import Delta
 from transport import chat_turn
 from transport.anthropic_schema import (
@@ -37,13 +38,17 @@ from transport.anthropic_schema import (
     MessageBody,
     MessagesRequest,
     TextOut,
+    ThinkingOut,
     ToolUseOut,
     Usage,
+    template_error,
     tool_input,
 )
 from transport.errors import ApiError, from_engine_error
+from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
+from transport.reasoning import OutputSplitter, Reasoning, signature
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 
 _encode = msgspec.json.Encoder().encode
@@ -106,7 +111,14 @@ class MessagesRenderer:
 
     done = b""  # Anthropic's stream ends with message_stop, no [DONE]
 
-    def __init__(self, model: str, prompt_tokens: int, splitter: CallSplitter | None, tokenizer: Any, stops: list[str]):
+    def __init__(
+        self,
+        model: str,
+        prompt_tokens: int,
+        splitter: CallSplitter | OutputSplitter | None,
+        tokenizer: Any,
+        stops: list[str],
+    ):
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -116,7 +128,8 @@ class MessagesRenderer:
         self.text = ""
         self.token_ids: list[int] = []
         self._index = -1
-        self._open: str | None = None  # "text" or "tool_use"
+        self._open: str | None = None  # "thinking", "text" or "tool_use"
+        self._thinking = ""  # the open thinking block's text, for its signature
 
     # ---- shared ------------------------------------------------------------
     def _events(self, text: str, final: bool) -> list[Event]:
@@ -144,15 +157,23 @@ class MessagesRenderer:
     # ---- non-streaming -----------------------------------------------------
     def body(self, c: Completion) -> bytes:
         self.text, self.token_ids = c.text, c.token_ids
-        content: list[TextOut | ToolUseOut] = []
+        content: list[ThinkingOut | TextOut | ToolUseOut] = []
         for e in self._events(c.text, True):
-            if isinstance(e, Text):
+            if isinstance(e, Reasoning):
+                if content and isinstance(content[-1], ThinkingOut):
+                    content[-1].thinking += e.text
+                else:
+                    content.append(ThinkingOut(thinking=e.text, signature=""))
+            elif isinstance(e, Text):
                 if content and isinstance(content[-1], TextOut):
                     content[-1].text += e.text
                 else:
                     content.append(TextOut(text=e.text))
             elif isinstance(e, CallEnd):
                 content.append(ToolUseOut(id=e.id, name=e.name, input=tool_input(e.arguments)))
+        for block in content:
+            if isinstance(block, ThinkingOut):
+                block.signature = signature(block.thinking)
         reason, stop = self.stop_reason(c.finish_reason)
         return _encode(
             MessageBody(
@@ -182,8 +203,12 @@ class MessagesRenderer:
     def _close(self) -> list[bytes]:
         if self._open is None:
             return []
+        out = []
+        if self._open == "thinking":  # a thinking block ends with its signature, as Anthropic's do
+            out.append(self._delta({"type": "signature_delta", "signature": signature(self._thinking)}))
+            self._thinking = ""
         self._open = None
-        return [_sse("content_block_stop", {"type": "content_block_stop", "index": self._index})]
+        return out + [_sse("content_block_stop", {"type": "content_block_stop", "index": self._index})]
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> list[bytes]:
         out = self._close()
@@ -202,7 +227,12 @@ class MessagesRenderer:
         final = d.finish_reason is not None
         out: list[bytes] = []
         for e in self._events(d.text, final):
-            if isinstance(e, Text):
+            if isinstance(e, Reasoning):
+                if self._open != "thinking":
+                    out += self._open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                self._thinking += e.text
+                out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
+            elif isinstance(e, Text):
                 if self._open != "text":
                     out += self._open_block("text", {"type": "text", "text": ""})
                 out.append(self._delta({"type": "text_delta", "text": e.text}))
@@ -233,6 +263,27 @@ class MessagesRenderer:
 # Routes.
 
 
+async def _prompt(host: Any, engine: Any, req: Any, setup: Any) -> Any:
+    """The request's prompt: system messages where they stand, or — for a
+    template that refuses a non-leading system message — as reminders in the
+    neighbouring user turn (``template_messages(reminders=True)``); ``thinking``
+    as the template's reasoning switch."""
+    note = functools.partial(host.envelope.note, "messages")
+    req.system_text(note)  # counts the volatile head lines taken out
+    req.note_envelope(note)
+    thinking = chat_turn.thinking_kwargs(host, engine, "messages", "thinking", req.thinking_choice())
+    try:
+        return await host.chat_prompt(engine, req.template_messages(setup), setup, template_kwargs=thinking)
+    except InvalidRequest as exc:
+        if not (req.inner_system and template_error(exc)):
+            raise
+    prompt = await host.chat_prompt(
+        engine, req.template_messages(setup, reminders=True), setup, template_kwargs=thinking
+    )
+    note("messages[].role=system", "canonicalised")  # rendered as a <system-reminder>
+    return prompt
+
+
 async def messages(request: Request, host: Any) -> Response:
     from transport.http import read_body
 
@@ -241,12 +292,13 @@ async def messages(request: Request, host: Any) -> Response:
     req: MessagesRequest = decode_request(await read_body(request, host.max_body_bytes), MessagesRequest)
     model = host.check_model(req.model)
     setup = req.tool_setup()
-    prompt = await host.chat_prompt(engine, req.template_messages(), setup)
-    params = chat_turn.tool_params(engine, req.sampling_params(engine.info.vocab_size), setup)
+    prompt = await _prompt(host, engine, req, setup)
+    limit = output_limit(req.max_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
+    params = req.sampling_params(limit, engine.info.vocab_size)
+    params = chat_turn.tool_params(engine, params, setup)
     stream = await chat_turn.submit(engine, prompt, params, req.param_names())
-    renderer = MessagesRenderer(
-        model, len(prompt), chat_turn.splitter(engine, setup, "toolu_"), engine.tokenizer, params.stop
-    )
+    splitter = chat_turn.splitter(engine, setup, "toolu_", prompt=prompt)
+    renderer = MessagesRenderer(model, len(prompt), splitter, engine.tokenizer, params.stop)
     return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
 
 
@@ -257,7 +309,7 @@ async def count_tokens(request: Request, host: Any) -> Response:
     req: CountTokensRequest = decode_request(await read_body(request, host.max_body_bytes), CountTokensRequest)
     host.check_model(req.model)
     setup = req.tool_setup()
-    prompt = await host.chat_prompt(engine, req.template_messages(), setup)
+    prompt = await _prompt(host, engine, req, setup)
     return Response(_encode({"input_tokens": len(prompt)}), media_type="application/json")
 
 

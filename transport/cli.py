@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept the SGLang Model Gateway's extension fields (no_stop_trim, ...) in requests (docs/distributed.md)",
     )
     s.add_argument(
+        "--default-max-tokens",
+        type=int,
+        metavar="N",
+        help="cap a request that sets no output limit at N tokens (default: what the context leaves)",
+    )
+    s.add_argument(
         "--api-key",
         default=os.environ.get("EMBER_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on every route but /health (default: $EMBER_API_KEY)",
@@ -251,6 +257,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     app = build_app(
         config,
         trust_gateway=args.trust_gateway,
+        default_max_tokens=args.default_max_tokens,
         api_key=args.api_key,
         loopback_only=is_loopback(args.host),
         send_timeout_s=args.send_timeout,

@@ -32,13 +32,13 @@ from starlette.routing import Route
 from ember import Completion, Engine, Ports, RequestStream, load_ports
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest
-from engine.limits import DEFAULT_MAX_TOKENS
 from transport import chat_turn
 from transport.choices import ChoiceStream, submit_choices
 from transport.envelope import EnvelopeCounter
 from transport.errors import ApiError, error_body, from_engine_error
 from transport.gateway_compat import ExtensionCounter, request_type
 from transport.gateway_compat import routes as gateway_routes
+from transport.limits import output_limit
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
 from transport.openai_bodies import ModelCard, ModelList
 from transport.openai_schema import decode_request
@@ -70,7 +70,7 @@ class ServerState:
         engine_kw: dict[str, Any],
         *,
         keepalive_s: float,
-        default_max_tokens: int,
+        default_max_tokens: int | None,
         max_body_bytes: int,
         trust_gateway: bool = False,
         send_timeout_s: float | None = None,
@@ -81,7 +81,7 @@ class ServerState:
         self.send_timeout_s = send_timeout_s
         self.engine_kw = engine_kw
         self.keepalive_s = keepalive_s
-        self.default_max_tokens = default_max_tokens
+        self.default_max_tokens = default_max_tokens  # the operator's cap on an unset limit (None: the context left)
         self.max_body_bytes = max_body_bytes
         self.engine: Engine | None = None
         self.phase = "starting"  # starting → ready → draining → stopped, or starting → failed
@@ -301,15 +301,18 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
         tools = req.tool_setup()
-        prompt = await host.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
+        field = "chat_template_kwargs" if "enable_thinking" in (req.chat_template_kwargs or {}) else "reasoning_effort"
+        thinking = chat_turn.thinking_kwargs(host, engine, "chat", field, req.thinking_choice())
+        messages = [m.as_template_message() for m in req.messages]
+        prompt = await host.chat_prompt(engine, messages, tools, template_kwargs=thinking)
     else:
         if isinstance(req.prompt, str):
             host.check_prompt_bytes([req.prompt], "prompt")
             prompt = await host.off_loop(engine.encode, req.prompt)
         else:
             prompt = engine.encode(req.prompt)
-    room = engine.info.context_length - len(prompt)
-    params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
+    limit = output_limit(req.requested_max_tokens(), len(prompt), engine.info.context_length, host.default_max_tokens)
+    params = req.sampling_params(limit, engine.info.vocab_size)
     rename = req.param_names()
     if chat:
         params = chat_turn.tool_params(engine, params, tools)
@@ -323,7 +326,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
             req.include_usage,
             rids=rids,
             token_bytes=engine.token_bytes,
-            splitter=lambda: chat_turn.splitter(engine, tools),
+            splitter=lambda: chat_turn.splitter(engine, tools, prompt=prompt),
         )
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
     completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
@@ -348,6 +351,12 @@ async def chat_completions(request: Request, host: ServerState) -> Response:
 
 async def completions(request: Request, host: ServerState) -> Response:
     return await _generate(request, host, chat=False)
+
+
+async def root(request: Request, host: ServerState) -> Response:
+    """``GET /`` and ``HEAD /`` (clients probe it before their first request):
+    200 and what this server is; the dashboard replaces it."""
+    return JSONResponse({"name": "ember", "model": host.model_name, "status": host.health()[0]})
 
 
 async def models(request: Request, host: ServerState) -> Response:
@@ -416,7 +425,7 @@ def build_app(
     config: EngineConfig,
     *,
     keepalive_s: float = 5.0,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    default_max_tokens: int | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     trust_gateway: bool = False,
     api_key: str | None = None,
@@ -450,6 +459,7 @@ def build_app(
                 host.stop(tg.cancel_scope)
 
     routes = [
+        Route("/", _endpoint("root", root), methods=["GET", "HEAD"]),
         Route("/v1/chat/completions", _endpoint("chat", chat_completions), methods=["POST"]),
         Route("/v1/completions", _endpoint("completions", completions), methods=["POST"]),
         Route("/v1/models", _endpoint("models", models), methods=["GET"]),

@@ -30,8 +30,10 @@ from engine.errors import EngineError
 from engine.types import Delta
 from transport import chat_turn
 from transport.errors import from_engine_error
+from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
+from transport.reasoning import OutputSplitter, Reasoning
 from transport.responses_schema import ResponsesRequest
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 
@@ -45,7 +47,7 @@ def _id(prefix: str) -> str:
 class ResponsesRenderer:
     done = b""  # the Responses stream ends with response.completed, no [DONE]
 
-    def __init__(self, model: str, req: ResponsesRequest, splitter: CallSplitter | None):
+    def __init__(self, model: str, req: ResponsesRequest, splitter: CallSplitter | OutputSplitter | None):
         self.id = _id("resp")
         self.created_at = int(time.time())
         self.model = model
@@ -54,6 +56,7 @@ class ResponsesRenderer:
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # items, as they are so far
         self._text_item: dict[str, Any] | None = None  # the open message item
+        self._reasoning_item: dict[str, Any] | None = None  # the open reasoning item
         self._calls: dict[int, dict[str, Any]] = {}  # call index → its function_call item
 
     # ---- the response object ----------------------------------------------
@@ -106,6 +109,10 @@ class ResponsesRenderer:
 
     def _apply(self, e: Event, out: list[tuple[str, dict[str, Any]]]) -> None:
         """Update the items by one event; ``out`` gets the stream events it makes."""
+        if isinstance(e, Reasoning):
+            self._reason(e.text, out)
+            return
+        self._close_reasoning(out)
         if isinstance(e, Text):
             item = self._text_item
             if item is None:
@@ -176,7 +183,40 @@ class ResponsesRenderer:
             )
             out.append(("response.output_item.done", {"output_index": idx, "item": _copy(item)}))
 
+    def _reason(self, text: str, out: list[tuple[str, dict[str, Any]]]) -> None:
+        """A ``reasoning`` item with one ``reasoning_text`` part (openai.types.responses)."""
+        item = self._reasoning_item
+        if item is None:
+            item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            self._reasoning_item = item
+            self.output.append(item)
+            out.append(("response.output_item.added", {"output_index": len(self.output) - 1, "item": _copy(item)}))
+            item["content"].append({"type": "reasoning_text", "text": ""})
+        item["content"][0]["text"] += text
+        out.append(
+            (
+                "response.reasoning_text.delta",
+                {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0, "delta": text},
+            )
+        )
+
+    def _close_reasoning(self, out: list[tuple[str, dict[str, Any]]]) -> None:
+        item, self._reasoning_item = self._reasoning_item, None
+        if item is None:
+            return
+        idx = self.output.index(item)
+        item["status"] = "completed"
+        text = item["content"][0]["text"]
+        out.append(
+            (
+                "response.reasoning_text.done",
+                {"item_id": item["id"], "output_index": idx, "content_index": 0, "text": text},
+            )
+        )
+        out.append(("response.output_item.done", {"output_index": idx, "item": _copy(item)}))
+
     def _close_text(self, out: list[tuple[str, dict[str, Any]]]) -> None:
+        self._close_reasoning(out)
         item, self._text_item = self._text_item, None
         if item is None:
             return
@@ -248,13 +288,14 @@ async def responses(request: Request, host: Any) -> Response:
     req: ResponsesRequest = decode_request(await read_body(request, host.max_body_bytes), ResponsesRequest)
     model = host.check_model(req.model)
     setup = req.tool_setup()
-    prompt = await host.chat_prompt(engine, req.template_messages(), setup, param="input")
-    room = engine.info.context_length - len(prompt)
-    params = req.sampling_params(max(1, min(host.default_max_tokens, room)), engine.info.vocab_size)
+    thinking = chat_turn.thinking_kwargs(host, engine, "responses", "reasoning", req.thinking_choice())
+    prompt = await host.chat_prompt(engine, req.template_messages(), setup, param="input", template_kwargs=thinking)
+    limit = output_limit(req.max_output_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
+    params = msgspec.structs.replace(req.sampling_params(limit, engine.info.vocab_size), max_tokens=limit)
     params = chat_turn.with_constraint(engine, params, req.constraint(), "text.format")
     params = chat_turn.tool_params(engine, params, setup)
     stream = await chat_turn.submit(engine, prompt, params, req.param_names(setup.forced))
-    renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup))
+    renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup, prompt=prompt))
     return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
 
 

@@ -114,6 +114,11 @@ class ResponsesRequest(_Strict, kw_only=True, dict=True):
     user: str | None = None
     service_tier: str | None = None
     truncation: Literal["disabled"] | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}
+
+    def thinking_choice(self) -> bool | None:
+        """``reasoning.effort: "none"`` turns the template's reasoning off (None: its default)."""
+        return False if (self.reasoning or {}).get("effort") == "none" else None
 
     def check(self) -> ResponsesRequest:
         if self.previous_response_id is not None:

@@ -37,6 +37,10 @@ class Tool(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     description: str | None = None
     parameters: dict[str, Any] = {}
+    strict: bool = False  # the schema must compile: calls are to follow it (``ToolSetup.of`` checks)
+    param: str = "tools"  # where the tool sits in the request, for a 400 about its schema
+    schema_field: str = "parameters"
+    hidden: bool = False  # offered (callable, parsed) but not rendered: Anthropic's ``defer_loading``
 
     def as_template_tool(self) -> dict[str, Any]:
         """OpenAI's shape, which chat templates (and mlx-lm) read."""
@@ -56,24 +60,46 @@ class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
 
 
-def check_tool(name: Any, description: Any, parameters: Any, param: str, schema_field: str = "parameters") -> Tool:
-    """One tool definition, checked; ``param`` is where it sits in the request,
-    ``schema_field`` what this API calls its schema."""
+def check_tool(
+    name: Any,
+    description: Any,
+    parameters: Any,
+    param: str,
+    schema_field: str = "parameters",
+    *,
+    strict: bool = False,
+    hidden: bool = False,
+) -> Tool:
+    """One tool definition, checked for what rendering it needs; ``param`` is
+    where it sits in the request, ``schema_field`` what this API calls its
+    schema. The grammar engine compiles the schema only when a request enforces
+    it (a forced call, ``strict``): ``ToolSetup.of``."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise InvalidRequest("a tool name must be 1-64 letters, digits, '_', '-', '.' or ':'", f"{param}.name")
     if description is not None and not isinstance(description, str):
         raise InvalidRequest("a tool description must be a string", f"{param}.description")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
-    check_schema(parameters, f"{param}.{schema_field}")
+    check_structure(parameters, f"{param}.{schema_field}")
     if parameters.get("type", "object") != "object":
         raise InvalidRequest("a tool's parameters must be a JSON schema of type object", f"{param}.{schema_field}")
-    return Tool(name=name, description=description, parameters=parameters)
+    return Tool(
+        name=name,
+        description=description,
+        parameters=parameters,
+        strict=bool(strict),
+        param=param,
+        schema_field=schema_field,
+        hidden=hidden,
+    )
 
 
-def check_schema(schema: Any, param: str) -> None:
-    """A JSON schema the grammar can compile: an object whose keywords have the
-    right types. llguidance is the final judge when it is installed."""
+def check_structure(schema: Any, param: str) -> None:
+    """What rendering a schema needs: an object whose structural keywords
+    (``type``, ``properties``, ``required``, ``items``) have the right shapes.
+    Other keywords (``propertyNames``, ``$defs``, 2020-12's ``prefixItems``…)
+    are rendered as they are; whether the grammar engine can compile them
+    matters only where a request enforces the schema (``compile_schema``)."""
     if not isinstance(schema, dict):
         raise InvalidRequest("a JSON schema must be an object", param)
     kind = schema.get("type")
@@ -91,30 +117,35 @@ def check_schema(schema: Any, param: str) -> None:
             if not isinstance(sub, (dict, bool)):
                 raise InvalidRequest("a property's schema must be an object", f"{param}.properties.{key}")
             if isinstance(sub, dict):
-                check_schema(sub, f"{param}.properties.{key}")
+                check_structure(sub, f"{param}.properties.{key}")
     required = schema.get("required")
     if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
         raise InvalidRequest("required must be a list of property names", f"{param}.required")
     items = schema.get("items")
     if isinstance(items, dict):
-        check_schema(items, f"{param}.items")
+        check_structure(items, f"{param}.items")
     elif items is not None and not isinstance(items, bool):
         raise InvalidRequest("items must be a schema", f"{param}.items")
-    error = _llguidance_error(json.dumps(schema))
-    if error:
-        raise InvalidRequest(f"the JSON schema cannot be compiled: {error}", param)
 
 
-def _llguidance_error(schema_json: str) -> str:
-    """llguidance's verdict on a schema ("" = fine, or llguidance missing)."""
+def check_schema(schema: Any, param: str, why: str = "this format") -> None:
+    """A schema the output is always held to (a response format): its shape,
+    then the grammar engine's verdict."""
+    check_structure(schema, param)
+    compile_schema(schema, param, why)
+
+
+def compile_schema(schema: dict[str, Any], param: str, why: str) -> None:
+    """The grammar engine's verdict on a schema a request enforces (``why``:
+    what enforces it); a schema it cannot compile is a 400 naming the keyword."""
+    from llguidance import LLMatcher, grammar_from
+
     try:
-        from llguidance import LLMatcher, grammar_from
-    except ImportError:
-        return ""
-    try:
-        return LLMatcher.validate_grammar(grammar_from("json_schema", schema_json))
+        error = LLMatcher.validate_grammar(grammar_from("json_schema", json.dumps(schema)))
     except Exception as exc:  # a schema it cannot even parse
-        return str(exc)
+        error = str(exc)
+    if error:
+        raise InvalidRequest(f"the JSON schema cannot be compiled, which {why} needs: {error}", param)
 
 
 def check_tools(tools: list[Tool], choice: ToolChoice, param_choice: str) -> None:
@@ -130,6 +161,14 @@ def check_tools(tools: list[Tool], choice: ToolChoice, param_choice: str) -> Non
         raise InvalidRequest(f"tool_choice names {choice.name!r}, which is not in tools", param_choice)
     if choice.mode in ("required", "named") and not tools:
         raise InvalidRequest("tool_choice forces a tool call but no tools were given", param_choice)
+    if choice.mode == "none":
+        return
+    forced = choice.mode in ("required", "named")
+    for t in tools:
+        enforced = forced and (choice.mode == "required" or t.name == choice.name)
+        if enforced or t.strict:
+            why = "a forced call" if enforced else "strict: true"
+            compile_schema(t.parameters or {"type": "object"}, f"{t.param}.{t.schema_field}", why)
 
 
 def _lark_string(text: str) -> str:
@@ -193,7 +232,9 @@ class ToolSetup(msgspec.Struct, frozen=True, kw_only=True):
         return self.active and self.choice.mode in ("required", "named")
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        return [t.as_template_tool() for t in self.tools] if self.active else None
+        if not self.active:
+            return None
+        return [t.as_template_tool() for t in self.tools if not t.hidden] or None
 
     def check_markup(self, markup: Any) -> None:
         """The model must be able to write calls, and a forced call needs a grammar for its form."""

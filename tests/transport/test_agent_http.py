@@ -133,7 +133,16 @@ async def test_bad_tool_traffic_is_a_400_naming_the_parameter_on_every_route():
                 "tools[0].input_schema.properties.a",
             ),
             ({"tool_choice": {"type": "any"}}, "tool_choice"),
-            ({"max_tokens": None}, "max_tokens"),
+            (
+                {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]},
+                "messages[0].content[0].type",
+            ),
+            (
+                {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "pre"}]},
+                "messages[1].role",
+            ),
+            ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "m"}]}, "mcp_servers"),
+            ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
         ]
         for extra, param in bad_anthropic:
             _anthropic_error(await client.post("/v1/messages", json={**base, **extra}), param)

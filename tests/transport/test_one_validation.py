@@ -100,24 +100,31 @@ async def test_max_completion_tokens_is_named_as_sent() -> None:
         assert r.json()["error"]["param"] == "max_completion_tokens"
 
 
-async def test_an_unset_max_tokens_is_the_same_default_everywhere() -> None:
+async def test_an_unset_max_tokens_is_what_the_context_leaves_on_every_route() -> None:
+    """Every HTTP route gives an unset limit the room the prompt leaves
+    (transport/limits.py); the embedded API keeps its own default."""
     assert SamplingParams().max_tokens == DEFAULT_MAX_TOKENS
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     async with serving(SPEC) as (app, client):
         engine = app.state.ember.engine
         submit = engine.asubmit
 
         async def spy(prompt: Any, params: SamplingParams | None = None, **kw: Any) -> Any:
-            seen.append((params or SamplingParams()).max_tokens)
+            seen.append(((params or SamplingParams()).max_tokens, len(prompt)))
             return await submit(prompt, SamplingParams(max_tokens=1))  # the answer itself does not matter here
 
         engine.asubmit = spy
         await spy([1, 2, 3])  # the embedded API's own default: no params at all
-        for route in ("chat", "completions", "responses"):  # Anthropic's max_tokens is required by its API
-            body = _body(route, "user" if route != "responses" else "instructions", "u")
+        for route in ("chat", "completions", "responses", "messages"):
+            field = {"responses": "instructions", "messages": "system"}.get(route, "user")
+            body = _body(route, field, "u")
+            body.pop("max_tokens", None)
             r = await client.post(PATHS[route], json=body)
             assert r.status_code == 200, (route, r.text)
-    assert seen == [DEFAULT_MAX_TOKENS] * 4
+        context = engine.info.context_length
+    assert seen[0][0] == DEFAULT_MAX_TOKENS
+    assert len(seen) == 5
+    assert [m for m, _ in seen[1:]] == [context - n for _, n in seen[1:]]
 
 
 async def test_top_logprobs_out_of_range_is_named_as_sent() -> None:
