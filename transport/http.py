@@ -353,12 +353,6 @@ async def completions(request: Request, host: ServerState) -> Response:
     return await _generate(request, host, chat=False)
 
 
-async def root(request: Request, host: ServerState) -> Response:
-    """``GET /`` and ``HEAD /`` (clients probe it before their first request):
-    200 and what this server is; the dashboard replaces it."""
-    return JSONResponse({"name": "ember", "model": host.model_name, "status": host.health()[0]})
-
-
 async def models(request: Request, host: ServerState) -> Response:
     card = ModelCard(id=host.model_name, created=host.created)
     return Response(msgspec.json.encode(ModelList(data=[card])), media_type="application/json")
@@ -459,7 +453,6 @@ def build_app(
                 host.stop(tg.cancel_scope)
 
     routes = [
-        Route("/", _endpoint("root", root), methods=["GET", "HEAD"]),
         Route("/v1/chat/completions", _endpoint("chat", chat_completions), methods=["POST"]),
         Route("/v1/completions", _endpoint("completions", completions), methods=["POST"]),
         Route("/v1/models", _endpoint("models", models), methods=["GET"]),
