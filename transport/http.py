@@ -45,6 +45,7 @@ from transport.openai_schema import decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.security import SecurityMiddleware
 from transport.sse import Disconnect, EventStream
+from transport.ui_routes import routes as ui_routes
 
 log = logging.getLogger("ember.http")
 
@@ -278,7 +279,7 @@ async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: Tok
         tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
         try:
             async for d in stream:
-                timer.tokens(len(d.token_ids))
+                timer.tokens(len(d.token_ids), d.usage)
                 (outs[d.rid] if outs is not None else out).add(d)
         except EngineError as exc:
             failed = exc
@@ -352,12 +353,6 @@ async def completions(request: Request, host: ServerState) -> Response:
     return await _generate(request, host, chat=False)
 
 
-async def root(request: Request, host: ServerState) -> Response:
-    """``GET /`` and ``HEAD /`` (clients probe it before their first request):
-    200 and what this server is; the dashboard replaces it."""
-    return JSONResponse({"name": "ember", "model": host.model_name, "status": host.health()[0]})
-
-
 async def models(request: Request, host: ServerState) -> Response:
     ctx = host.engine.info.context_length if host.engine is not None else None
     card = ModelCard(id=host.model_name, created=host.created, context_length=ctx, max_model_len=ctx)
@@ -384,7 +379,7 @@ def _plain(obj: Any) -> Any:
 
 async def stats(request: Request, host: ServerState) -> Response:
     engine = host.require_engine()
-    body = {**engine.stats(), "envelope": host.envelope.snapshot()}
+    body = {**engine.stats(), "envelope": host.envelope.snapshot(), "recent_requests": host.metrics.recent.snapshot()}
     return Response(msgspec.json.encode(body, enc_hook=_plain), media_type="application/json")
 
 
@@ -461,7 +456,6 @@ def build_app(
                 host.stop(tg.cancel_scope)
 
     routes = [
-        Route("/", _endpoint("root", root), methods=["GET", "HEAD"]),
         Route("/v1/chat/completions", _endpoint("chat", chat_completions), methods=["POST"]),
         Route("/v1/completions", _endpoint("completions", completions), methods=["POST"]),
         Route("/v1/models", _endpoint("models", models), methods=["GET"]),
@@ -471,6 +465,7 @@ def build_app(
         Route("/metrics", _endpoint("metrics", metrics), methods=["GET"]),
         Route("/admin/cache/flush", _endpoint("cache_flush", cache_flush), methods=["POST"]),
         *gateway_routes(),  # what the SGLang Model Gateway probes
+        *ui_routes(),  # GET / and /ui: the dashboard and chat playground (transport/ui_routes.py)
     ]
     routes += agent_routes()
     app = Starlette(
@@ -480,4 +475,5 @@ def build_app(
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
     app.state.ember = host
+    app.state.api_key_required = api_key is not None  # the dashboard page asks for it first (transport/ui_routes.py)
     return app
