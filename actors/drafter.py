@@ -1,7 +1,7 @@
 """Drafter: proposes γ tokens per speculating row, two kinds behind one protocol.
 
-* ``ngram`` — prompt lookup (``engine.spec.ngram``): no model, no device time.
-* a draft model (``engine.spec.draft_model``) — a smaller model with the target's
+* ``ngram`` — prompt lookup (``engine.speculation.ngram``): no model, no device time.
+* a draft model (``engine.speculation.draft_model``) — a smaller model with the target's
   tokenizer and its own cache, run on the engine's device (the same MLX thread
   as the target).
 

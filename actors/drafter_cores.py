@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from actors.drafter import Draft, Drafted
-from engine.spec.draft_model import DraftModel
-from engine.spec.ngram import NgramIndex
+from engine.speculation.draft_model import DraftModel
+from engine.speculation.ngram import NgramIndex
 
 # A draft model that lags the context by more than this many tokens (a row
 # that paused speculation, or its first round) catches up in a separate

@@ -29,7 +29,7 @@ DEFAULT_MAX_TOKENS = 512
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # the stop matcher holds back up to len(stop)-1 chars and rescans them per token
 # A draft window is verified in one forward; a fixed γ beyond this is only waste
-# (engine.spec.policy, EngineConfig.num_draft_tokens, a request's num_draft_tokens).
+# (engine.speculation.policy, EngineConfig.num_draft_tokens, a request's num_draft_tokens).
 MAX_DRAFT_TOKENS = 16
 MAX_CHOICES = 16  # OpenAI's ``n``: each choice is a row of the batch
 MAX_TOP_LOGPROBS = 20

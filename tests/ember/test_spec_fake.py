@@ -30,8 +30,8 @@ from engine.fake.gpu import FakeBackend, FakeGPUConfig, expected_tokens
 from engine.fake.kv_cache import FakeKVCache
 from engine.fake.tokenizer import ByteTokenizer
 from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
-from engine.spec.draft_model import FakeDraftModel
-from engine.spec.policy import GammaPolicy
+from engine.speculation.draft_model import FakeDraftModel
+from engine.speculation.policy import GammaPolicy
 
 EOS = ByteTokenizer.EOS
 

@@ -199,7 +199,7 @@ async def test_adaptive_policy_reports_measured_costs():
 # ---------------------------------------------------------------------------
 # The adaptive γ policy by hand.
 
-from engine.spec.policy import GammaPolicy  # noqa: E402
+from engine.speculation.policy import GammaPolicy  # noqa: E402
 
 
 def test_policy_cost_model_plain_and_verify_rounds_linear_in_rows_and_drafts():

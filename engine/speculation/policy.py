@@ -83,7 +83,7 @@ from typing import Any
 import numpy as np
 
 from engine.limits import MAX_DRAFT_TOKENS
-from engine.spec.costs import RoundCosts
+from engine.speculation.costs import RoundCosts
 
 ADAPTIVE_GAMMA_MAX = 6
 
