@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from actors.drafter import Draft, Drafted
+import msgspec
+
 from engine.speculation.draft_model import DraftModel
 from engine.speculation.ngram import NgramIndex
 
@@ -25,6 +26,21 @@ from engine.speculation.ngram import NgramIndex
 # a hold's catch-up will cost before the row's next probe), not as part of
 # every round.
 CATCH_UP_AFTER = 4
+
+
+class Draft(msgspec.Struct, frozen=True, kw_only=True):
+    """One row's request: its context is what the Drafter holds for ``rid``,
+    cut to ``start`` tokens, plus ``tail``; propose up to ``gamma`` tokens."""
+
+    rid: int
+    start: int
+    tail: list[int]
+    gamma: int
+
+
+class Drafted(msgspec.Struct, frozen=True, kw_only=True):
+    rid: int
+    tokens: list[int]  # at most gamma; empty when there is nothing to propose
 
 
 class DrafterCore(Protocol):

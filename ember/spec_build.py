@@ -57,7 +57,7 @@ class Speculation:
 
 def check_request(params: SamplingParams, spec: Speculation | None) -> None:
     """Refuse speculation settings this engine cannot honour (the ranges are
-    checked with every other parameter, by ``engine.limits.check_limits``)."""
+    checked with every other parameter, by ``engine.request_check.check_limits``)."""
     n = params.num_draft_tokens
     if spec is None and (params.speculate or (n is not None and n > 0)):
         raise InvalidRequest(

@@ -452,7 +452,8 @@ def test_a_row_stops_speculating_when_its_catch_up_alone_exceeds_the_budget():
 
 def test_catch_up_reaches_the_policy_with_the_next_verify():
     """The Drafter's catch-up (seconds and tokens) travels Scheduler → Verifier."""
-    from actors.drafter import Draft, Drafted, DraftedRound
+    from actors.drafter import DraftedRound
+    from actors.drafter_cores import Draft, Drafted
     from actors.spec_rounds import SpecRounds
     from actors.verifier import VerifierCore
 

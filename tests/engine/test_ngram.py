@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.drafter import Draft
-from actors.drafter_cores import NgramDrafterCore
+from actors.drafter_cores import Draft, NgramDrafterCore
 from engine.speculation.ngram import NgramIndex
 
 
