@@ -1,4 +1,4 @@
-"""The report of ``bench.engine``: the results as a Markdown table, written
+"""The report of ``bench.serve.engine``: the results as a Markdown table, written
 between markers into docs/bench/engine.md (the rest of the page is kept)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark the SSD cold tier on the MLX backend; baselines measured in the same run.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 python -m bench.ssd
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 python -m bench.cache.ssd
 
 1. Restart TTFT: for each repeat, a fresh engine with an empty SSD folder
    serves an N-token prompt (a cold full prefill: the baseline), flushes it

@@ -1,4 +1,4 @@
-"""The report of ``bench.vs_mlx_lm``: per-leg medians and Ember/mlx-lm ratios
+"""The report of ``bench.serve.vs_mlx_lm``: per-leg medians and Ember/mlx-lm ratios
 as Markdown against the targets, and the ratio chart."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.vs_mlx_lm import Results
+    from bench.serve.vs_mlx_lm import Results
 
 
 def median(xs: list[float]) -> float | None:
@@ -23,7 +23,7 @@ def median(xs: list[float]) -> float | None:
 def machine_line() -> str:
     import importlib.metadata as md
 
-    from bench.vs_mlx_lm import OPENBLAS
+    from bench.serve.vs_mlx_lm import OPENBLAS
 
     vers = {p: md.version(p) for p in ("mlx", "mlx-lm", "ember-mlx")}
     blas = "OpenBLAS preloaded" if Path(OPENBLAS).exists() else "reference BLAS"
@@ -46,7 +46,7 @@ RESTART_TARGET = 0.02  # restart TTFT as a fraction of Ember's own cold TTFT
 
 def command_line(args: argparse.Namespace) -> str:
     """The full command that reproduces this run."""
-    parts = ["python -m bench.vs_mlx_lm", f"--model {args.model}", f"--rounds {args.rounds}"]
+    parts = ["python -m bench.serve.vs_mlx_lm", f"--model {args.model}", f"--rounds {args.rounds}"]
     if args.legs:
         parts.append(f"--legs {args.legs}")
     parts += [
@@ -227,7 +227,7 @@ def report(res: Results, args: argparse.Namespace) -> str:
         if h:
             lines += [
                 "",
-                f"The same loop behind the thinnest streaming server (`bench/bare_server.py`: "
+                f"The same loop behind the thinnest streaming server (`bench/serve/bare_server.py`: "
                 f"`stream_generate` on a thread, one SSE event per token), measured with the same client as "
                 f"the two servers: {fmt(h2, ' tok/s')} with default threads, {fmt(h1, ' tok/s')} with one. "
                 f"Ember = **{fmt(e / h if e else None, '×')}** of the faster; mlx_lm.server "

@@ -1,6 +1,6 @@
 """Where a B-row decode step's time goes, Ember's path next to mlx-lm's ``BatchGenerator``:
 
-    python -m bench.step_breakdown --model <mlx-lm dir> --rows 8 --threads 1,2
+    python -m bench.cpu.step_breakdown --model <mlx-lm dir> --rows 8 --threads 1,2
 
 Same process, same model, same OpenBLAS thread count (each count in turn), B
 prompts of the same length (an aligned batch, as in a steady 8-stream decode).

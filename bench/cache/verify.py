@@ -1,7 +1,7 @@
 """What verifying every restored tensor costs: restore TTFT with the per-tensor
 checksum on (the default) and off, side by side on one SSD entry.
 
-    python -m bench.verify [--prompt-tokens 8192] [--repeats 5]
+    python -m bench.cache.verify [--prompt-tokens 8192] [--repeats 5]
 
 One engine writes an N-token prefix to an SSD folder (``Engine.aflush``);
 then, per repeat, two fresh engines on that folder ("restarts"), verify on and
@@ -23,7 +23,7 @@ import time
 import anyio
 import xxhash
 
-from bench.ssd import _prompt, _ttft, _wait_for_puts
+from bench.cache.ssd import _prompt, _ttft, _wait_for_puts
 from ember.api import Engine
 from engine.config import EngineConfig
 from engine.kv import kvfile
