@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
 
     maybe_reexec_with_openblas()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--target", type=Path, required=True, help="smollm2-135m, gemma3-270m or an mlx-lm directory")
     ap.add_argument("--shapes", default="128x2,192x2,256x4")
     ap.add_argument(
         "--drafters",
@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args(argv)
+    from engine.models import resolve_model
+
+    args.target = resolve_model(args.target)  # a name (smollm2-135m) or an mlx-lm directory
 
     from mlx_lm import load
     from mlx_lm.utils import load_model

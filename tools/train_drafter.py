@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> None:
 
     maybe_reexec_with_openblas()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--target", type=Path, required=True, help="smollm2-135m, gemma3-270m or an mlx-lm directory")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
@@ -665,6 +665,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--full-head-minutes", type=float, default=4.0)
     ap.add_argument("--full-head-positions", type=int, default=60000)
     args = ap.parse_args(argv)
+    from engine.models import resolve_model
+
+    args.target = resolve_model(args.target)  # a name (smollm2-135m) or an mlx-lm directory
     args.work.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
     log_path = args.work / "log.json"

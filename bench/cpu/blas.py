@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         for openblas in (True, False):
             runs[openblas].append(_child(openblas))
     load1 = os.getloadavg()
-    print(f"# bench.cpu.blas: {args.rounds} rounds, alternating; load {load0[0]:.2f} -> {load1[0]:.2f} (1-min)")
+    print(f"bench.cpu.blas: {args.rounds} rounds, alternating; load {load0[0]:.2f} -> {load1[0]:.2f} (1-min)")
     print()
     print("| measure | reference BLAS (median) | OpenBLAS (median) | speed-up |")
     print("|---|---|---|---|")

@@ -50,7 +50,7 @@ TARGET_RATIO = 2.0
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.spec.vs_mlx_lm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="the target: an mlx-lm model directory")
+    ap.add_argument("--model", required=True, help="the target: smollm2-135m, gemma3-270m or an mlx-lm directory")
     ap.add_argument("--draft-model", required=True, help="an mlx-lm drafter directory both servers load")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -150,7 +150,9 @@ def _walk(obj):
 
 
 async def run(args: argparse.Namespace) -> dict:
-    model_dir, draft_dir = Path(args.model).resolve(), Path(args.draft_model).resolve()
+    from engine.models import resolve_model
+
+    model_dir, draft_dir = resolve_model(args.model).resolve(), resolve_model(args.draft_model).resolve()
     vs.MODEL_NAME = str(model_dir)  # both servers serve the model under its directory's path
     prompts = chat_texts(model_dir)
     work = Path(tempfile.mkdtemp(prefix="ember-spec-vs-"))
