@@ -91,10 +91,11 @@ def commit(root: Path = ROOT) -> str:
     return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def run_table(table: Table, quick: bool, runner: Callable[[list[str]], str] | None = None) -> tuple[str, Provenance]:
-    """Run the table's benchmark; its stdout and the provenance of the run."""
+def run_table(
+    table: Table, quick: bool, sha: str, runner: Callable[[list[str]], str] | None = None
+) -> tuple[str, Provenance]:
+    """Run the table's benchmark at commit ``sha``; its stdout and the provenance of the run."""
     argv = table.argv(quick)
-    sha = commit()
     load0 = os.getloadavg()[0]
     out = (runner or _child)(argv)
     load1 = os.getloadavg()[0]
@@ -104,7 +105,7 @@ def run_table(table: Table, quick: bool, runner: Callable[[list[str]], str] | No
         date=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         load_before=load0,
         load_after=load1,
-        model=table.model,
+        model=table.quick_model if quick and table.quick_model else table.model,
         mode="quick" if quick else "full",
     )
     return out, p
@@ -126,9 +127,10 @@ def regenerate(
     """Rewrite each table's block under ``root``; the names written. Markers are checked before any run."""
     for t in tables:
         read_block((root / t.doc).read_text(), t.name)  # fail fast on a missing marker
+    sha = commit()  # once, before the first block is written (which dirties the tree)
     done = []
     for t in tables:
-        out, p = run_table(t, quick, runner)
+        out, p = run_table(t, quick, sha, runner)
         path = root / t.doc
         path.write_text(replace_block(path.read_text(), t.name, render(t.name, p, out)))
         done.append(t.name)

@@ -19,6 +19,7 @@ class Table:
     args: tuple[str, ...]
     quick: tuple[str, ...]
     model: str
+    quick_model: str = ""  # the model the quick arguments load, where it differs
 
     def argv(self, quick: bool = False) -> list[str]:
         return ["-m", self.module, *(self.quick if quick else self.args)]
@@ -39,7 +40,8 @@ TABLES: tuple[Table, ...] = (
         module="bench.cpu.dtype",
         args=("--model", "smollm2-135m", "--rounds", "5", "--tokens", "64"),
         quick=("--model", "tiny", "--rounds", "1", "--tokens", "8"),
-        model="smollm2-135m (quick: tiny)",
+        model="smollm2-135m",
+        quick_model="tiny",
     ),
     Table(
         name="ssd-restore",

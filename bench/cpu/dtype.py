@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     load0 = os.getloadavg()[0]
     models = {d: _load(args.model, d) for d in DTYPES}
     for m in models.values():
-        _decode_ms(m, 2)  # warm
+        _decode_ms(m, args.tokens)  # warm: a full untimed run each
     ms: dict[str, list[float]] = {d: [] for d in DTYPES}
     for r in range(args.rounds):
         order = DTYPES[r % 3 :] + DTYPES[: r % 3]

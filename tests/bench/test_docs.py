@@ -103,3 +103,19 @@ def test_list_and_an_unknown_name(capsys):
     assert "bench.cpu.blas" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         docs.main(["--only", "no-such-table"])
+
+
+def test_every_block_of_one_run_carries_the_commit_it_started_at(tmp_path, monkeypatch):
+    """The first block written dirties the tree; the later blocks must not say +dirty because of it."""
+    shas = iter(["abc1234", "abc1234+dirty"])
+    monkeypatch.setattr(docs, "commit", lambda root=docs.ROOT: next(shas))
+    tables = [
+        Table(name=n, doc="d.md", module="bench.x", args=(), quick=("-q",), model="big", quick_model="tiny")
+        for n in ("a", "b")
+    ]
+    (tmp_path / "d.md").write_text("".join(f"<!-- bench:{n} -->\n<!-- /bench:{n} -->\n" for n in ("a", "b")))
+    docs.regenerate(tables, tmp_path, quick=True, runner=lambda argv: "out")
+    text = (tmp_path / "d.md").read_text()
+    for n in ("a", "b"):
+        head = docs.read_block(text, n)
+        assert "commit `abc1234`" in head and "model `tiny`" in head, head
