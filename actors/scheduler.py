@@ -175,6 +175,7 @@ class Row:
     finish_reason: str | None = None
     opened: bool = False
     prepared: tuple[Any, int] | None = None  # (cache, cached) chosen while RESTORING
+    from_ssd: bool = False  # ``prepared`` (then ``cached``) is an SSD restore, not the RAM candidate
     checkpointed: int = 0  # earlier-position checkpoints taken (the prompt's end not counted)
     last_checkpoint: int = 0  # the position of the latest one (or the cached prefix)
 

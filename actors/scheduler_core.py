@@ -74,6 +74,8 @@ class SchedulerCore:
             "generated_tokens": 0,
             "prompt_tokens": 0,
             "cached_tokens": 0,
+            "ssd_cached_tokens": 0,  # the part of cached_tokens restored from SSD
+            "prefilled_tokens": 0,  # prompt tokens run through prefill (not cached)
         }
         self.checkpointing = prefix_cache is not None and bool(getattr(backend, "needs_checkpoints", False))
         self._checkpoint_at: dict[int, int] = {}  # rid -> position, for the step planned last
@@ -118,7 +120,12 @@ class SchedulerCore:
             assert row.stop is not None  # set with detok
             row.detok.finalize()
             tail = row.stop.feed(row.detok.last_segment) + row.stop.flush()
-        usage = Usage(prompt_tokens=len(row.prompt), completion_tokens=len(row.generated), cached_tokens=row.cached)
+        usage = Usage(
+            prompt_tokens=len(row.prompt),
+            completion_tokens=len(row.generated),
+            cached_tokens=row.cached,
+            ssd_cached_tokens=row.cached if row.from_ssd else 0,
+        )
         if self.spec is not None:
             usage.speculation = self.spec.finish(row.rid)
         self.outbox.append(RowDelta(rid=row.rid, text=tail, finish_reason=reason, usage=usage, error=error))
@@ -148,6 +155,8 @@ class SchedulerCore:
                 return
         row.cached = row.in_cache = row.last_checkpoint = cached
         self.counters["cached_tokens"] += cached
+        if row.from_ssd:
+            self.counters["ssd_cached_tokens"] += cached
         row.detok = self.backend.tokenizer.detokenizer()
         row.next_input = row.prompt[-1]
         row.opened = True
@@ -182,6 +191,7 @@ class SchedulerCore:
         self.restoring.discard(row.rid)
         if msg.cache is not None and row.prepared is not None and msg.cached > row.prepared[1]:
             row.prepared = (msg.cache, msg.cached)
+            row.from_ssd = True
         row.move(RowState.QUEUED)
         self.queue.appendleft(row.rid)
         self.events.record("restored", self.clock.now(), rid=row.rid, cached=row.prepared[1] if row.prepared else 0)
@@ -217,6 +227,7 @@ class SchedulerCore:
             plan.prefill.append(PrefillChunk(rid, row.prompt[row.in_cache : row.in_cache + n]))
             row.in_cache += n
             budget -= n
+            self.counters["prefilled_tokens"] += n
             if self.checkpointing:
                 self._plan_checkpoint(row, plan)
             if row.in_cache == row.prefill_total:

@@ -88,6 +88,10 @@ def _load_backend(config: EngineConfig, clock: Clock) -> tuple[Backend, Device]:
     """The backend named by the config and the device its calls run on."""
     if config.backend == "fake":
         return fake_backend(config.fake), InlineDevice(clock)
+    if config.backend == "scripted":  # the fake GPU replying from a script (agent-client tests)
+        from engine.fake.scripted import ScriptedBackend
+
+        return ScriptedBackend(config.model, config.fake), InlineDevice(clock)
     if config.distributed:
         from engine.mlx.distributed import load_distributed_backend
 

@@ -8,9 +8,10 @@ from engine.fake.gpu import FakeGPUConfig
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # backend: "fake" (deterministic fake GPU) or "mlx" (mlx-lm models)
+    # backend: "fake" (deterministic fake GPU), "mlx" (mlx-lm models) or
+    # "scripted" (the fake GPU answering from a script file: engine.fake.scripted)
     backend: str = "mlx"
-    model: str = "tiny"  # bundled name or an mlx-lm model directory
+    model: str = "tiny"  # bundled name or an mlx-lm model directory (scripted: the script file)
     fake: FakeGPUConfig = FakeGPUConfig()
     # batching
     max_batch: int = 8
@@ -62,8 +63,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def validate(self) -> EngineConfig:
         from engine.errors import InvalidRequest
 
-        if self.backend not in ("fake", "mlx"):
-            raise InvalidRequest(f"unknown backend {self.backend!r} (fake or mlx)", "backend")
+        if self.backend not in ("fake", "mlx", "scripted"):
+            raise InvalidRequest(f"unknown backend {self.backend!r} (fake, mlx or scripted)", "backend")
         if self.max_batch < 1:
             raise InvalidRequest("max_batch must be >= 1", "max_batch")
         if self.max_queue < 0:

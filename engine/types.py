@@ -70,6 +70,7 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    ssd_cached_tokens: int = 0  # the part of cached_tokens restored from the SSD tier (the rest came from RAM)
     speculation: SpecUsage | None = None
 
     @property

@@ -38,6 +38,7 @@ from transport.anthropic_schema import (
     MessageBody,
     MessagesRequest,
     TextOut,
+    ThinkingOut,
     ToolUseOut,
     Usage,
     template_error,
@@ -47,6 +48,7 @@ from transport.errors import ApiError, from_engine_error
 from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
+from transport.reasoning import OutputSplitter, Reasoning, signature
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 
 _encode = msgspec.json.Encoder().encode
@@ -109,7 +111,14 @@ class MessagesRenderer:
 
     done = b""  # Anthropic's stream ends with message_stop, no [DONE]
 
-    def __init__(self, model: str, prompt_tokens: int, splitter: CallSplitter | None, tokenizer: Any, stops: list[str]):
+    def __init__(
+        self,
+        model: str,
+        prompt_tokens: int,
+        splitter: CallSplitter | OutputSplitter | None,
+        tokenizer: Any,
+        stops: list[str],
+    ):
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -119,7 +128,8 @@ class MessagesRenderer:
         self.text = ""
         self.token_ids: list[int] = []
         self._index = -1
-        self._open: str | None = None  # "text" or "tool_use"
+        self._open: str | None = None  # "thinking", "text" or "tool_use"
+        self._thinking = ""  # the open thinking block's text, for its signature
 
     # ---- shared ------------------------------------------------------------
     def _events(self, text: str, final: bool) -> list[Event]:
@@ -147,15 +157,23 @@ class MessagesRenderer:
     # ---- non-streaming -----------------------------------------------------
     def body(self, c: Completion) -> bytes:
         self.text, self.token_ids = c.text, c.token_ids
-        content: list[TextOut | ToolUseOut] = []
+        content: list[ThinkingOut | TextOut | ToolUseOut] = []
         for e in self._events(c.text, True):
-            if isinstance(e, Text):
+            if isinstance(e, Reasoning):
+                if content and isinstance(content[-1], ThinkingOut):
+                    content[-1].thinking += e.text
+                else:
+                    content.append(ThinkingOut(thinking=e.text, signature=""))
+            elif isinstance(e, Text):
                 if content and isinstance(content[-1], TextOut):
                     content[-1].text += e.text
                 else:
                     content.append(TextOut(text=e.text))
             elif isinstance(e, CallEnd):
                 content.append(ToolUseOut(id=e.id, name=e.name, input=tool_input(e.arguments)))
+        for block in content:
+            if isinstance(block, ThinkingOut):
+                block.signature = signature(block.thinking)
         reason, stop = self.stop_reason(c.finish_reason)
         return _encode(
             MessageBody(
@@ -185,8 +203,12 @@ class MessagesRenderer:
     def _close(self) -> list[bytes]:
         if self._open is None:
             return []
+        out = []
+        if self._open == "thinking":  # a thinking block ends with its signature, as Anthropic's do
+            out.append(self._delta({"type": "signature_delta", "signature": signature(self._thinking)}))
+            self._thinking = ""
         self._open = None
-        return [_sse("content_block_stop", {"type": "content_block_stop", "index": self._index})]
+        return out + [_sse("content_block_stop", {"type": "content_block_stop", "index": self._index})]
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> list[bytes]:
         out = self._close()
@@ -205,7 +227,12 @@ class MessagesRenderer:
         final = d.finish_reason is not None
         out: list[bytes] = []
         for e in self._events(d.text, final):
-            if isinstance(e, Text):
+            if isinstance(e, Reasoning):
+                if self._open != "thinking":
+                    out += self._open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                self._thinking += e.text
+                out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
+            elif isinstance(e, Text):
                 if self._open != "text":
                     out += self._open_block("text", {"type": "text", "text": ""})
                 out.append(self._delta({"type": "text_delta", "text": e.text}))
@@ -239,16 +266,20 @@ class MessagesRenderer:
 async def _prompt(host: Any, engine: Any, req: Any, setup: Any) -> Any:
     """The request's prompt: system messages where they stand, or — for a
     template that refuses a non-leading system message — as reminders in the
-    neighbouring user turn (``template_messages(reminders=True)``)."""
+    neighbouring user turn (``template_messages(reminders=True)``); ``thinking``
+    as the template's reasoning switch."""
     note = functools.partial(host.envelope.note, "messages")
     req.system_text(note)  # counts the volatile head lines taken out
     req.note_envelope(note)
+    thinking = chat_turn.thinking_kwargs(host, engine, "messages", "thinking", req.thinking_choice())
     try:
-        return await host.chat_prompt(engine, req.template_messages(setup), setup)
+        return await host.chat_prompt(engine, req.template_messages(setup), setup, template_kwargs=thinking)
     except InvalidRequest as exc:
         if not (req.inner_system and template_error(exc)):
             raise
-    prompt = await host.chat_prompt(engine, req.template_messages(setup, reminders=True), setup)
+    prompt = await host.chat_prompt(
+        engine, req.template_messages(setup, reminders=True), setup, template_kwargs=thinking
+    )
     note("messages[].role=system", "canonicalised")  # rendered as a <system-reminder>
     return prompt
 
@@ -266,9 +297,8 @@ async def messages(request: Request, host: Any) -> Response:
     params = req.sampling_params(limit, engine.info.vocab_size)
     params = chat_turn.tool_params(engine, params, setup)
     stream = await chat_turn.submit(engine, prompt, params, req.param_names())
-    renderer = MessagesRenderer(
-        model, len(prompt), chat_turn.splitter(engine, setup, "toolu_"), engine.tokenizer, params.stop
-    )
+    splitter = chat_turn.splitter(engine, setup, "toolu_", prompt=prompt)
+    renderer = MessagesRenderer(model, len(prompt), splitter, engine.tokenizer, params.stop)
     return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
 
 

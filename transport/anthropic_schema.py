@@ -68,8 +68,11 @@ class ToolReferenceBlock(_Strict, kw_only=True, tag_field="type", tag="tool_refe
 
 
 class ThinkingBlock(_Strict, kw_only=True, tag_field="type", tag="thinking"):
+    """A reasoning model's earlier thinking, sent back (transport/reasoning.py)."""
+
     thinking: str
     signature: str | None = None
+    cache_control: dict[str, Any] | None = None
 
 
 class RedactedThinkingBlock(_Strict, kw_only=True, tag_field="type", tag="redacted_thinking"):
@@ -256,8 +259,6 @@ class _Prompt(_Strict, kw_only=True):
                 note(name, "ignored")
         if self.mcp_servers is not None:
             note("mcp_servers", "ignored")  # only an empty list gets here
-        if self.thinking is not None:
-            note("thinking", "ignored")  # until the template's thinking switch is wired (thinking_choice)
         if self.output_config is not None:
             if self.output_config.effort is not None:
                 note("output_config.effort", "ignored")
@@ -275,7 +276,9 @@ class _Prompt(_Strict, kw_only=True):
                 if getattr(b, "cache_control", None):
                     once.add(("messages[].content[].cache_control", "ignored"))
                 if isinstance(b, (ThinkingBlock, RedactedThinkingBlock)):
-                    once.add(("messages[].content[].type=thinking", "dropped"))
+                    once.add(
+                        ("messages[].content[].type=thinking", "honoured")
+                    )  # to the template, which keeps or drops it
         for t in self.tools or []:
             for key in ("cache_control", "allowed_callers", "eager_input_streaming", "input_examples"):
                 if t.get(key) is not None:
@@ -379,13 +382,17 @@ class _Prompt(_Strict, kw_only=True):
                 out.append({"role": m.role, "content": m.content})
                 continue
             text = ""
+            thought = ""
             calls = []
             for j, b in enumerate(m.content):
                 where = f"messages[{i}].content[{j}]"
                 if isinstance(b, TextBlock):
                     text += b.text
-                elif isinstance(b, (ThinkingBlock, RedactedThinkingBlock)):
-                    continue  # earlier reasoning is not part of the next prompt
+                elif isinstance(b, ThinkingBlock | RedactedThinkingBlock):
+                    if m.role != "assistant":
+                        raise InvalidRequest("thinking blocks belong to assistant messages", f"{where}.type")
+                    # the template renders it or drops it (Qwen3 drops it before the last user turn)
+                    thought += b.thinking if isinstance(b, ThinkingBlock) else ""
                 elif isinstance(b, ToolUseBlock):
                     if m.role != "assistant":
                         raise InvalidRequest("tool_use blocks belong to assistant messages", f"{where}.type")
@@ -404,6 +411,8 @@ class _Prompt(_Strict, kw_only=True):
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
             if m.role == "assistant":
                 msg: dict[str, Any] = {"role": "assistant", "content": text}
+                if thought:
+                    msg["reasoning_content"] = thought
                 if calls:
                     msg["tool_calls"] = calls
                 out.append(msg)
@@ -494,10 +503,15 @@ class ToolUseOut(msgspec.Struct, tag_field="type", tag="tool_use"):
     input: Any
 
 
+class ThinkingOut(msgspec.Struct, tag_field="type", tag="thinking"):
+    thinking: str
+    signature: str
+
+
 class MessageBody(msgspec.Struct, kw_only=True, tag_field="type", tag="message"):
     id: str
     model: str
-    content: list[TextOut | ToolUseOut]
+    content: list[ThinkingOut | TextOut | ToolUseOut]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage

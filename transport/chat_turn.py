@@ -18,6 +18,7 @@ import msgspec
 
 from engine.errors import InvalidRequest
 from engine.types import Constraint, SamplingParams
+from transport import generic_tools, reasoning
 from transport.output_memory import OutputMemory
 from transport.tool_calls import CallSplitter, markup_of
 from transport.tools import ToolSetup
@@ -49,6 +50,24 @@ def output_memory(engine: Any) -> OutputMemory:
     return memory
 
 
+def tool_markup(engine: Any) -> Any:
+    """The markers calls are written in: the template's own, else the generic
+    format's (transport/generic_tools.py)."""
+    return markup_of(engine.tokenizer) or generic_tools.MARKUP
+
+
+def thinking_kwargs(host: Any, engine: Any, route: str, field: str, choice: bool | None) -> dict[str, Any] | None:
+    """A request's thinking choice as template variables, counted: ``honoured``
+    on a model that reasons, ``ignored`` on one that does not (its template has no switch)."""
+    if choice is None:
+        return None
+    thinks = reasoning.markup_of(engine.tokenizer) is not None
+    envelope = getattr(host, "envelope", None)
+    if envelope is not None:
+        envelope.note(route, field, "honoured" if thinks else "ignored")
+    return reasoning.template_kwargs(choice) if thinks else None
+
+
 def chat_prompt(
     engine: Any,
     messages: list[dict[str, Any]],
@@ -61,8 +80,10 @@ def chat_prompt(
     the input's fault (400). ``template_kwargs`` are extra chat-template
     variables (``enable_thinking``…)."""
     tok = engine.tokenizer
-    setup.check_markup(markup_of(tok))
+    setup.check_markup(tool_markup(engine))
     tools = setup.template_tools()
+    if generic_tools.applies(markup_of(tok), messages, tools):
+        messages, tools = generic_tools.render_messages(messages, tools), None
     try:
         if not hasattr(tok, "render_chat"):
             return Prompt(engine.chat_prompt(messages, tools))
@@ -119,17 +140,23 @@ def with_constraint(engine: Any, params: SamplingParams, constraint: Constraint 
 
 
 def tool_params(engine: Any, params: SamplingParams, setup: ToolSetup) -> SamplingParams:
-    markup = markup_of(engine.tokenizer)
-    return with_constraint(engine, params, setup.constraint(markup), setup.param_choice)
+    return with_constraint(engine, params, setup.constraint(tool_markup(engine)), setup.param_choice)
 
 
-def splitter(engine: Any, setup: ToolSetup, id_prefix: str = "call_") -> CallSplitter | None:
-    """None when no tools are in play: the text is the answer, verbatim."""
-    if not setup.active:
-        return None
-    names = [t.as_template_tool() for t in setup.tools]
-    single = not setup.parallel
-    return CallSplitter(markup_of(engine.tokenizer), names, single=single, id_prefix=id_prefix)
+def splitter(engine: Any, setup: ToolSetup, id_prefix: str = "call_", prompt: Prompt | None = None) -> Any:
+    """What cuts the output into answer text, tool calls and (for a reasoning
+    model, transport/reasoning.py) reasoning; None when there is nothing to cut:
+    the text is the answer, verbatim. ``prompt`` says whether the output starts
+    inside an open ``<think>``."""
+    calls = None
+    if setup.active:
+        names = [t.as_template_tool() for t in setup.tools]
+        calls = CallSplitter(tool_markup(engine), names, single=not setup.parallel, id_prefix=id_prefix)
+    thinking = reasoning.markup_of(engine.tokenizer)
+    if thinking is None:
+        return calls
+    inside = reasoning.starts_inside(prompt.text if prompt is not None else None, thinking)
+    return reasoning.OutputSplitter(thinking, calls, inside=inside)
 
 
 async def submit(engine: Any, prompt: list[int], params: SamplingParams, param_names: dict[str, str]) -> Any:

@@ -136,5 +136,6 @@ def merge_usage(usages: list[Usage | None]) -> Usage | None:
         prompt_tokens=first.prompt_tokens,
         completion_tokens=sum(u.completion_tokens for u in got),
         cached_tokens=first.cached_tokens,
+        ssd_cached_tokens=first.ssd_cached_tokens,
         speculation=first.speculation,
     )

@@ -3,6 +3,7 @@
     ember serve [--model PATH|tiny] [--port 8000] [--fake-gpu] ...   OpenAI-compatible server
     ember generate --prompt TEXT [--max-tokens N] ...                stream one completion to stdout
     ember convert FILE.gguf OUTDIR [--dtype float32|...]             a GGUF file → an mlx-lm model directory
+    ember launch claude|codex|opencode [--model M] [-- ARGS]         an agent client on Ember (transport/launch.py)
 
 Bad flags, an invalid combination, or a model that does not load exit with
 status 2 and one line saying why. ``serve`` prints its URL once the model is
@@ -32,8 +33,8 @@ log = logging.getLogger("ember.cli")
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        help="smollm2-135m or gemma3-270m (the `models` extra), tiny (bundled toy), a .gguf file, or an mlx-lm "
-        "model directory; default: smollm2-135m when installed, else tiny",
+        help="smollm2-135m or gemma3-270m (the `models` extra), tiny (bundled toy), a .gguf file, an mlx-lm "
+        "model directory, or scripted:SCRIPT.json (the scripted test model); default: smollm2-135m when installed, else tiny",
     )
     p.add_argument("--draft-model", help="speculative decoding drafter: a model directory, tiny-draft, or ngram")
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
@@ -136,6 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.set_defaults(run=generate, parser=g)
 
+    la = sub.add_parser(
+        "launch", help="run Claude Code, Codex or OpenCode on Ember (starting a server if none answers)"
+    )
+    la.add_argument("client", choices=["claude", "codex", "opencode"])
+    la.add_argument("--model", help="the model a started server serves (as `ember serve --model`)")
+    la.add_argument("--host", default="127.0.0.1")
+    la.add_argument("--port", type=int, default=8000, help="reuse the server answering here, or start one here")
+    la.add_argument("--ssd-cache", metavar="DIR", help="SSD prompt-cache tier (default: ~/.cache/ember/ssd)")
+    la.add_argument("--served-model-name", help="the name a started server reports")
+    la.add_argument("--bin", help="the client's executable (default: found on PATH)")
+    # the client's own arguments follow `--` (split off in main: argparse's subparsers keep no remainder)
+    la.set_defaults(run=launch, parser=la, client_args=[])
+
     c = sub.add_parser("convert", help="convert a GGUF file into an mlx-lm model directory")
     c.add_argument("gguf", help="a .gguf file (llama or gemma3 architecture)")
     c.add_argument("outdir", help="the directory to write (config.json, model.safetensors, tokenizer)")
@@ -170,6 +184,10 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "kv_group_size": "kv_group_size",
     }
     fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": default_model(args)}
+    if not args.fake_gpu and fields["model"].startswith("scripted:"):  # the scripted test model (engine.fake.scripted)
+        fields.update(backend="scripted", model=fields["model"].removeprefix("scripted:"))
+        if not os.path.isfile(fields["model"]):
+            parser.error(f"no script file {fields['model']!r} (--model scripted:PATH)")
     for flag, field in mapping.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -186,7 +204,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         config = EngineConfig(**fields).validate()
     except InvalidRequest as exc:
         parser.error(f"{exc} ({exc.param})" if exc.param else str(exc))
-    if not args.fake_gpu:
+    if config.backend == "mlx":
         from engine.models import resolve_model
 
         try:
@@ -260,6 +278,8 @@ def _import_mlx_on_main_thread(config: Any) -> None:
     engine's portal thread in ``ember generate``), the process aborts at exit
     with "terminate called without an active exception" (status 134).
     """
+    if config.backend == "scripted":  # its tokenizer comes from mlx-lm
+        import mlx_lm  # noqa: F401
     if config.backend == "mlx":
         import mlx_lm  # noqa: F401
 
@@ -268,6 +288,30 @@ def _import_mlx_on_main_thread(config: Any) -> None:
         from ember import preload_mlx
 
         preload_mlx()
+
+
+# ---------------------------------------------------------------------------
+# launch
+
+
+def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from transport.launch import launch as run_client
+
+    rest = list(args.client_args)
+    serve_args: list[str] = []
+    if args.model:
+        serve_args += ["--model", args.model]
+    if args.served_model_name:
+        serve_args += ["--served-model-name", args.served_model_name]
+    return run_client(
+        args.client,
+        rest,
+        host=args.host,
+        port=args.port,
+        serve_args=serve_args,
+        ssd_cache=args.ssd_cache,
+        binary=args.bin,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -490,7 +534,14 @@ def main(argv: list[str] | None = None) -> int:
     # transport/ first on sys.path, where transport/http.py shadows the stdlib.
     maybe_reexec_with_openblas()
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rest: list[str] | None = None
+    if argv[:1] == ["launch"] and "--" in argv:  # ember launch CLIENT [FLAGS] -- CLIENT_ARGS
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
+    if rest is not None:
+        args.client_args = rest
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # model output is text, whatever the terminal's encoding
     return args.run(args, args.parser)

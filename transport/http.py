@@ -45,6 +45,7 @@ from transport.openai_schema import decode_request
 from transport.render import ChatRenderer, CompletionRenderer
 from transport.security import SecurityMiddleware
 from transport.sse import Disconnect, EventStream
+from transport.ui_routes import routes as ui_routes
 
 log = logging.getLogger("ember.http")
 
@@ -278,7 +279,7 @@ async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: Tok
         tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
         try:
             async for d in stream:
-                timer.tokens(len(d.token_ids))
+                timer.tokens(len(d.token_ids), d.usage)
                 (outs[d.rid] if outs is not None else out).add(d)
         except EngineError as exc:
             failed = exc
@@ -300,7 +301,10 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
         tools = req.tool_setup()
-        prompt = await host.chat_prompt(engine, [m.as_template_message() for m in req.messages], tools)
+        field = "chat_template_kwargs" if "enable_thinking" in (req.chat_template_kwargs or {}) else "reasoning_effort"
+        thinking = chat_turn.thinking_kwargs(host, engine, "chat", field, req.thinking_choice())
+        messages = [m.as_template_message() for m in req.messages]
+        prompt = await host.chat_prompt(engine, messages, tools, template_kwargs=thinking)
     else:
         if isinstance(req.prompt, str):
             host.check_prompt_bytes([req.prompt], "prompt")
@@ -322,7 +326,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
             req.include_usage,
             rids=rids,
             token_bytes=engine.token_bytes,
-            splitter=lambda: chat_turn.splitter(engine, tools),
+            splitter=lambda: chat_turn.splitter(engine, tools, prompt=prompt),
         )
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
     completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
@@ -349,20 +353,17 @@ async def completions(request: Request, host: ServerState) -> Response:
     return await _generate(request, host, chat=False)
 
 
-async def root(request: Request, host: ServerState) -> Response:
-    """``GET /`` and ``HEAD /`` (clients probe it before their first request):
-    200 and what this server is; the dashboard replaces it."""
-    return JSONResponse({"name": "ember", "model": host.model_name, "status": host.health()[0]})
-
-
 async def models(request: Request, host: ServerState) -> Response:
-    card = ModelCard(id=host.model_name, created=host.created)
+    ctx = host.engine.info.context_length if host.engine is not None else None
+    card = ModelCard(id=host.model_name, created=host.created, context_length=ctx, max_model_len=ctx)
     return Response(msgspec.json.encode(ModelList(data=[card])), media_type="application/json")
 
 
 async def model_detail(request: Request, host: ServerState) -> Response:
     name = host.check_model(request.path_params["model"])
-    return Response(msgspec.json.encode(ModelCard(id=name, created=host.created)), media_type="application/json")
+    ctx = host.engine.info.context_length if host.engine is not None else None
+    card = ModelCard(id=name, created=host.created, context_length=ctx, max_model_len=ctx)
+    return Response(msgspec.json.encode(card), media_type="application/json")
 
 
 async def health(request: Request, host: ServerState) -> Response:
@@ -378,7 +379,7 @@ def _plain(obj: Any) -> Any:
 
 async def stats(request: Request, host: ServerState) -> Response:
     engine = host.require_engine()
-    body = {**engine.stats(), "envelope": host.envelope.snapshot()}
+    body = {**engine.stats(), "envelope": host.envelope.snapshot(), "recent_requests": host.metrics.recent.snapshot()}
     return Response(msgspec.json.encode(body, enc_hook=_plain), media_type="application/json")
 
 
@@ -455,7 +456,6 @@ def build_app(
                 host.stop(tg.cancel_scope)
 
     routes = [
-        Route("/", _endpoint("root", root), methods=["GET", "HEAD"]),
         Route("/v1/chat/completions", _endpoint("chat", chat_completions), methods=["POST"]),
         Route("/v1/completions", _endpoint("completions", completions), methods=["POST"]),
         Route("/v1/models", _endpoint("models", models), methods=["GET"]),
@@ -465,6 +465,7 @@ def build_app(
         Route("/metrics", _endpoint("metrics", metrics), methods=["GET"]),
         Route("/admin/cache/flush", _endpoint("cache_flush", cache_flush), methods=["POST"]),
         *gateway_routes(),  # what the SGLang Model Gateway probes
+        *ui_routes(),  # GET / and /ui: the dashboard and chat playground (transport/ui_routes.py)
     ]
     routes += agent_routes()
     app = Starlette(
@@ -474,4 +475,5 @@ def build_app(
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
     app.state.ember = host
+    app.state.api_key_required = api_key is not None  # the dashboard page asks for it first (transport/ui_routes.py)
     return app

@@ -18,6 +18,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.types import Usage
+from transport.ui_stats import RecentRequests
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # The Scheduler's cumulative counters (engine.stats()["scheduler"]).
@@ -29,6 +32,8 @@ SCHEDULER_COUNTERS = {
     "prompt_tokens": "prompt tokens admitted",
     "generated_tokens": "tokens generated",
     "cached_tokens": "prompt tokens served from the prompt cache",
+    "ssd_cached_tokens": "prompt tokens served from the prompt cache's SSD tier",
+    "prefilled_tokens": "prompt tokens run through prefill",
     "steps": "GPU steps run",
 }
 SCHEDULER_GAUGES = {
@@ -127,6 +132,7 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(EngineCollector(stats))
+        self.recent = RecentRequests()  # the last requests' TTFT and cache shares, for /stats (the dashboard)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -140,13 +146,19 @@ class TokenTimer:
         self.now = now
         self.start = now()
         self.last: float | None = None
+        self.ttft: float | None = None
+        self.usage: Usage | None = None
 
-    def tokens(self, n: int) -> None:
+    def tokens(self, n: int, usage: Usage | None = None) -> None:
+        """``n`` tokens arrived (and, with the last delta, the request's usage)."""
+        if usage is not None and self.usage is None:  # n > 1 choices: the prompt's figures are the same
+            self.usage = usage
         if n <= 0:
             return
         t = self.now()
         if self.last is None:
-            self.metrics.ttft.observe(t - self.start)
+            self.ttft = t - self.start
+            self.metrics.ttft.observe(self.ttft)
         else:
             # a speculative step can bring several tokens at once: spread the gap
             gap = (t - self.last) / n
@@ -156,3 +168,4 @@ class TokenTimer:
 
     def done(self) -> None:
         self.metrics.e2e.observe(self.now() - self.start)
+        self.metrics.recent.add(self.ttft, self.usage)

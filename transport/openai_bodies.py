@@ -48,6 +48,7 @@ class AssistantMessage(msgspec.Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET  # only when the model called
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET  # only when a reasoning model reasoned
 
 
 class TopLogprob(msgspec.Struct):
@@ -113,6 +114,7 @@ class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChunkDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -155,6 +157,10 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str = "ember"
     object: str = "model"
+    # the model's context window (tokens), once it is loaded: what an agent
+    # compacts by (vLLM's max_model_len, LM Studio's/OpenRouter's context_length)
+    context_length: int | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(msgspec.Struct):

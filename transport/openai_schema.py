@@ -46,6 +46,11 @@ class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
+# The chat-template variables a request may set (``chat_template_kwargs``), with
+# their types: a variable the templates Ember knows read. Anything else is a 400.
+CHAT_TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool}
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -68,6 +73,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: a reasoning model's thinking, sent back
 
     def as_template_message(self) -> dict[str, Any]:
         """The dict a chat template reads; text parts are concatenated like mlx-lm does,
@@ -89,6 +95,8 @@ class ChatMessage(_Strict):
             ]
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content:  # a reasoning template (Qwen3) renders or drops it, its choice
+            msg["reasoning_content"] = self.reasoning_content
         return msg
 
 
@@ -275,9 +283,18 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> ChatCompletionRequest:
         self._check_common()
+        for key, value in (self.chat_template_kwargs or {}).items():
+            kind = CHAT_TEMPLATE_KWARGS.get(key)
+            if kind is None:
+                known = ", ".join(sorted(CHAT_TEMPLATE_KWARGS))
+                raise InvalidRequest(f"unknown chat template variable (known: {known})", f"chat_template_kwargs.{key}")
+            if not isinstance(value, kind):
+                raise InvalidRequest(f"must be a {kind.__name__}", f"chat_template_kwargs.{key}")
         if not self.messages:
             raise InvalidRequest("messages must not be empty", "messages")
         if (
@@ -333,6 +350,15 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def thinking_choice(self) -> bool | None:
+        """Reasoning on (True), off (False) or the template's default (None):
+        ``chat_template_kwargs.enable_thinking`` first, then ``reasoning_effort: "none"``
+        (an effort level is not a switch a local template has: it leaves the default)."""
+        kwargs = self.chat_template_kwargs or {}
+        if "enable_thinking" in kwargs:
+            return bool(kwargs["enable_thinking"])
+        return False if self.reasoning_effort == "none" else None
 
     def param_names(self) -> dict[str, str]:
         names = {"constraint": "response_format"}

@@ -37,6 +37,7 @@ from transport.openai_bodies import (
     TopLogprob,
     UsageBody,
 )
+from transport.reasoning import OutputSplitter, Reasoning
 from transport.sse import event
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Text
 
@@ -123,7 +124,9 @@ class ChatRenderer(_Base):
 
     prefix = "chatcmpl"
 
-    def __init__(self, *args: Any, splitter: Callable[[], CallSplitter | None] | None = None, **kw: Any):
+    def __init__(
+        self, *args: Any, splitter: Callable[[], CallSplitter | OutputSplitter | None] | None = None, **kw: Any
+    ):
         super().__init__(*args, **kw)
         self.splitters = [splitter() for _ in range(self.n)] if splitter is not None else [None] * self.n
 
@@ -135,6 +138,8 @@ class ChatRenderer(_Base):
         for e in splitter.feed(text) + (splitter.finish() if final else []):
             if isinstance(e, Text):
                 out.append(ChunkDelta(content=e.text))
+            elif isinstance(e, Reasoning):
+                out.append(ChunkDelta(reasoning_content=e.text))
             elif isinstance(e, CallStart):
                 fn = FunctionCallDelta(name=e.name, arguments="")
                 out.append(ChunkDelta(tool_calls=[ToolCallDelta(index=e.index, id=e.id, type="function", function=fn)]))
@@ -157,12 +162,17 @@ class ChatRenderer(_Base):
             return AssistantMessage(content=c.text)
         events = splitter.feed(c.text) + splitter.finish()
         text = "".join(e.text for e in events if isinstance(e, Text))
+        thought = "".join(e.text for e in events if isinstance(e, Reasoning))
         calls = [
             ToolCallOut(id=e.id, function=FunctionCallOut(name=e.name, arguments=e.arguments))
             for e in events
             if isinstance(e, CallEnd)
         ]
-        return AssistantMessage(content=(text or None) if calls else text, tool_calls=calls or msgspec.UNSET)
+        return AssistantMessage(
+            content=(text or None) if calls else text,
+            tool_calls=calls or msgspec.UNSET,
+            reasoning_content=thought or msgspec.UNSET,
+        )
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageBody | None = None) -> bytes:
         return event(

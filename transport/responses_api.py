@@ -1,14 +1,19 @@
-"""OpenAI Responses: ``POST /v1/responses``, stateless.
+"""OpenAI Responses: ``POST /v1/responses``.
 
-The input items become template messages and a ``ToolSetup``
+The input items (after the stored conversation of ``previous_response_id``,
+transport/response_store.py) become template messages and a ``ToolSetup``
 (transport/responses_schema.py) and run like a chat completion
 (transport/chat_turn.py). Output: a ``message`` item with one ``output_text``
-part for the text, then one ``function_call`` item per call. Streaming sends
+part for the text, then one ``function_call`` item per call (with
+``namespace`` for a call to a namespaced tool) or ``custom_tool_call`` (with
+``input``) for a custom tool. ``store: true`` keeps the whole conversation
+under the response's id. Streaming sends
 the typed events in OpenAI's order — ``response.created``,
 ``response.in_progress``, per item ``response.output_item.added``, (for text)
 ``response.content_part.added`` / ``response.output_text.delta``… /
 ``response.output_text.done`` / ``response.content_part.done``, (for a call)
-``response.function_call_arguments.delta``… / ``.done``, then
+``response.function_call_arguments.delta``… / ``.done`` (a custom tool's
+call: ``response.custom_tool_call_input.delta`` / ``.done``), then
 ``response.output_item.done``; finally ``response.completed`` (or
 ``response.incomplete`` when ``max_output_tokens`` cut it short), each with a
 ``sequence_number``. Errors use OpenAI's shape.
@@ -16,8 +21,11 @@ the typed events in OpenAI's order — ``response.created``,
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -29,11 +37,13 @@ from ember.api import Completion
 from engine.errors import EngineError
 from engine.types import Delta
 from transport import chat_turn
-from transport.errors import from_engine_error
+from transport.errors import ApiError, from_engine_error
 from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
-from transport.responses_schema import ResponsesRequest
+from transport.reasoning import OutputSplitter, Reasoning
+from transport.response_store import ResponseNotFound, ResponseStore
+from transport.responses_schema import CUSTOM_INPUT, ResponsesRequest
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 
 _encode = msgspec.json.Encoder().encode
@@ -46,7 +56,14 @@ def _id(prefix: str) -> str:
 class ResponsesRenderer:
     done = b""  # the Responses stream ends with response.completed, no [DONE]
 
-    def __init__(self, model: str, req: ResponsesRequest, splitter: CallSplitter | None):
+    def __init__(
+        self,
+        model: str,
+        req: ResponsesRequest,
+        splitter: CallSplitter | OutputSplitter | None,
+        on_done: Callable[[str, list[dict[str, Any]]], None] | None = None,
+    ):
+        self.on_done = on_done  # (response id, output items) once the answer is whole: the store
         self.id = _id("resp")
         self.created_at = int(time.time())
         self.model = model
@@ -55,6 +72,7 @@ class ResponsesRenderer:
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # items, as they are so far
         self._text_item: dict[str, Any] | None = None  # the open message item
+        self._reasoning_item: dict[str, Any] | None = None  # the open reasoning item
         self._calls: dict[int, dict[str, Any]] = {}  # call index → its function_call item
 
     # ---- the response object ----------------------------------------------
@@ -74,17 +92,31 @@ class ResponsesRenderer:
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": None,
-            "store": False,
+            "previous_response_id": req.previous_response_id,
+            "store": bool(req.store),
+            "background": False,
             "temperature": req.temperature,
             "top_p": req.top_p,
-            "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
-            "tool_choice": msgspec.to_builtins(choice) if choice is not None else "auto",
-            "tools": [msgspec.to_builtins(t) for t in req.tools or []],
-            "truncation": "disabled",
+            "text": self._text(fmt),
+            "tool_choice": choice if choice is not None else "auto",
+            "tools": req.tools or [],
+            "truncation": req.truncation or "disabled",
+            "reasoning": msgspec.to_builtins(req.reasoning) if req.reasoning is not None else None,
+            "prompt_cache_key": req.prompt_cache_key,
+            "safety_identifier": req.safety_identifier,
+            "service_tier": "default",
+            "max_tool_calls": req.max_tool_calls,
+            "top_logprobs": req.top_logprobs,
+            "user": req.user,
             "metadata": req.metadata or {},
             "usage": self._usage(usage) if usage is not None else None,
         }
+
+    def _text(self, fmt: Any) -> dict[str, Any]:
+        text: dict[str, Any] = {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}}
+        if self.req.text is not None and self.req.text.verbosity is not None:
+            text["verbosity"] = self.req.text.verbosity
+        return text
 
     @staticmethod
     def _usage(u: Any) -> dict[str, Any]:
@@ -107,6 +139,10 @@ class ResponsesRenderer:
 
     def _apply(self, e: Event, out: list[tuple[str, dict[str, Any]]]) -> None:
         """Update the items by one event; ``out`` gets the stream events it makes."""
+        if isinstance(e, Reasoning):
+            self._reason(e.text, out)
+            return
+        self._close_reasoning(out)
         if isinstance(e, Text):
             item = self._text_item
             if item is None:
@@ -144,19 +180,22 @@ class ResponsesRenderer:
             )
         elif isinstance(e, CallStart):
             self._close_text(out)
-            item = {
-                "id": _id("fc"),
-                "type": "function_call",
-                "status": "in_progress",
-                "call_id": e.id,
-                "name": e.name,
-                "arguments": "",
-            }
+            kind = self.req.tool_kind(e.name)
+            if kind.kind == "custom":
+                item = {"id": _id("ctc"), "type": "custom_tool_call", "status": "in_progress", "call_id": e.id}
+                item.update({"name": kind.name, "input": ""})
+            else:
+                item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": e.id}
+                item.update({"name": kind.name, "arguments": ""})
+            if kind.namespace is not None:
+                item["namespace"] = kind.namespace
             self._calls[e.index] = item
             self.output.append(item)
             out.append(("response.output_item.added", {"output_index": len(self.output) - 1, "item": _copy(item)}))
         elif isinstance(e, CallArgs):
             item = self._calls[e.index]
+            if item["type"] == "custom_tool_call":
+                return  # its arguments are {"input": ...}: the input goes out whole at the end
             item["arguments"] += e.text
             out.append(
                 (
@@ -166,9 +205,16 @@ class ResponsesRenderer:
             )
         elif isinstance(e, CallEnd):
             item = self._calls[e.index]
-            item["arguments"] = e.arguments
             item["status"] = "completed"
             idx = self.output.index(item)
+            if item["type"] == "custom_tool_call":
+                item["input"] = custom_input(e.arguments)
+                ref = {"item_id": item["id"], "output_index": idx}
+                out.append(("response.custom_tool_call_input.delta", {**ref, "delta": item["input"]}))
+                out.append(("response.custom_tool_call_input.done", {**ref, "input": item["input"]}))
+                out.append(("response.output_item.done", {"output_index": idx, "item": _copy(item)}))
+                return
+            item["arguments"] = e.arguments
             out.append(
                 (
                     "response.function_call_arguments.done",
@@ -177,7 +223,40 @@ class ResponsesRenderer:
             )
             out.append(("response.output_item.done", {"output_index": idx, "item": _copy(item)}))
 
+    def _reason(self, text: str, out: list[tuple[str, dict[str, Any]]]) -> None:
+        """A ``reasoning`` item with one ``reasoning_text`` part (openai.types.responses)."""
+        item = self._reasoning_item
+        if item is None:
+            item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            self._reasoning_item = item
+            self.output.append(item)
+            out.append(("response.output_item.added", {"output_index": len(self.output) - 1, "item": _copy(item)}))
+            item["content"].append({"type": "reasoning_text", "text": ""})
+        item["content"][0]["text"] += text
+        out.append(
+            (
+                "response.reasoning_text.delta",
+                {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0, "delta": text},
+            )
+        )
+
+    def _close_reasoning(self, out: list[tuple[str, dict[str, Any]]]) -> None:
+        item, self._reasoning_item = self._reasoning_item, None
+        if item is None:
+            return
+        idx = self.output.index(item)
+        item["status"] = "completed"
+        text = item["content"][0]["text"]
+        out.append(
+            (
+                "response.reasoning_text.done",
+                {"item_id": item["id"], "output_index": idx, "content_index": 0, "text": text},
+            )
+        )
+        out.append(("response.output_item.done", {"output_index": idx, "item": _copy(item)}))
+
     def _close_text(self, out: list[tuple[str, dict[str, Any]]]) -> None:
+        self._close_reasoning(out)
         item, self._text_item = self._text_item, None
         if item is None:
             return
@@ -209,7 +288,12 @@ class ResponsesRenderer:
         for e in self._events(c.text, True):
             self._apply(e, scratch)
         self._close_text(scratch)
+        self._finished()
         return _encode(self.response(self._status(c.finish_reason), c.usage, c.finish_reason))
+
+    def _finished(self) -> None:
+        if self.on_done is not None:
+            self.on_done(self.id, self.output)
 
     # ---- streaming ---------------------------------------------------------
     def start(self) -> list[bytes]:
@@ -226,6 +310,7 @@ class ResponsesRenderer:
             self._apply(e, events)
         if final:
             self._close_text(events)
+            self._finished()
             status = self._status(d.finish_reason)
             kind = "response.incomplete" if status == "incomplete" else "response.completed"
             events.append((kind, {"response": self.response(status, d.usage, d.finish_reason)}))
@@ -236,9 +321,38 @@ class ResponsesRenderer:
         return [self._sse("error", {"code": err.code, "message": err.message, "param": err.param})]
 
 
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from the call the model wrote (``{"input": "..."}``);
+    arguments of another shape go back as the model wrote them."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
+        return value[CUSTOM_INPUT]
+    return arguments
+
+
 def _copy(obj: dict[str, Any]) -> dict[str, Any]:
     """A snapshot for an event (the item keeps changing after it is sent)."""
     return msgspec.json.decode(_encode(obj))
+
+
+_STORES: weakref.WeakKeyDictionary[Any, ResponseStore] = weakref.WeakKeyDictionary()
+
+
+def response_store(host: Any) -> ResponseStore:
+    """The server's stored responses (one per ``ServerState``)."""
+    store = _STORES.get(host)
+    if store is None:
+        store = _STORES[host] = ResponseStore()
+    return store
+
+
+def _input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return list(req.input)
 
 
 async def responses(request: Request, host: Any) -> Response:
@@ -248,15 +362,48 @@ async def responses(request: Request, host: Any) -> Response:
     timer = TokenTimer(host.metrics, engine.clock.now)
     req: ResponsesRequest = decode_request(await read_body(request, host.max_body_bytes), ResponsesRequest)
     model = host.check_model(req.model)
+    store = response_store(host)
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        try:
+            history = store.get(req.previous_response_id)
+        except ResponseNotFound:
+            raise ApiError(
+                400,
+                f"previous response {req.previous_response_id!r} is not stored here (unknown, evicted, or from "
+                "before a restart): resend the whole conversation as input items",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            ) from None
+    for field, action in req.envelope_notes():
+        host.envelope.note("responses", field, action)
     setup = req.tool_setup()
-    prompt = await host.chat_prompt(engine, req.template_messages(), setup, param="input")
+    thinking = chat_turn.thinking_kwargs(host, engine, "responses", "reasoning", req.thinking_choice())
+    messages = req.template_messages(history)
+    prompt = await host.chat_prompt(engine, messages, setup, param="input", template_kwargs=thinking)
     limit = output_limit(req.max_output_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
     params = msgspec.structs.replace(req.sampling_params(limit, engine.info.vocab_size), max_tokens=limit)
-    params = chat_turn.with_constraint(engine, params, req.constraint(), "text.format")
+    params = chat_turn.with_constraint(engine, params, _text_constraint(req, setup), "text.format")
     params = chat_turn.tool_params(engine, params, setup)
     stream = await chat_turn.submit(engine, prompt, params, req.param_names(setup.forced))
-    renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup))
+    on_done = None
+    if req.store:
+        conversation = history + _input_items(req)
+
+        def on_done(rid: str, output: list[dict[str, Any]]) -> None:
+            store.put(rid, conversation + [_copy(item) for item in output])
+
+    renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup, prompt=prompt), on_done)
     return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
+
+
+def _text_constraint(req: ResponsesRequest, setup: Any) -> Any:
+    """``text.format``'s constraint — none when a forced tool call constrains the
+    output: the output is then the call, and a text format has nothing to shape
+    (instructor's RESPONSES_TOOLS sends both)."""
+    if setup.forced:
+        return None
+    return req.constraint()
 
 
 def routes(endpoint: Any) -> list[Route]:

@@ -10,7 +10,8 @@ middleware in front of every route, so routes added later are covered too.
   ``text/plain``, form and missing types are what a cross-origin page can
   send without a CORS preflight; JSON needs one, which this server never
   grants (it sends no CORS headers).
-* ``--api-key``: every route except ``/health`` wants ``Authorization:
+* ``--api-key``: every route except ``/health`` and the dashboard's static
+  page (``/``, ``/ui``, ``/ui/*``: no data; its API calls carry the key) wants ``Authorization:
   Bearer <key>`` (OpenAI clients) or ``x-api-key: <key>`` (Anthropic
   clients); 401 otherwise. Compared in constant time.
 
@@ -25,10 +26,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from transport.errors import ApiError, error_body
+from transport.ui_routes import PATHS as UI_PATHS
 
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
-PUBLIC_PATHS = frozenset({"/health"})  # liveness probes carry no key
+# liveness probes carry no key; nor does the dashboard's static page (it holds no data, its API calls carry the key)
+PUBLIC_PATHS = frozenset({"/health", *UI_PATHS})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 

@@ -65,7 +65,7 @@ class EventStream(Response):
         renderer: Renderer,
         *,
         keepalive_s: float,
-        on_tokens: Callable[[int], Any] = lambda n: None,
+        on_tokens: Callable[[int, Any], Any] = lambda n, usage: None,
         on_end: Callable[[], Any] = lambda: None,
         send_timeout_s: float | None = None,
     ):
@@ -124,7 +124,7 @@ class EventStream(Response):
             chunks: list[bytes] = []
             finished = False
             while d is not None:
-                self.on_tokens(len(d.token_ids))
+                self.on_tokens(len(d.token_ids), d.usage)
                 chunks += self.renderer.delta(d)
                 if d.finish_reason is not None and self.stream.finished:  # every choice's (n > 1)
                     finished = True

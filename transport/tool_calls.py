@@ -54,7 +54,13 @@ class CallEnd(msgspec.Struct, frozen=True):
     arguments: str  # the whole JSON text, equal to the CallArgs pieces joined
 
 
-Event = Text | CallStart | CallArgs | CallEnd
+class Reasoning(msgspec.Struct, frozen=True):
+    """A reasoning model's thinking (transport/reasoning.py), never part of the answer."""
+
+    text: str
+
+
+Event = Text | CallStart | CallArgs | CallEnd | Reasoning
 
 
 def _held_prefix(text: str, marker: str) -> int:

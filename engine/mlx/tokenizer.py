@@ -29,6 +29,7 @@ class MLXTokenizer:
         self.eos_token_ids: set[int] = set(wrapper.eos_token_ids)
         self._bos: str | None = getattr(wrapper, "bos_token", None)
         self.tool_markup = _tool_markup(wrapper)
+        self.reasoning_markup = _reasoning_markup(wrapper)
 
     def __len__(self) -> int:
         return len(self._tok)
@@ -82,6 +83,21 @@ class MLXTokenizer:
         if isinstance(out, dict) or hasattr(out, "input_ids"):  # a BatchEncoding from some templates
             out = out["input_ids"]
         return [int(t) for t in out]
+
+
+@dataclass(frozen=True)
+class ReasoningMarkup:
+    """How a model marks its reasoning: mlx-lm's ``think_start`` / ``think_end``."""
+
+    start: str
+    end: str
+
+
+def _reasoning_markup(wrapper: Any) -> ReasoningMarkup | None:
+    """mlx-lm's thinking markers for this tokenizer (``<think>``/``</think>``…), None: it does not think."""
+    if not getattr(wrapper, "has_thinking", False):
+        return None
+    return ReasoningMarkup(start=wrapper.think_start, end=wrapper.think_end)
 
 
 def _tool_markup(wrapper: Any) -> Any:

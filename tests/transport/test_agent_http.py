@@ -155,7 +155,9 @@ async def test_bad_tool_traffic_is_a_400_naming_the_parameter_on_every_route():
             ),
             ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
             ({"previous_response_id": "resp_1"}, "previous_response_id"),
-            ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+            ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+            ({"background": True}, "background"),
+            ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
         ]
         for extra, param in bad_responses:
             _openai_error(await client.post("/v1/responses", json={"input": "x", **extra}), param)

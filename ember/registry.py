@@ -1,0 +1,514 @@
+"""Many models behind one server: the names it can serve, each loaded on
+demand as its own engine from the one assembler, unloaded when idle
+(keep-alive) or least-recently-used first under a memory budget.
+
+    reg = Registry(base_config, default="tiny", keep_alive_s=600, max_memory=8 << 30)
+    async with anyio.create_task_group() as tg:
+        await tg.start(reg.run)
+        engine = await reg.engine_for("tiny-draft")   # loads it, waits, returns it
+
+Names: the bundled and packaged short names, every mlx-lm directory, GGUF file and
+sentence-transformers directory under ``models_dir``, ``--model`` itself, and
+the embedding short names (``all-minilm-l6-v2``); aliases (``--alias NAME=MODEL``,
+glob patterns allowed) map a client's fixed names onto them. Memory is measured
+once loaded (the weights' array bytes, KV and RAM-tier bytes from the engine's
+stats); before a load, the weights' size on disk stands in for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import functools
+import logging
+import math
+import pathlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import msgspec
+
+from ember.api import Engine
+from ember.assemble import load_ports
+from ember.embed import EmbeddingEngine
+from engine.config import EngineConfig
+from engine.ports import Ports
+
+log = logging.getLogger("ember.registry")
+
+DEFAULT_KEEP_ALIVE_S = 600.0
+LOAD_TIMEOUT_S = 300.0
+MAX_LOAD_WAITERS = 256
+
+
+class ModelNotFound(LookupError):
+    def __init__(self, name: str, names: list[str]):
+        super().__init__(f"the model {name!r} does not exist; this server serves: {', '.join(names)}")
+        self.name, self.names = name, names
+
+
+class ModelLoadFailed(RuntimeError):
+    pass
+
+
+class ModelLoadTimeout(RuntimeError):
+    pass
+
+
+class ModelBusy(RuntimeError):
+    """Too many requests wait for one model's load, or the memory budget cannot fit it."""
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    kind: str  # "chat" or "embed"
+    source: str  # "--model", "bundled", "packaged", "models-dir", "embedding", "fake"
+    target: str  # what EngineConfig.model (or the encoder) is given
+    config: EngineConfig | None = None  # chat models
+    ports: Callable[[], Ports] | None = None  # ports to hand Engine.open (tests: a fake backend of a stated size)
+    size_bytes: int | None = None  # weights on disk, the estimate before a load
+    keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S  # None: forever
+    pinned: bool = False
+    # runtime
+    state: str = "available"  # available, loading, loaded, unloading
+    engine: Any = None
+    last_used: float = 0.0
+    loaded_at: float | None = None
+    load_s: float | None = None
+    memory: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    loads: int = 0
+    _ready: anyio.Event | None = None
+    _stop: anyio.Event | None = None
+    _stopped: anyio.Event | None = None
+    waiters: int = 0
+
+    def context_length(self) -> int | None:
+        if self.engine is not None:
+            return getattr(self.engine, "context_length", None) or self.engine.info.context_length
+        if self.config is not None and self.config.backend == "fake":
+            return self.config.fake.context_length
+        return None
+
+    def card(self) -> dict[str, Any]:
+        used = dict(self.memory)
+        return {
+            "id": self.name,
+            "kind": self.kind,
+            "state": self.state,
+            "source": self.source,
+            "path": self.target,
+            "context_length": self.context_length(),
+            "size_bytes": self.size_bytes,
+            "memory_bytes": sum(used.values()) if used else None,
+            "memory": used or None,
+            "pinned": self.pinned,
+            "keep_alive_s": self.keep_alive_s,
+            "loads": self.loads,
+            "load_s": self.load_s,
+            "error": self.error,
+        }
+
+
+def _dir_size(path: pathlib.Path) -> int | None:
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.glob("*.safetensors")) or None
+    except OSError:
+        return None
+
+
+def discover(models_dir: str | None) -> list[tuple[str, str, str]]:
+    """(name, kind, path) for every model under ``models_dir``: mlx-lm
+    directories (config.json + safetensors), sentence-transformers
+    directories (modules.json) and .gguf files, named by their file name."""
+    if not models_dir:
+        return []
+    root = pathlib.Path(models_dir).expanduser()
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.iterdir()):
+        if p.is_file() and p.suffix == ".gguf":
+            out.append((p.stem, "chat", str(p)))
+        elif p.is_dir() and (p / "modules.json").is_file():
+            out.append((p.name, "embed", str(p)))
+        elif p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+            out.append((p.name, "chat", str(p)))
+    return out
+
+
+class Registry:
+    def __init__(
+        self,
+        base: EngineConfig,
+        *,
+        default: str | None,
+        ports: Ports | None = None,
+        models_dir: str | None = None,
+        keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S,
+        max_memory: int | None = None,
+        pins: tuple[str, ...] = (),
+        aliases: dict[str, str] | None = None,
+        load_timeout_s: float = LOAD_TIMEOUT_S,
+        max_load_waiters: int = MAX_LOAD_WAITERS,
+        short_names: bool = True,
+    ):
+        self.base = base
+        self.base_ports = ports or Ports()
+        self.keep_alive_s = keep_alive_s
+        self.max_memory = max_memory
+        self.load_timeout_s = load_timeout_s
+        self.max_load_waiters = max_load_waiters
+        self.aliases = dict(aliases or {})
+        self.entries: dict[str, ModelEntry] = {}
+        self.default = default
+        self._tg: Any = None
+        self._changed: anyio.Event | None = None
+        self.evictions = {"keep_alive": 0, "memory": 0, "admin": 0}
+        if default is not None:
+            self.add(self._entry(default, "--model", base, keep_alive_s=None))
+            if base.model_name and base.model_name != default:
+                self.aliases.setdefault(base.model_name, default)
+            if base.backend == "mlx" and base.model != default:
+                self.aliases.setdefault(base.model, default)
+        if base.backend == "mlx" and short_names:
+            self._add_known(models_dir)
+        for name in pins:
+            self.resolve(name).pinned = True
+
+    # ---- names -----------------------------------------------------------
+    def _entry(self, name: str, source: str, config: EngineConfig, **kw: Any) -> ModelEntry:
+        target = config.model
+        size = None
+        if config.backend == "mlx":
+            with contextlib.suppress(Exception):
+                from engine.models import BUNDLED
+
+                size = _dir_size(BUNDLED[target]) if target in BUNDLED else _dir_size(pathlib.Path(target).expanduser())
+        kw.setdefault("size_bytes", size)
+        return ModelEntry(name=name, kind="chat", source=source, target=target, config=config, **kw)
+
+    def add(self, entry: ModelEntry) -> ModelEntry:
+        self.entries.setdefault(entry.name, entry)
+        return self.entries[entry.name]
+
+    def add_chat(self, name: str, config: EngineConfig, **kw: Any) -> ModelEntry:
+        kw.setdefault("keep_alive_s", self.keep_alive_s)
+        return self.add(self._entry(name, kw.pop("source", "config"), config, **kw))
+
+    def add_embedding(self, name: str, target: str, source: str = "embedding") -> ModelEntry:
+        size = None
+        with contextlib.suppress(Exception):
+            from engine.mlx.embed import resolve_embedding_model
+
+            size = _dir_size(resolve_embedding_model(target))
+        return self.add(
+            ModelEntry(
+                name=name, kind="embed", source=source, target=target, size_bytes=size, keep_alive_s=self.keep_alive_s
+            )
+        )
+
+    def _add_known(self, models_dir: str | None) -> None:
+        from engine.mlx.embed import SHORT_NAMES
+        from engine.mlx.gguf_models import PACKAGED, installed
+        from engine.models import BUNDLED
+
+        def chat_config(target: str, name: str) -> EngineConfig:
+            return msgspec.structs.replace(self.base, model=target, model_name=name, draft_model=None)
+
+        for name in BUNDLED:
+            self.add_chat(name, chat_config(name, name), source="bundled")
+        for name in PACKAGED:
+            if installed(name):
+                self.add_chat(name, chat_config(name, name), source="packaged")
+        import importlib.util
+
+        for name, pkg in SHORT_NAMES.items():
+            if importlib.util.find_spec(pkg) is not None:
+                self.add_embedding(name, name)
+        for name, kind, path in discover(models_dir):
+            if kind == "embed":
+                self.add_embedding(name, path, source="models-dir")
+            else:
+                self.add_chat(name, chat_config(path, name), source="models-dir")
+
+    def names(self) -> list[str]:
+        return sorted(self.entries) + sorted(self.aliases)
+
+    def resolve(self, name: str | None) -> ModelEntry:
+        """The entry a request's model names: the default for None, an entry's
+        name, an alias (exact, then the first glob that matches), or a path
+        ``models_dir`` did not list (a directory given by path is served as-is)."""
+        if name is None:
+            if self.default is None:
+                raise ModelNotFound("(none)", self.names())
+            return self.entries[self.default]
+        if name in self.entries:
+            return self.entries[name]
+        target = self.aliases.get(name)
+        if target is None:
+            target = next((t for pat, t in self.aliases.items() if fnmatch.fnmatchcase(name, pat)), None)
+        if target is not None and target in self.entries:
+            return self.entries[target]
+        raise ModelNotFound(name, self.names())
+
+    # ---- running ---------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The registry's task group (every loaded model's engine runs in it)
+        and the keep-alive reaper. Cancel it to stop: every model unloads."""
+        self._changed = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._reaper)
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            self._tg = None
+
+    async def shutdown(self) -> None:
+        """Unload every model (each drains and flushes)."""
+        with anyio.CancelScope(shield=True):
+            for e in list(self.entries.values()):
+                if e.state in ("loaded", "loading"):
+                    await self.unload(e.name, reason=None)
+
+    def _now(self) -> float:
+        return anyio.current_time()
+
+    def _poke(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = anyio.Event()
+
+    async def engine_for(self, name: str | None, *, keep_alive_s: float | None | str = "") -> Any:
+        """The loaded engine for ``name``, loading it first if need be (one
+        load per model; the others wait, at most ``load_timeout_s``).
+        ``keep_alive_s``: a request's own keep-alive for its model (Ollama's
+        ``keep_alive``; None: forever); "" leaves it as it is."""
+        entry = self.resolve(name)
+        entry.last_used = self._now()
+        if keep_alive_s != "":
+            entry.keep_alive_s = keep_alive_s  # type: ignore[assignment]
+            self._poke()
+        while True:
+            if entry.state == "loaded" and entry.engine is not None and entry.engine.status == "ready":
+                entry.last_used = self._now()
+                return entry.engine
+            if entry.state == "unloading" and entry._stopped is not None:
+                await entry._stopped.wait()
+                continue
+            if entry.state == "available":
+                await self._start_load(entry)
+            if entry.waiters >= self.max_load_waiters:
+                raise ModelBusy(f"{entry.waiters} requests already wait for {entry.name!r} to load; try again")
+            entry.waiters += 1
+            try:
+                assert entry._ready is not None
+                with anyio.move_on_after(self.load_timeout_s) as scope:
+                    await entry._ready.wait()
+            finally:
+                entry.waiters -= 1
+            if scope.cancelled_caught:
+                raise ModelLoadTimeout(
+                    f"the model {entry.name!r} did not finish loading within {self.load_timeout_s:g} s; try again"
+                )
+            if entry.state == "available" and entry.error is not None:
+                raise ModelLoadFailed(f"the model {entry.name!r} failed to load: {entry.error}")
+
+    async def load(self, name: str) -> ModelEntry:
+        await self.engine_for(name)
+        return self.resolve(name)
+
+    async def _start_load(self, entry: ModelEntry) -> None:
+        assert self._tg is not None, "Registry.run is not running"
+        await self._make_room(entry)
+        entry.state, entry.error = "loading", None
+        entry._ready, entry._stop, entry._stopped = anyio.Event(), anyio.Event(), anyio.Event()
+        self._tg.start_soon(self._hold, entry)
+
+    async def _make_room(self, entry: ModelEntry) -> None:
+        """Unload least-recently-used models until the new one's estimate fits ``max_memory``."""
+        if self.max_memory is None:
+            return
+        need = entry.size_bytes or 0
+        while True:
+            held = [e for e in self.entries.values() if e.state in ("loaded", "loading") and e is not entry]
+            used = sum(sum(e.memory.values()) or (e.size_bytes or 0) for e in held)
+            if used + need <= self.max_memory:
+                return
+            victims = sorted((e for e in held if e.state == "loaded" and not e.pinned), key=lambda e: e.last_used)
+            if not victims:
+                raise ModelBusy(
+                    f"loading {entry.name!r} (~{need} bytes) would exceed the memory budget of {self.max_memory} "
+                    f"bytes ({used} in use by {', '.join(e.name for e in held)}, none of it unloadable)"
+                )
+            log.info("[registry] evicting %s (least recently used) to load %s", victims[0].name, entry.name)
+            self.evictions["memory"] += 1
+            await self.unload(victims[0].name, reason=None)
+
+    async def _hold(self, entry: ModelEntry) -> None:
+        """Open the model's engine, keep it open until told to unload, then close it (drain, flush)."""
+        assert entry._ready is not None and entry._stop is not None and entry._stopped is not None
+        t0 = time.perf_counter()
+        try:
+            async with self._open(entry) as engine:
+                entry.engine = engine
+                entry.state = "loaded"
+                entry.loads += 1
+                entry.load_s = time.perf_counter() - t0
+                entry.loaded_at = entry.last_used = self._now()
+                entry.memory = measure(engine)
+                entry._ready.set()
+                self._poke()
+                log.info("[registry] loaded %s in %.2fs memory=%s", entry.name, entry.load_s, entry.memory)
+                await entry._stop.wait()
+                entry.state = "unloading"
+                if hasattr(engine, "drain"):
+                    await engine.drain()  # running requests finish, write-behind flushes
+        except Exception as exc:  # noqa: BLE001 - a failed load is the requests' 5xx, not the server's death
+            entry.error = f"{type(exc).__name__}: {exc}"
+            log.error("[registry] %s failed: %s", entry.name, entry.error)
+        finally:
+            entry.engine = None
+            entry.memory = {}
+            entry.state = "available"
+            entry._ready.set()
+            entry._stopped.set()
+            self._poke()
+
+    @contextlib.asynccontextmanager
+    async def _open(self, entry: ModelEntry) -> Any:
+        if entry.kind == "embed":
+            async with EmbeddingEngine.open(entry.target) as emb:
+                yield emb
+            return
+        assert entry.config is not None
+        config = entry.config.validate()
+        base = entry.ports() if entry.ports is not None else dataclasses.replace(self.base_ports)
+        load = functools.partial(load_ports, config, base, keep_events=False)
+        if base.backend is None and config.backend != "fake":
+            ports = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+        else:
+            ports = load()
+        async with Engine.open(config, ports=ports) as engine:
+            yield engine
+
+    async def unload(self, name: str, *, reason: str | None = "admin") -> bool:
+        """Unload now: waits for its running requests, flushes, frees. False if it was not loaded."""
+        entry = self.resolve(name)
+        if entry.state == "loading" and entry._ready is not None:
+            await entry._ready.wait()
+        if entry.state not in ("loaded", "unloading") or entry._stop is None or entry._stopped is None:
+            return False
+        if reason is not None:
+            self.evictions[reason] = self.evictions.get(reason, 0) + 1
+        entry._stop.set()
+        await entry._stopped.wait()
+        _release_memory()
+        return True
+
+    async def _reaper(self) -> None:
+        """Unload models idle longer than their keep-alive (none for --model by default, or pinned)."""
+        while True:
+            now = self._now()
+            wake = None
+            for e in list(self.entries.values()):
+                if e.state != "loaded" or e.pinned or e.keep_alive_s is None or e.engine is None:
+                    continue
+                if busy(e.engine):
+                    e.last_used = now
+                deadline = e.last_used + max(0.0, e.keep_alive_s)
+                if deadline <= now:
+                    log.info(
+                        "[registry] unloading %s: idle %.0fs (keep-alive %ss)",
+                        e.name,
+                        now - e.last_used,
+                        e.keep_alive_s,
+                    )
+                    self.evictions["keep_alive"] += 1
+                    self._tg.start_soon(functools.partial(self.unload, e.name, reason=None))
+                    continue
+                wake = deadline if wake is None else min(wake, deadline)
+            assert self._changed is not None
+            changed = self._changed
+            delay = math.inf if wake is None else max(0.0, wake - now)
+            with anyio.move_on_after(delay):
+                await changed.wait()
+
+    # ---- reports ---------------------------------------------------------
+    def loaded(self) -> list[ModelEntry]:
+        return [e for e in self.entries.values() if e.state == "loaded" and e.engine is not None]
+
+    def refresh_memory(self) -> None:
+        for e in self.loaded():
+            e.memory = measure(e.engine)
+
+    def stats(self) -> dict[str, Any]:
+        self.refresh_memory()
+        return {
+            "max_memory_bytes": self.max_memory,
+            "memory_bytes": sum(sum(e.memory.values()) for e in self.loaded()),
+            "evictions": dict(self.evictions),
+            "aliases": dict(self.aliases),
+            "models": {
+                name: {**e.card(), **({"stats": e.engine.stats()} if e.engine is not None else {})}
+                for name, e in self.entries.items()
+                if e.state != "available" or e.loads
+            },
+        }
+
+
+def busy(engine: Any) -> bool:
+    if isinstance(engine, EmbeddingEngine):
+        return engine._in_flight > 0
+    try:
+        return bool(engine.gateway.stats()["in_flight"])
+    except Exception:  # noqa: BLE001 - a dead engine is not busy
+        return False
+
+
+def measure(engine: Any) -> dict[str, int]:
+    """What a loaded model holds, measured: its weights' array bytes, and its KV
+    and RAM-tier bytes from the engine's stats."""
+    if isinstance(engine, EmbeddingEngine):
+        return engine.memory()
+    out = {"weights_bytes": weight_bytes(engine.backend)}
+    st = engine.stats()
+    out["ram_tier_bytes"] = int((st.get("prompt_cache") or {}).get("bytes", 0) or 0)
+    sched = st.get("scheduler") or {}
+    out["kv_bytes"] = int(sched.get("kv_bytes", 0) or 0)
+    return out
+
+
+def weight_bytes(backend: Any) -> int:
+    """The weights' bytes: the MLX model's parameter arrays, or what a fake backend states."""
+    stated = getattr(backend, "weight_bytes", None)
+    if isinstance(stated, int):
+        return stated
+    model = getattr(backend, "model", None)
+    if model is None or not hasattr(model, "parameters"):
+        return 0
+    from mlx.utils import tree_flatten
+
+    leaves: list[Any] = list(tree_flatten(model.parameters()))
+    return int(sum(pair[1].nbytes for pair in leaves))
+
+
+def _release_memory() -> None:
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(Exception):
+        import sys
+
+        mx = sys.modules.get("mlx.core")
+        if mx is not None:
+            mx.clear_cache()

@@ -1,0 +1,110 @@
+"""``ember launch``: with a fake client (a script that dumps what it was
+given and exits 7), the server it starts or reuses, and everything it sets."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from tests.live_server import ember_serve
+
+pytestmark = pytest.mark.slow
+
+FAKE_CLIENT = r"""#!PYTHON
+import json, os, sys, urllib.request
+env = dict(os.environ)
+files = {}
+for key in ("CODEX_HOME", "OPENCODE_CONFIG"):
+    if key in env:
+        path = os.path.join(env[key], "config.toml") if key == "CODEX_HOME" else env[key]
+        files[key] = open(path).read()
+url = env.get("ANTHROPIC_BASE_URL") or "URL_UNKNOWN"
+models = None
+if url != "URL_UNKNOWN":
+    models = json.load(urllib.request.urlopen(url + "/v1/models"))
+json.dump({"argv": sys.argv[1:], "env": env, "files": files, "models": models}, open(os.environ["DUMP"], "w"))
+sys.exit(7)
+"""
+
+
+def _fake(tmp_path):
+    path = tmp_path / "fake-client"
+    path.write_text(FAKE_CLIENT.replace("PYTHON", sys.executable))
+    path.chmod(0o755)
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps({"context_length": 100000, "rules": []}))
+    return path, script
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, client, *extra):
+    fake, script = _fake(tmp_path)
+    env = {**os.environ, "DUMP": str(tmp_path / "dump.json"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("EMBER_API_KEY", None)
+    argv = [sys.executable, "-m", "transport.cli", "launch", client, "--bin", str(fake), *extra]
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    return res, json.loads((tmp_path / "dump.json").read_text()), script
+
+
+def test_claude_gets_every_model_slot_the_context_and_a_started_server(tmp_path):
+    fake, script = _fake(tmp_path)
+    res, dump, _ = _launch(
+        tmp_path, "claude", "--model", f"scripted:{script}", "--port", str(_free_port()), "--", "-p", "hi"
+    )
+    assert res.returncode == 7, res.stderr  # the client's own exit status
+    assert dump["argv"] == ["-p", "hi"]
+    env = dump["env"]
+    for slot in (
+        "ANTHROPIC_MODEL",
+        "ANTHROPIC_SMALL_FAST_MODEL",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+        "ANTHROPIC_DEFAULT_SONNET_MODEL",
+        "ANTHROPIC_DEFAULT_OPUS_MODEL",
+        "CLAUDE_CODE_SUBAGENT_MODEL",
+    ):
+        assert env[slot] == "scripted", slot
+    assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "100000"
+    assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "25000"
+    assert env["ANTHROPIC_API_KEY"]
+    # the server it started was up while the client ran, reports the context, and had the SSD tier on
+    assert dump["models"]["data"][0]["context_length"] == 100000
+    assert (tmp_path / "cache" / "ember" / "ssd").is_dir()
+
+
+def test_codex_gets_a_responses_provider_and_a_running_server_is_reused(tmp_path):
+    fake, script = _fake(tmp_path)
+    with ember_serve("--model", f"scripted:{script}") as (proc, url):
+        port = url.rsplit(":", 1)[1]
+        res, dump, _ = _launch(tmp_path, "codex", "--port", port, "--", "exec", "hi")
+        assert res.returncode == 7, res.stderr
+        assert "reusing the server" in res.stderr
+    cfg = tomllib.loads(dump["files"]["CODEX_HOME"])
+    assert cfg["model"] == "scripted" and cfg["model_provider"] == "ember"
+    assert cfg["model_context_window"] == 100000
+    provider = cfg["model_providers"]["ember"]
+    assert provider["wire_api"] == "responses" and provider["base_url"] == f"{url}/v1"
+    assert dump["env"][provider["env_key"]]
+    assert dump["argv"] == ["exec", "hi"]
+
+
+def test_opencode_gets_a_provider_with_the_limits(tmp_path):
+    fake, script = _fake(tmp_path)
+    with ember_serve("--model", f"scripted:{script}") as (proc, url):
+        res, dump, _ = _launch(tmp_path, "opencode", "--port", url.rsplit(":", 1)[1], "--", "run", "hi")
+        assert res.returncode == 7, res.stderr
+    cfg = json.loads(dump["files"]["OPENCODE_CONFIG"])
+    assert cfg["model"] == "ember/scripted"
+    prov = cfg["provider"]["ember"]
+    assert prov["options"]["baseURL"] == f"{url}/v1"
+    assert prov["models"]["scripted"]["limit"]["context"] == 100000

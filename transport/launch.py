@@ -1,0 +1,202 @@
+"""``ember launch claude | codex | opencode [-- ARGS]``: an agent client, unmodified, on Ember.
+
+Starts ``ember serve`` (or reuses the server already answering on the port),
+then runs the client with everything it needs set, and returns its exit
+status; a server it started stops with it.
+
+- **Claude Code**: ``ANTHROPIC_BASE_URL``, a dummy ``ANTHROPIC_API_KEY``, the
+  served model for every slot it uses (``ANTHROPIC_MODEL``, the small/fast
+  model of its side requests, the haiku/sonnet/opus/fable defaults and the
+  subagent model), the model's real context window (it assumes 200K and
+  compacts by it: ``CLAUDE_CODE_AUTO_COMPACT_WINDOW``; and
+  ``CLAUDE_CODE_MAX_CONTEXT_TOKENS``, which 2.1.332 reads when compaction is
+  off), its output limit (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``) and its
+  nonessential traffic off (a local server has no telemetry endpoint).
+- **Codex CLI**: its own ``CODEX_HOME`` (under the user's cache directory,
+  so the user's ``~/.codex`` is left alone) with a ``config.toml`` naming an
+  ``ember`` provider (``wire_api = "responses"``), the model, its context
+  window and output limit.
+- **OpenCode**: an ``OPENCODE_CONFIG`` file with an ``ember`` provider
+  (OpenAI-compatible) and the model's limits.
+
+The server it starts has the SSD prompt-cache tier on (``--ssd-cache`` under
+``$XDG_CACHE_HOME/ember/ssd``, default ``~/.cache/ember/ssd``), so a session
+resumed after a restart still starts warm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+CLIENTS = ("claude", "codex", "opencode")
+DUMMY_KEY = "ember"
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> pathlib.Path:
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or str(pathlib.Path.home()), ".cache")
+    return pathlib.Path(base) / "ember"
+
+
+def served_model(url: str, timeout_s: float = 2.0) -> tuple[str, int | None] | None:
+    """(name, context length) of the server answering at ``url``, or None."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=timeout_s) as r:
+            card = json.load(r)["data"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    ctx = card.get("context_length") or card.get("max_model_len")
+    return str(card["id"]), int(ctx) if ctx else None
+
+
+def output_limit(context: int) -> int:
+    """The reply budget the client is told: a quarter of the context, at most 32k."""
+    return max(256, min(32_000, context // 4))
+
+
+def client_env(
+    client: str, url: str, model: str, context: int, environ: Mapping[str, str], home: pathlib.Path
+) -> dict[str, str]:
+    """The client's environment: the caller's, with everything Ember needs set."""
+    env = dict(environ)
+    out = output_limit(context)
+    if client == "claude":
+        env.update(
+            ANTHROPIC_BASE_URL=url,
+            ANTHROPIC_API_KEY=env.get("EMBER_API_KEY") or DUMMY_KEY,
+            ANTHROPIC_MODEL=model,
+            ANTHROPIC_SMALL_FAST_MODEL=model,
+            ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
+            ANTHROPIC_DEFAULT_SONNET_MODEL=model,
+            ANTHROPIC_DEFAULT_OPUS_MODEL=model,
+            ANTHROPIC_DEFAULT_FABLE_MODEL=model,
+            CLAUDE_CODE_SUBAGENT_MODEL=model,
+            CLAUDE_CODE_AUTO_COMPACT_WINDOW=str(context),
+            CLAUDE_CODE_MAX_CONTEXT_TOKENS=str(context),
+            CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(out),
+            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        )
+        env.pop("ANTHROPIC_AUTH_TOKEN", None)  # it would be sent instead of the key
+    elif client == "codex":
+        codex_home = home / "codex"
+        codex_home.mkdir(parents=True, exist_ok=True)
+        (codex_home / "config.toml").write_text(codex_config(url, model, context))
+        env["CODEX_HOME"] = str(codex_home)
+        env.setdefault("EMBER_API_KEY", DUMMY_KEY)
+    elif client == "opencode":
+        path = home / "opencode.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(opencode_config(url, model, context), indent=2))
+        env["OPENCODE_CONFIG"] = str(path)
+    else:
+        raise ValueError(f"unknown client {client!r} ({', '.join(CLIENTS)})")
+    return env
+
+
+def _toml_str(s: str) -> str:
+    return json.dumps(s)  # a JSON string is a TOML basic string
+
+
+def codex_config(url: str, model: str, context: int) -> str:
+    return (
+        f"model = {_toml_str(model)}\n"
+        'model_provider = "ember"\n'
+        f"model_context_window = {context}\n"
+        f"model_max_output_tokens = {output_limit(context)}\n"
+        f"model_auto_compact_token_limit = {int(context * 0.9)}\n"
+        "\n[model_providers.ember]\n"
+        'name = "Ember"\n'
+        f"base_url = {_toml_str(url + '/v1')}\n"
+        'wire_api = "responses"\n'
+        'env_key = "EMBER_API_KEY"\n'
+    )
+
+
+def opencode_config(url: str, model: str, context: int) -> dict[str, Any]:
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "model": f"ember/{model}",
+        "small_model": f"ember/{model}",
+        "provider": {
+            "ember": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "Ember",
+                "options": {"baseURL": f"{url}/v1", "apiKey": DUMMY_KEY},
+                "models": {model: {"name": model, "limit": {"context": context, "output": output_limit(context)}}},
+            }
+        },
+    }
+
+
+def start_server(serve_args: Sequence[str], port: int, timeout_s: float = 900) -> tuple[subprocess.Popen[str], str]:
+    """``ember serve SERVE_ARGS --port PORT``; returns once it printed its URL."""
+    argv = [sys.executable, "-m", "transport.cli", "serve", *serve_args, "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    for line in proc.stdout:
+        sys.stderr.write(line)
+        if line.startswith("ember: serving"):
+            return proc, line.split(" at ", 1)[1].split()[0]
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError(f"ember serve did not start (exit {proc.wait()})")
+
+
+def launch(
+    client: str,
+    client_args: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    serve_args: Sequence[str] = (),
+    ssd_cache: str | None = None,
+    binary: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Run ``client`` against a reused or started server; its exit status."""
+    environ = dict(os.environ if environ is None else environ)
+    exe = binary or shutil.which(client)
+    if exe is None:
+        print(f"ember launch: `{client}` is not on PATH (npm install -g the client, or --bin PATH)", file=sys.stderr)
+        return 2
+    url = f"http://{host}:{port}"
+    proc = None
+    found = served_model(url)
+    if found is None:
+        ssd = ssd_cache or str(cache_dir(environ) / "ssd")
+        args = [*serve_args, "--host", host]
+        if "--ssd-cache" not in args:
+            args += ["--ssd-cache", ssd]
+        proc, url = start_server(args, port)
+        found = served_model(url)
+        if found is None:
+            proc.terminate()
+            print(f"ember launch: the server at {url} does not answer /v1/models", file=sys.stderr)
+            return 1
+    else:
+        print(f"ember launch: reusing the server at {url}", file=sys.stderr)
+    model, context = found
+    context = context or 8192
+    env = client_env(client, url, model, context, environ, cache_dir(environ) / "launch")
+    print(f"ember launch: {client} on {model} ({context} tokens of context) at {url}", file=sys.stderr, flush=True)
+    try:
+        return subprocess.call([exe, *client_args], env=env)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
