@@ -73,7 +73,7 @@ Tools you may call, one per turn, as JSON {"tool": NAME, "args": {...}}:
 After each tool result, answer in one or two sentences and quote the exact line the question asks about."""
 
 FILES = [
-    "engine/spec/costs.py",
+    "engine/speculation/costs.py",
     "engine/kv/cold_store.py",
     "transport/cli.py",
     "actors/verifier.py",
@@ -82,7 +82,7 @@ FILES = [
     "ember/assemble.py",
     "engine/config.py",
     "actors/scheduler.py",
-    "engine/spec/policy.py",
+    "engine/speculation/policy.py",
 ]
 EXCERPT_CHARS = 1100  # ~300 tokens of source per tool result, as the issue's session
 
