@@ -54,7 +54,7 @@ def by_server(turns: list[Turn]) -> dict[str, list[Turn]]:
 
 
 def totals(rows: list[Turn]) -> dict[str, float | None]:
-    warm = [t.ttft_s for t in rows if t.turn > 1]
+    warm = [t.ttft_s for t in rows if t.turn > 1 and not t.after_restart]  # the restart turn is not warm
     restart = [t.ttft_s for t in rows if t.after_restart]
     return {
         "session_s": sum(t.wall_s for t in rows),
