@@ -58,8 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, help="rows in the running batch")
     s.add_argument("--max-queue", type=int, help="requests waiting beyond the batch before 429")
     s.add_argument("--prompt-cache", type=float, metavar="GIB", help="RAM prompt-cache cap (0 disables)")
-    s.add_argument("--ssd-cache", metavar="DIR", help="directory of the SSD prompt-cache tier")
-    s.add_argument("--ssd-cache-max", type=float, metavar="GIB", help="byte cap of the SSD tier")
+    ssd = s.add_mutually_exclusive_group()
+    ssd.add_argument(
+        "--ssd-cache",
+        metavar="DIR",
+        help="directory of the SSD prompt-cache tier (default: on, under ~/.cache/ember/kv/; transport/ssd_default.py)",
+    )
+    ssd.add_argument("--no-ssd-cache", action="store_true", help="serve without the SSD prompt-cache tier")
+    s.add_argument(
+        "--ssd-cache-max",
+        type=float,
+        metavar="GIB",
+        help="byte cap of the SSD tier (default: min(32, 10%% of free space))",
+    )
     s.add_argument(
         "--ssd-cache-verify",
         action=argparse.BooleanOptionalAction,
@@ -183,6 +194,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             fields[field] = value
     if getattr(args, "ssd_cache_verify", None) is not None:
         fields["ssd_cache_verify"] = args.ssd_cache_verify
+    _default_ssd(args, fields)
     if getattr(args, "distributed", None):
         from engine.mlx.distributed import DEFAULT_STEP_TIMEOUT_S
 
@@ -202,6 +214,40 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         except (FileNotFoundError, ValueError) as exc:  # ValueError: a GGUF that cannot convert
             parser.error(str(exc))
     return config
+
+
+def _default_ssd(args: argparse.Namespace, fields: dict[str, Any]) -> None:
+    """``serve`` turns the SSD tier on unless told otherwise (transport/ssd_default.py);
+    ``generate`` and the embedded Engine keep it off. ``args.ssd_note`` is what the
+    start line says about it."""
+    if not hasattr(args, "no_ssd_cache"):
+        return  # not `serve`
+    if fields.get("ssd_cache_dir"):
+        cap = fields.get("ssd_cache_max_gib", 32.0)
+        args.ssd_note = f"SSD prompt cache {fields['ssd_cache_dir']}, cap {cap:g} GiB"
+        return
+    if args.no_ssd_cache or fields.get("prompt_cache_gib") == 0:  # the SSD tier needs the RAM tier
+        args.ssd_note = "SSD prompt cache off"
+        return
+    from transport.ssd_default import default_ssd
+
+    found = default_ssd(
+        fields["model"],
+        kv_bits=fields.get("kv_bits"),
+        kv_group_size=fields.get("kv_group_size"),
+        window=fields.get("max_kv_size"),
+    )
+    if found is None:
+        args.ssd_note = "SSD prompt cache off (too little free disk space)"
+        return
+    fields["ssd_cache_dir"] = found.dir
+    if "ssd_cache_max_gib" not in fields:
+        fields["ssd_cache_max_gib"] = found.cap_gib
+    args.ssd_note = (
+        found.describe()
+        if fields["ssd_cache_max_gib"] == found.cap_gib
+        else (f"SSD prompt cache {found.dir}, cap {fields['ssd_cache_max_gib']:g} GiB")
+    )
 
 
 def default_model(args: argparse.Namespace) -> str:
@@ -325,7 +371,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Plain asyncio, not uvloop: under uvloop a SIGTERM reached the drain only
     # after requests already in the socket were answered (/health said 200 right
     # after the signal; tests/ember/test_durability_engine.py).
-    rc = asyncio.run(_serve(server, sock, app.state.ember, url))
+    rc = asyncio.run(_serve(server, sock, app.state.ember, url, getattr(args, "ssd_note", "")))
     _exit_now(rc)
     return rc  # not reached
 
@@ -370,7 +416,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(server: Any, sock: socket.socket, state: Any, url: str) -> int:
+async def _serve(server: Any, sock: socket.socket, state: Any, url: str, note: str = "") -> int:
     _drain_first(server, state)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     # uvicorn has no "listening" event, and the engine loads in the background:
@@ -383,7 +429,10 @@ async def _serve(server: Any, sock: socket.socket, state: Any, url: str) -> int:
         await task
         return 2
     if server.started:
-        print(f"ember: serving {state.model_name} at {url} (OpenAI API: {url}/v1)", flush=True)
+        print(
+            f"ember: serving {state.model_name} at {url} (OpenAI API: {url}/v1){'; ' + note if note else ''}",
+            flush=True,
+        )
     await task
     engine = state.engine
     if engine is not None and engine.shutdown_timed_out:
