@@ -45,6 +45,26 @@ LOAD_TIMEOUT_S = 300.0
 MAX_LOAD_WAITERS = 256
 
 
+def parse_keep_alive(value: float | str | None) -> float | None | str:
+    """Ollama's ``keep_alive``: seconds, or a duration ("30s", "5m", "1h"); negative: forever (None);
+    absent (None): "" (leave the model's keep-alive as it is). ValueError when it is neither."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        v = value.strip()
+        scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+        unit = next((u for u in ("ms", "s", "m", "h") if v.endswith(u)), "")
+        try:
+            seconds = float(v[: len(v) - len(unit)]) * scale.get(unit, 1.0)
+        except ValueError:
+            raise ValueError(f"keep_alive must be seconds or a duration like '5m', not {value!r}") from None
+    else:
+        seconds = float(value)
+    if math.isnan(seconds):
+        raise ValueError("keep_alive must be a number")
+    return None if seconds < 0 else seconds
+
+
 class ModelNotFound(LookupError):
     def __init__(self, name: str, names: list[str]):
         super().__init__(f"the model {name!r} does not exist; this server serves: {', '.join(names)}")

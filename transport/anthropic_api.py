@@ -289,7 +289,7 @@ async def messages(request: Request, host: Any) -> Response:
 
     host.require_engine()
     req: MessagesRequest = decode_request(await read_body(request, host.max_body_bytes), MessagesRequest)
-    engine, model = await host.engine_for(req.model)
+    engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now)
     setup = req.tool_setup()
     prompt = await _prompt(host, engine, req, setup)
@@ -307,7 +307,7 @@ async def count_tokens(request: Request, host: Any) -> Response:
 
     host.require_engine()
     req: CountTokensRequest = decode_request(await read_body(request, host.max_body_bytes), CountTokensRequest)
-    engine, _ = await host.engine_for(req.model)
+    engine, _ = await host.engine_for(req.model, keep_alive=req.keep_alive)
     setup = req.tool_setup()
     prompt = await _prompt(host, engine, req, setup)
     return Response(_encode({"input_tokens": len(prompt)}), media_type="application/json")

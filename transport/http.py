@@ -29,7 +29,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ember import Completion, Engine, Ports, RequestStream
-from ember.registry import ModelBusy, ModelEntry, ModelLoadFailed, ModelLoadTimeout, ModelNotFound, Registry
+from ember.registry import (
+    ModelBusy,
+    ModelEntry,
+    ModelLoadFailed,
+    ModelLoadTimeout,
+    ModelNotFound,
+    Registry,
+    parse_keep_alive,
+)
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest
 from transport import chat_turn
@@ -253,7 +261,7 @@ class ServerState:
         """The served name of the model a request names (aliases resolved), or a 404 listing the names."""
         return self.entry(requested).name
 
-    async def engine_for(self, requested: str | None, kind: str = "chat", keep_alive: Any = "") -> tuple[Any, str]:
+    async def engine_for(self, requested: str | None, kind: str = "chat", keep_alive: Any = None) -> tuple[Any, str]:
         """The routed engine and its served name: the model a request names,
         loaded first if need be (concurrent requests for it wait, bounded).
         Unknown: 404 listing the names; the wrong kind (chat to an embedding
@@ -265,7 +273,11 @@ class ServerState:
             what = "an embedding model: use /v1/embeddings" if entry.kind == "embed" else "not an embedding model"
             raise ApiError(400, f"the model {entry.name!r} is {what}", param="model", code="model_wrong_kind")
         try:
-            engine = await self.registry.engine_for(entry.name, keep_alive_s=keep_alive)
+            keep = parse_keep_alive(keep_alive)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="keep_alive") from None
+        try:
+            engine = await self.registry.engine_for(entry.name, keep_alive_s=keep)
         except ModelLoadFailed as exc:
             raise ApiError(500, str(exc), "server_error", param="model", code="model_load_failed") from None
         except (ModelLoadTimeout, ModelBusy) as exc:
@@ -368,7 +380,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     host.require_engine()
     body = await read_body(request, host.max_body_bytes)
     req = host.extensions.check(decode_request(body, request_type(chat, host.trust_gateway)))
-    engine, model = await host.engine_for(req.model)
+    engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now)
     prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:

@@ -360,7 +360,7 @@ async def responses(request: Request, host: Any) -> Response:
 
     host.require_engine()
     req: ResponsesRequest = decode_request(await read_body(request, host.max_body_bytes), ResponsesRequest)
-    engine, model = await host.engine_for(req.model)
+    engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now)
     store = response_store(host)
     history: list[dict[str, Any]] = []

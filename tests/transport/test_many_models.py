@@ -184,3 +184,21 @@ async def test_chat_to_an_embedding_model_and_embeddings_to_a_chat_model_are_400
         assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format"
         r = await client.post("/v1/embeddings", json={"model": "emb", "input": []})
         assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+async def test_per_request_keep_alive_as_ollama_sends_it():
+    async with serving(A, more_models={"b": B}) as (app, client):
+        entry = app.state.ember.registry.entries["b"]
+        msgs = [{"role": "user", "content": "x"}]
+        r = await client.post(
+            "/v1/chat/completions", json={"model": "b", "messages": msgs, "max_tokens": 2, "keep_alive": "5m"}
+        )
+        assert r.status_code == 200 and entry.keep_alive_s == 300.0
+        r = await client.post("/v1/messages", json={"model": "b", "messages": msgs, "max_tokens": 2, "keep_alive": -1})
+        assert r.status_code == 200 and entry.keep_alive_s is None  # never unload
+        r = await client.post(
+            "/v1/responses", json={"model": "b", "input": "x", "max_output_tokens": 2, "keep_alive": 30}
+        )
+        assert r.status_code == 200 and entry.keep_alive_s == 30.0
+        r = await client.post("/v1/chat/completions", json={"model": "b", "messages": msgs, "keep_alive": "soon"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
