@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from transport.errors import ApiError
+from transport.request_io import read_body
 
 MAX_INPUTS = 2048  # OpenAI's own cap on the inputs of one request
 
@@ -68,8 +69,6 @@ def _inputs(req: EmbeddingsRequest) -> tuple[list[str] | None, list[list[int]] |
 
 
 async def embeddings(request: Request, host: Any) -> Response:
-    from transport.http import read_body
-
     host.require_engine()
     req = _decode(await read_body(request, host.max_body_bytes))
     if req.encoding_format not in ("float", "base64"):
