@@ -81,12 +81,17 @@ def test_unload_frees_mlx_memory_and_a_reload_serves_again():
     async def body() -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(reg.run)
+            import gc
+
+            gc.collect()
+            mx.clear_cache()
             base = mx.get_active_memory()
             emb = await reg.engine_for("all-minilm-l6-v2")
             v1 = await emb.aembed(ids)
             held = mx.get_active_memory()
             weights = reg.entries["all-minilm-l6-v2"].memory["weights_bytes"]
             assert held - base >= 0.9 * weights > 50 << 20  # ~90 MB of float32 weights, measured
+            del emb  # the registry frees what it holds; a caller's own reference would keep the weights alive
             assert await reg.unload("all-minilm-l6-v2")
             after = mx.get_active_memory()
             assert after - base < 0.1 * weights, (base, held, after)
