@@ -126,6 +126,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="abort a stream whose client reads nothing for this long (it would hold its slot)",
     )
+    s.add_argument(
+        "--models-dir",
+        default="~/.cache/ember/models",
+        metavar="DIR",
+        help="more models to serve on demand: every mlx-lm directory, .gguf file and sentence-transformers directory here",
+    )
+    s.add_argument(
+        "--keep-alive",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="unload a model other than --model idle this long (default 600; a negative number: never)",
+    )
+    s.add_argument(
+        "--max-memory", type=float, metavar="GIB", help="unload least-recently-used models to stay under this"
+    )
+    s.add_argument("--pin", action="append", default=[], metavar="NAME", help="never unload this model (repeatable)")
+    s.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME=MODEL",
+        help="serve MODEL under NAME too; NAME may be a glob, e.g. 'claude-haiku-*=smollm2-135m' (repeatable)",
+    )
+    s.add_argument("--model-load-timeout", type=float, default=300.0, metavar="SECONDS", help=argparse.SUPPRESS)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=serve, parser=s)
 
@@ -318,6 +343,26 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 # serve
 
 
+def registry_kw(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The many-models flags as ``ember.registry.Registry`` arguments (a bad one is the parser's error)."""
+    aliases = {}
+    for a in args.alias:
+        name, sep, model = a.partition("=")
+        if not sep or not name or not model:
+            parser.error(f"--alias takes NAME=MODEL, not {a!r}")
+        aliases[name] = model
+    if args.max_memory is not None and not args.max_memory > 0:
+        parser.error("--max-memory must be a positive number of GiB")
+    return {
+        "models_dir": args.models_dir,
+        "keep_alive_s": None if args.keep_alive < 0 else args.keep_alive,
+        "max_memory": None if args.max_memory is None else int(args.max_memory * (1 << 30)),
+        "pins": tuple(args.pin),
+        "aliases": aliases,
+        "load_timeout_s": args.model_load_timeout,
+    }
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
@@ -351,6 +396,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         api_key=args.api_key,
         loopback_only=is_loopback(args.host),
         send_timeout_s=args.send_timeout,
+        registry_kw=registry_kw(args, parser),
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -466,7 +512,7 @@ def _drain_first(server: Any, state: Any) -> None:
 
     async def drain(engine: Any) -> None:
         try:
-            if not await engine.drain():
+            if not await state.drain_all():  # every loaded model, the default (``engine``) among them
                 server.force_exit = True  # the deadline is spent: do not wait for connections again
         finally:
             server.should_exit = True
