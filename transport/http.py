@@ -32,7 +32,7 @@ from starlette.routing import Route
 from ember import Completion, Engine, Ports, RequestStream, load_ports
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest
-from transport import chat_turn
+from transport import chat_turn, reasoning
 from transport.choices import ChoiceStream, submit_choices
 from transport.envelope import EnvelopeCounter
 from transport.errors import ApiError, error_body, from_engine_error
@@ -296,7 +296,9 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     engine = host.require_engine()
     timer = TokenTimer(host.metrics, engine.clock.now)
     body = await read_body(request, host.max_body_bytes)
-    req = host.extensions.check(decode_request(body, request_type(chat, host.trust_gateway)))
+    req = decode_request(body, request_type(chat, host.trust_gateway))
+    thinks = reasoning.markup_of(engine.tokenizer) is not None
+    req = host.extensions.check(req, host.envelope, "chat" if chat else "completions", thinks)
     model = host.check_model(req.model)
     prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
