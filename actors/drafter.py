@@ -1,14 +1,15 @@
 """Drafter: proposes γ tokens per speculating row, two kinds behind one protocol.
 
-* ``ngram`` — prompt lookup (``engine.spec.ngram``): no model, no device time.
-* a draft model (``engine.spec.draft_model``) — a smaller model with the target's
+* ``ngram`` — prompt lookup (``engine.speculation.ngram``): no model, no device time.
+* a draft model (``engine.speculation.draft_model``) — a smaller model with the target's
   tokenizer and its own cache, run on the engine's device (the same MLX thread
   as the target).
 
 The Scheduler sends each row's committed context as a growing tail
 (``Draft.start`` is how much of it the Drafter already has), never the drafts;
 the Drafter remembers what it put in its own cache. The two sync cores are in
-``actors.drafter_cores``; this module holds the Drafter's messages and the
+``actors.drafter_cores`` (with the ``Draft``/``Drafted`` records they take and
+return); this module imports them and holds the Drafter's messages and the
 actor, which runs a draft model's calls on the device and turns a drafter
 fault into a round without drafts.
 """
@@ -16,32 +17,18 @@ fault into a round without drafts.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, assert_never
+from typing import Any, assert_never
 
-import msgspec
-
+from actors.drafter_cores import Draft, Drafted, DrafterCore
 from actors.messages import Wire
 from actors.runtime import Actor
 from engine.ports import Clock, Device
-
-if TYPE_CHECKING:
-    from actors.drafter_cores import DrafterCore
 
 log = logging.getLogger("ember.drafter")
 
 
 # ---------------------------------------------------------------------------
 # Messages the Drafter accepts.
-
-
-class Draft(msgspec.Struct, frozen=True, kw_only=True):
-    """One row's request: its context is what the Drafter holds for ``rid``,
-    cut to ``start`` tokens, plus ``tail``; propose up to ``gamma`` tokens."""
-
-    rid: int
-    start: int
-    tail: list[int]
-    gamma: int
 
 
 class DraftRound(Wire, frozen=True):
@@ -58,11 +45,6 @@ class Forget(Wire, frozen=True):
 
 
 Inbox = DraftRound | Forget
-
-
-class Drafted(msgspec.Struct, frozen=True, kw_only=True):
-    rid: int
-    tokens: list[int]  # at most gamma; empty when there is nothing to propose
 
 
 class DraftedRound(Wire, frozen=True):

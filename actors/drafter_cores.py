@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from actors.drafter import Draft, Drafted
-from engine.spec.draft_model import DraftModel
-from engine.spec.ngram import NgramIndex
+import msgspec
+
+from engine.speculation.draft_model import DraftModel
+from engine.speculation.ngram import NgramIndex
 
 # A draft model that lags the context by more than this many tokens (a row
 # that paused speculation, or its first round) catches up in a separate
@@ -25,6 +26,21 @@ from engine.spec.ngram import NgramIndex
 # a hold's catch-up will cost before the row's next probe), not as part of
 # every round.
 CATCH_UP_AFTER = 4
+
+
+class Draft(msgspec.Struct, frozen=True, kw_only=True):
+    """One row's request: its context is what the Drafter holds for ``rid``,
+    cut to ``start`` tokens, plus ``tail``; propose up to ``gamma`` tokens."""
+
+    rid: int
+    start: int
+    tail: list[int]
+    gamma: int
+
+
+class Drafted(msgspec.Struct, frozen=True, kw_only=True):
+    rid: int
+    tokens: list[int]  # at most gamma; empty when there is nothing to propose
 
 
 class DrafterCore(Protocol):

@@ -19,10 +19,11 @@ import msgspec
 from actors.channel import ChannelReceiver, ChannelSender, channel
 from actors.messages import Handoff, Wire
 from actors.runtime import DEFER, Actor, ActorRef, Envelope, Failure
-from actors.scheduler import Abort, Admit, RowDelta
+from actors.scheduler import Abort, Admit
+from actors.scheduler_core import RowDelta
 from engine.errors import EngineDead, EngineDraining, EngineOverloaded, InvalidRequest, RequestFailed
-from engine.limits import check_limits
 from engine.ports import ModelInfo
+from engine.request_check import check_limits
 from engine.types import Delta, SamplingParams
 
 log = logging.getLogger("ember.gateway")

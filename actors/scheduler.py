@@ -5,37 +5,31 @@ arrives while a batch runs joins at the next step; finished or aborted rows
 leave at the next step. Prefill is chunked (``prefill_chunk`` tokens per step
 across all prefilling rows) so a long prompt cannot starve the decode of the
 others. The logic is the sync ``SchedulerCore`` (``actors.scheduler_core``);
-this module holds the Scheduler's messages, a row's lifecycle and the actor: a
-thin loop that feeds the core messages, runs its plans on the device under the
-step watchdog (``actors.timers``) and sends what they return.
+this module holds the Scheduler's messages and the actor: a thin loop that
+unpacks each message into a call of the core (which takes fields, not
+messages), runs its plans on the device under the step watchdog
+(``actors.timers``) and sends what they return.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, assert_never
+from typing import Any, assert_never
 
 import anyio
-import msgspec
 
 from actors.drafter import DraftRound
 from actors.drafter import Forget as DrafterForget
 from actors.events import EngineBusy, EngineIdle
 from actors.messages import Handoff, Wire
 from actors.runtime import Actor, ActorRef, Envelope, Failure
+from actors.scheduler_core import RowDelta, SchedulerCore
 from actors.timers import Watchdog
 from actors.verifier import Forget as VerifierForget
 from engine.errors import EngineDead
 from engine.ports import Device, StepPlan, StepResult
-from engine.textstream import StopMatcher
-from engine.transitions import IllegalTransition
-from engine.types import SamplingParams, TokenLogprob, Usage
-
-if TYPE_CHECKING:
-    from actors.scheduler_core import SchedulerCore
+from engine.types import SamplingParams
 
 log = logging.getLogger("ember.scheduler")
 
@@ -100,96 +94,6 @@ class Settle(Wire, frozen=True):
 
 
 Inbox = Admit | Abort | Restored | Demote | Snapshot | Settle
-
-
-# ---------------------------------------------------------------------------
-# Row lifecycle: an enum plus a transition table; an illegal move raises.
-
-
-class RowState(enum.Enum):
-    QUEUED = "queued"
-    RESTORING = "restoring"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    FINISHED = "finished"
-
-
-ROW_TRANSITIONS: dict[RowState, frozenset[RowState]] = {
-    RowState.QUEUED: frozenset({RowState.RESTORING, RowState.PREFILL, RowState.DECODE, RowState.FINISHED}),
-    RowState.RESTORING: frozenset({RowState.QUEUED, RowState.FINISHED}),
-    RowState.PREFILL: frozenset({RowState.DECODE, RowState.FINISHED}),
-    RowState.DECODE: frozenset({RowState.FINISHED}),
-    RowState.FINISHED: frozenset(),
-}
-
-
-class RowDelta(msgspec.Struct, frozen=True, kw_only=True):
-    rid: int
-    text: str = ""
-    token_ids: list[int] = []
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    error: str | None = None
-
-
-class PrefixCache(Protocol):
-    """The RAM prompt-cache tier as the Scheduler uses it (see engine.kv.prompt_cache)."""
-
-    def take(self, tokens: list[int], ns: str, min_len: int = 1) -> tuple[Any, int]: ...
-
-    def put(self, tokens: list[int], ns: str, cache: Any) -> None: ...
-
-    def demote_idle(self, idle_s: float) -> tuple[int, float | None]: ...
-
-    def snapshot(self, tokens: list[int], ns: str) -> Any: ...
-
-
-class ColdLookup(Protocol):
-    """The SSD cold tier as the Scheduler uses it (see actors.cold_tier.ColdLink)."""
-
-    def longest(self, tokens: list[int], ns: str) -> int:
-        """Usable prefix the SSD index holds for ``tokens`` (a sync index lookup)."""
-        ...
-
-    def request_restore(self, rid: int, tokens: list[int], ns: str, min_len: int) -> None:
-        """Ask for a restore longer than ``min_len``; answered by ``Restored``. Never blocks."""
-        ...
-
-    def demoted(self, n: int, next_due: float | None) -> None: ...
-
-
-@dataclass(slots=True)
-class Row:
-    rid: int
-    prompt: list[int]
-    params: SamplingParams
-    ns: str
-    state: RowState = RowState.QUEUED
-    generated: list[int] = field(default_factory=list)
-    cached: int = 0  # prompt tokens served from the prompt cache
-    in_cache: int = 0  # tokens fed into the row's KV cache so far
-    next_input: int = -1  # token to feed at the next decode
-    detok: Any = None
-    stop: StopMatcher | None = None
-    finish_reason: str | None = None
-    opened: bool = False
-    prepared: tuple[Any, int] | None = None  # (cache, cached) chosen while RESTORING
-    from_ssd: bool = False  # ``prepared`` (then ``cached``) is an SSD restore, not the RAM candidate
-    checkpointed: int = 0  # earlier-position checkpoints taken (the prompt's end not counted)
-    last_checkpoint: int = 0  # the position of the latest one (or the cached prefix)
-
-    def move(self, to: RowState) -> None:
-        if to not in ROW_TRANSITIONS[self.state]:
-            raise IllegalTransition(f"row {self.rid}: {self.state.value} -> {to.value}")
-        self.state = to
-
-    @property
-    def prefill_total(self) -> int:
-        return len(self.prompt) - 1  # the last prompt token is the first decode input
-
-    def cached_tokens(self) -> list[int]:
-        return (self.prompt + self.generated)[: self.in_cache]
 
 
 class Scheduler(Actor[Inbox]):
@@ -258,18 +162,18 @@ class Scheduler(Actor[Inbox]):
         msg = env.msg
         match msg:
             case Admit():
-                self.core.admit(msg)
+                self.core.admit(msg.rid, msg.tokens, msg.params, msg.ns)
             case Abort():
                 self.core.abort(msg.rid, msg.reason)
             case Restored():
-                self.core.restored(msg)
+                self.core.restored(msg.rid, msg.cache, msg.cached)
             case Settle():
                 if self.core.closes_pending():  # closed (and put) by the next step
                     self._settle_waiters.append(env)
                     return
             case Snapshot():
                 try:
-                    reply: Any = self.core.snapshot(msg)
+                    reply: Any = self.core.snapshot(msg.tokens, msg.ns)
                 except Exception as exc:  # a cache fault fails one write-behind attempt, never a request
                     reply = Failure(exc)
                 env.answer(reply)

@@ -1,26 +1,121 @@
 """The Scheduler's logic, with no awaits: ``SchedulerCore`` plans a step and
 applies its result (continuous batching with chunked prefill; the rows'
 lifecycle, the prompt-cache tiers, checkpoints, the emission of tokens and
-the rows' ends). ``actors.scheduler`` is the actor that feeds it messages,
-runs its plans on the device and sends what it returns.
+the rows' ends), and the types it works on (a row and its lifecycle, the
+``RowDelta`` it emits, the tiers as it uses them). It takes fields, not
+messages: ``actors.scheduler`` is the actor that imports it, unpacks its
+messages into calls, runs its plans on the device and sends what it returns.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import deque
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import msgspec
 
-from actors.scheduler import Admit, ColdLookup, PrefixCache, Restored, Row, RowDelta, RowState, Snapshot
 from actors.spec_rounds import SpecRounds
 from engine.eventlog import EventLog
 from engine.ports import Backend, Clock, DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
 from engine.textstream import StopMatcher
-from engine.types import TokenLogprob, Usage
+from engine.transitions import IllegalTransition
+from engine.types import SamplingParams, TokenLogprob, Usage
 
 log = logging.getLogger("ember.scheduler")
+
+
+# ---------------------------------------------------------------------------
+# Row lifecycle: an enum plus a transition table; an illegal move raises.
+# What the core emits (RowDelta) and the tiers as it uses them.
+
+
+class RowState(enum.Enum):
+    QUEUED = "queued"
+    RESTORING = "restoring"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+ROW_TRANSITIONS: dict[RowState, frozenset[RowState]] = {
+    RowState.QUEUED: frozenset({RowState.RESTORING, RowState.PREFILL, RowState.DECODE, RowState.FINISHED}),
+    RowState.RESTORING: frozenset({RowState.QUEUED, RowState.FINISHED}),
+    RowState.PREFILL: frozenset({RowState.DECODE, RowState.FINISHED}),
+    RowState.DECODE: frozenset({RowState.FINISHED}),
+    RowState.FINISHED: frozenset(),
+}
+
+
+class RowDelta(msgspec.Struct, frozen=True, kw_only=True):
+    rid: int
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+
+class PrefixCache(Protocol):
+    """The RAM prompt-cache tier as the Scheduler uses it (see engine.kv.prompt_cache)."""
+
+    def take(self, tokens: list[int], ns: str, min_len: int = 1) -> tuple[Any, int]: ...
+
+    def put(self, tokens: list[int], ns: str, cache: Any) -> None: ...
+
+    def demote_idle(self, idle_s: float) -> tuple[int, float | None]: ...
+
+    def snapshot(self, tokens: list[int], ns: str) -> Any: ...
+
+
+class ColdLookup(Protocol):
+    """The SSD cold tier as the Scheduler uses it (see actors.cold_tier.ColdLink)."""
+
+    def longest(self, tokens: list[int], ns: str) -> int:
+        """Usable prefix the SSD index holds for ``tokens`` (a sync index lookup)."""
+        ...
+
+    def request_restore(self, rid: int, tokens: list[int], ns: str, min_len: int) -> None:
+        """Ask for a restore longer than ``min_len``; answered by ``Restored``. Never blocks."""
+        ...
+
+    def demoted(self, n: int, next_due: float | None) -> None: ...
+
+
+@dataclass(slots=True)
+class Row:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    ns: str
+    state: RowState = RowState.QUEUED
+    generated: list[int] = field(default_factory=list)
+    cached: int = 0  # prompt tokens served from the prompt cache
+    in_cache: int = 0  # tokens fed into the row's KV cache so far
+    next_input: int = -1  # token to feed at the next decode
+    detok: Any = None
+    stop: StopMatcher | None = None
+    finish_reason: str | None = None
+    opened: bool = False
+    prepared: tuple[Any, int] | None = None  # (cache, cached) chosen while RESTORING
+    from_ssd: bool = False  # ``prepared`` (then ``cached``) is an SSD restore, not the RAM candidate
+    checkpointed: int = 0  # earlier-position checkpoints taken (the prompt's end not counted)
+    last_checkpoint: int = 0  # the position of the latest one (or the cached prefix)
+
+    def move(self, to: RowState) -> None:
+        if to not in ROW_TRANSITIONS[self.state]:
+            raise IllegalTransition(f"row {self.rid}: {self.state.value} -> {to.value}")
+        self.state = to
+
+    @property
+    def prefill_total(self) -> int:
+        return len(self.prompt) - 1  # the last prompt token is the first decode input
+
+    def cached_tokens(self) -> list[int]:
+        return (self.prompt + self.generated)[: self.in_cache]
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,17 +178,17 @@ class SchedulerCore:
             self.counters["checkpoints"] = 0
 
     # ---- messages ----------------------------------------------------------
-    def admit(self, msg: Admit) -> None:
+    def admit(self, rid: int, tokens: list[int], params: SamplingParams, ns: str = "") -> None:
         now = self.clock.now()
-        row = Row(msg.rid, list(msg.tokens), msg.params, msg.ns)
-        row.stop = StopMatcher(msg.params.stop)
-        self.rows[msg.rid] = row
-        self.queue.append(msg.rid)
+        row = Row(rid, list(tokens), params, ns)
+        row.stop = StopMatcher(params.stop)
+        self.rows[rid] = row
+        self.queue.append(rid)
         if self.spec is not None:
-            self.spec.admit(msg.rid, msg.params)
+            self.spec.admit(rid, params)
         self.counters["admitted"] += 1
         self.counters["prompt_tokens"] += len(row.prompt)
-        self.events.record("admit", now, rid=msg.rid, prompt=len(row.prompt), max_tokens=msg.params.max_tokens)
+        self.events.record("admit", now, rid=rid, prompt=len(row.prompt), max_tokens=params.max_tokens)
 
     def abort(self, rid: int, reason: str = "abort") -> None:
         row = self.rows.get(rid)
@@ -182,26 +277,26 @@ class SchedulerCore:
         self.events.record("restoring", self.clock.now(), rid=row.rid, ram=cached)
         return True
 
-    def restored(self, msg: Restored) -> None:
-        """An SSD restore finished: requeue the row at the front with the longer
-        of the restored and the RAM candidate."""
-        row = self.rows.get(msg.rid)
+    def restored(self, rid: int, cache: Any, cached: int) -> None:
+        """An SSD restore finished (``cache`` None on a miss): requeue the row at
+        the front with the longer of the restored and the RAM candidate."""
+        row = self.rows.get(rid)
         if row is None or row.state is not RowState.RESTORING:
             return  # aborted meanwhile: the restored copy is simply dropped
         self.restoring.discard(row.rid)
-        if msg.cache is not None and row.prepared is not None and msg.cached > row.prepared[1]:
-            row.prepared = (msg.cache, msg.cached)
+        if cache is not None and row.prepared is not None and cached > row.prepared[1]:
+            row.prepared = (cache, cached)
             row.from_ssd = True
         row.move(RowState.QUEUED)
         self.queue.appendleft(row.rid)
         self.events.record("restored", self.clock.now(), rid=row.rid, cached=row.prepared[1] if row.prepared else 0)
 
-    def snapshot(self, msg: Snapshot) -> tuple[Any, int] | None:
-        """The exact RAM entry ``msg`` names (its cache, shared: entries are
-        never written after ``put``), and its bytes."""
+    def snapshot(self, tokens: list[int], ns: str) -> tuple[Any, int] | None:
+        """The exact RAM entry holding ``tokens`` in ``ns`` (its cache, shared:
+        entries are never written after ``put``), and its bytes."""
         if self.prefix_cache is None:
             return None
-        clone = self.prefix_cache.snapshot(msg.tokens, msg.ns)
+        clone = self.prefix_cache.snapshot(tokens, ns)
         return None if clone is None else (clone, self.backend.cache_nbytes(clone))
 
     def demote(self, idle_s: float) -> tuple[int, float | None]:

@@ -28,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.drafter import Draft, DraftedRound
+from actors.drafter import DraftedRound
+from actors.drafter_cores import Draft
 from actors.verifier import StepCost, Verified, Verify, Window
 from engine.ports import StepPlan
 from engine.types import SamplingParams, SpecUsage

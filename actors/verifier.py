@@ -42,7 +42,7 @@ import msgspec
 
 from actors.messages import Wire
 from actors.runtime import Actor
-from engine.spec.policy import GammaPolicy, RowPolicy, SpecCounters
+from engine.speculation.policy import GammaPolicy, RowPolicy, SpecCounters
 
 log = logging.getLogger("ember.verifier")
 

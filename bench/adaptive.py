@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import os
 import platform
 import statistics
@@ -56,39 +55,7 @@ import time
 from collections.abc import Sequence
 
 from bench.spec import Config, common_args, run_workload, workload_prompts
-
-# Two-sided 95% Student t quantiles by degrees of freedom; 2.0 beyond the table.
-_T95 = {
-    4: 2.776,
-    5: 2.571,
-    6: 2.447,
-    7: 2.365,
-    8: 2.306,
-    9: 2.262,
-    10: 2.228,
-    12: 2.179,
-    15: 2.131,
-    20: 2.086,
-    25: 2.060,
-    30: 2.042,
-}
-
-
-def t95(df: int) -> float:
-    if df < 4:
-        return 4.303 if df == 2 else 3.182 if df == 3 else 12.71
-    # the nearest tabulated df at or below: a slightly wider interval, never a narrower one
-    return _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 2.0
-
-
-def paired_interval(ratios: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of per-round ratios and its 95% interval."""
-    logs = [math.log(r) for r in ratios]
-    m = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(m), float("nan"), float("nan")
-    half = t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(m), math.exp(m - half), math.exp(m + half)
+from bench.spec_report import paired_interval, t95  # noqa: F401 - t95: a name tests import from here
 
 
 def verdict(lo: float, hi: float, bound: float = 0.97) -> str:

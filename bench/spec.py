@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.spec_report import ceiling, fmt_ratio, paired_report, report  # noqa: F401 - ceiling, fmt_ratio: the names tests import from here
+from bench.spec_report import Config, ceiling, fmt_ratio, paired_report, report  # noqa: F401 - ceiling, fmt_ratio: the names tests import from here
 
 FREE_PROMPTS = [
     "def parse_args(argv):\n    ",
@@ -92,18 +92,6 @@ def common_args(doc: str, rounds: int) -> argparse.ArgumentParser:
     ap.add_argument("--workloads", default="free,grounded,batch4")
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown report here")
     return ap
-
-
-@dataclass
-class Config:
-    name: str
-    drafter: str | None
-    gamma: int | None  # None with a drafter: adaptive
-    engine: Any = None
-    tps: dict[str, list[float]] = field(default_factory=dict)
-    drafted: dict[str, int] = field(default_factory=dict)
-    accepted: dict[str, int] = field(default_factory=dict)
-    rounds: dict[str, int] = field(default_factory=dict)
 
 
 async def stream_times(engine: Any, prompt: Any, params: Any) -> tuple[int, float, Any]:

@@ -9,7 +9,7 @@ replayed through a drafter in a simulated speculative loop: each round drafts
 at most γ tokens, accepts the prefix that matches the output and adds the
 target's own next token. Three drafters, on the same output:
 
-- **ngram**: prompt lookup as Ember has it (``engine.spec.ngram.NgramIndex``;
+- **ngram**: prompt lookup as Ember has it (``engine.speculation.ngram.NgramIndex``;
   **ngram-recent**: the same with ``forward`` off, the most recent occurrence
   only, as it was before issue #21's fourth pass);
 - **aligner**: the ideal aligner, difflib's alignment of the output tokens to
@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.spec.ngram import NgramIndex
+from engine.speculation.ngram import NgramIndex
 
 
 class Drafter(Protocol):

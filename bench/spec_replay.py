@@ -4,7 +4,7 @@
     python -m bench.spec_replay --model DIR --tokens 160
 
 Greedy speculation emits exactly the target's greedy tokens, so how many
-tokens each target call yields with prompt lookup (``engine.spec.ngram``) at a
+tokens each target call yields with prompt lookup (``engine.speculation.ngram``) at a
 fixed γ is a property of the model and the prompts alone: generate the
 greedy continuation once, then replay the rounds — propose γ tokens from the
 context, accept the prefix that matches the continuation, emit it plus the

@@ -1,18 +1,65 @@
 """The report of ``bench.spec``: the γ-sweep table with its free-drafter
-ceiling, and the paired (speculation on/off, same request) report."""
+ceiling, and the paired (speculation on/off, same request) report; the
+``Config`` rows it reads and the paired-interval statistics (``bench.spec``
+and ``bench.adaptive`` import them from here)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from bench.spec import Config
+
+@dataclass
+class Config:
+    name: str
+    drafter: str | None
+    gamma: int | None  # None with a drafter: adaptive
+    engine: Any = None
+    tps: dict[str, list[float]] = field(default_factory=dict)
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    rounds: dict[str, int] = field(default_factory=dict)
+
+
+# Two-sided 95% Student t quantiles by degrees of freedom; 2.0 beyond the table.
+_T95 = {
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    12: 2.179,
+    15: 2.131,
+    20: 2.086,
+    25: 2.060,
+    30: 2.042,
+}
+
+
+def t95(df: int) -> float:
+    if df < 4:
+        return 4.303 if df == 2 else 3.182 if df == 3 else 12.71
+    # the nearest tabulated df at or below: a slightly wider interval, never a narrower one
+    return _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 2.0
+
+
+def paired_interval(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of per-round ratios and its 95% interval."""
+    logs = [math.log(r) for r in ratios]
+    m = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(m), float("nan"), float("nan")
+    half = t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(m), math.exp(m - half), math.exp(m + half)
 
 
 def fmt_ratio(x: float) -> str:
@@ -115,7 +162,6 @@ def report(
 
 
 def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat, elapsed) -> str:
-    from bench.adaptive import paired_interval
 
     lines = [
         f"Command: `python -m bench.spec {' '.join(sys.argv[1:])}`",

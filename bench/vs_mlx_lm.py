@@ -38,9 +38,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.vs_mlx_lm_report import chart, median, report
+from bench.vs_mlx_lm_report import OPENBLAS, Results, chart, report
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 MODEL_NAME = "default"  # set to the model directory: both servers serve it under that name
 LEGS = ["decode1", "agg4", "agg8", "ttft1k_cold", "ttft1k_warm", "ttft8k", "restart", "tier", "spec", "bare"]
 
@@ -176,20 +175,6 @@ class Prompts:
     def of(self, n_tokens: int, offset: int = 0, nonce: str = "") -> str:
         body = self.tok.decode(self.ids[offset : offset + n_tokens])
         return (f"# {nonce}\n" if nonce else "") + body
-
-
-@dataclass
-class Results:
-    rows: dict[str, dict[str, list[float]]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    load: list[float] = field(default_factory=list)  # 1-minute load average at the start of each round, and at the end
-
-    def add(self, leg: str, who: str, value: float | None) -> None:
-        if value is not None:
-            self.rows.setdefault(leg, {}).setdefault(who, []).append(value)
-
-    def med(self, leg: str, who: str) -> float | None:
-        return median(self.rows.get(leg, {}).get(who, []))
 
 
 def progress(msg: str) -> None:

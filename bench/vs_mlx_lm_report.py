@@ -8,11 +8,10 @@ import json
 import os
 import platform
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from bench.vs_mlx_lm import Results
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 
 
 def median(xs: list[float]) -> float | None:
@@ -20,10 +19,22 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+@dataclass
+class Results:
+    rows: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    load: list[float] = field(default_factory=list)  # 1-minute load average at the start of each round, and at the end
+
+    def add(self, leg: str, who: str, value: float | None) -> None:
+        if value is not None:
+            self.rows.setdefault(leg, {}).setdefault(who, []).append(value)
+
+    def med(self, leg: str, who: str) -> float | None:
+        return median(self.rows.get(leg, {}).get(who, []))
+
+
 def machine_line() -> str:
     import importlib.metadata as md
-
-    from bench.vs_mlx_lm import OPENBLAS
 
     vers = {p: md.version(p) for p in ("mlx", "mlx-lm", "ember-mlx")}
     blas = "OpenBLAS preloaded" if Path(OPENBLAS).exists() else "reference BLAS"

@@ -31,8 +31,8 @@ from actors.durability_core import DurabilityCore, DurabilitySettings
 from actors.gateway import Gateway, GatewayConfig, StepOutput
 from actors.idle_gate import IdleGate
 from actors.runtime import Actor
-from actors.scheduler import RowDelta, Scheduler, Snapshot
-from actors.scheduler_core import SchedulerConfig, SchedulerCore
+from actors.scheduler import Scheduler
+from actors.scheduler_core import RowDelta, SchedulerConfig, SchedulerCore
 from ember.spec_build import Speculation, build_speculation
 from engine.config import EngineConfig, FakeGPUConfig
 from engine.eventlog import EventLog
@@ -340,7 +340,7 @@ def _coordinator(
         scheduler.ref,
         port,
         gate,
-        snapshot_now=lambda ns, tokens: sched_core.snapshot(Snapshot(ns=ns, tokens=tokens)),
+        snapshot_now=lambda ns, tokens: sched_core.snapshot(tokens, ns),
     )
     log.info(
         "[durability] on writebehind=%s debounce_s=%s spill_queue_bytes=%d",

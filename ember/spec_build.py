@@ -12,7 +12,7 @@
   (``backend="fake"``), agreeing with the target's greedy token with the given
   probability (default 0.7).
 
-``num_draft_tokens`` fixes γ; None makes it adaptive (``engine.spec.policy``).
+``num_draft_tokens`` fixes γ; None makes it adaptive (``engine.speculation.policy``).
 A request's ``speculate=False`` or ``num_draft_tokens=0`` turns it off for that
 request; asking for speculation from an engine without a drafter is an error,
 never silently ignored (``check_request``).
@@ -30,7 +30,7 @@ from actors.drafter_cores import DrafterCore, ModelDrafterCore, NgramDrafterCore
 from actors.spec_rounds import SpecRounds
 from actors.verifier import Verifier, VerifierCore
 from engine.errors import InvalidRequest
-from engine.spec.policy import GammaPolicy
+from engine.speculation.policy import GammaPolicy
 from engine.types import SamplingParams
 
 log = logging.getLogger("ember.speculation")
@@ -57,7 +57,7 @@ class Speculation:
 
 def check_request(params: SamplingParams, spec: Speculation | None) -> None:
     """Refuse speculation settings this engine cannot honour (the ranges are
-    checked with every other parameter, by ``engine.limits.check_limits``)."""
+    checked with every other parameter, by ``engine.request_check.check_limits``)."""
     n = params.num_draft_tokens
     if spec is None and (params.speculate or (n is not None and n > 0)):
         raise InvalidRequest(
@@ -86,7 +86,7 @@ def _ngram_core(name: str) -> DrafterCore:
 
 
 def _fake_core(name: str, fake_cfg: Any) -> DrafterCore:
-    from engine.spec.draft_model import FakeDraftModel
+    from engine.speculation.draft_model import FakeDraftModel
 
     _, _, agree = name.partition(":")
     try:
@@ -114,7 +114,7 @@ def _shares_tokenizer(target_tok: Any, model: Any) -> bool:
     one) the vocabulary digest in its config.json matches the target's."""
     if model.tokenizer is not None:
         return _same_tokenizer(target_tok, model.tokenizer)
-    from engine.spec.draft_model import vocab_digest
+    from engine.speculation.draft_model import vocab_digest
 
     vocab = _vocab(target_tok)
     return vocab is not None and model.vocab_sha256 is not None and vocab_digest(vocab) == model.vocab_sha256
@@ -122,7 +122,7 @@ def _shares_tokenizer(target_tok: Any, model: Any) -> bool:
 
 def _mlx_core(config: Any, backend: Any, device: Any) -> DrafterCore:
     from engine.models import resolve_model
-    from engine.spec.draft_model import MlxDraftModel
+    from engine.speculation.draft_model import MlxDraftModel
 
     path = resolve_model(config.draft_model).resolve()
     try:

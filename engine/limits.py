@@ -1,27 +1,12 @@
-"""One set of request limits and defaults, and the one check of a request's
-parameters (no MLX here: the Gateway runs it on the event loop, for every
-backend and every entry point — the embedded API and each HTTP API alike).
+"""One set of request limits and defaults (numbers only: this module imports
+nothing, so ``engine.types`` takes ``DEFAULT_MAX_TOKENS`` from it and the one
+check of a request's parameters, ``engine.request_check``, sits above both).
 
-The transports decode their own shapes and map them to ``SamplingParams``;
-the ranges are checked here, once, and an ``InvalidRequest`` names the
-``SamplingParams`` field (a transport reports it under its own spelling,
-e.g. ``max_output_tokens``). Logits-processing ranges are OpenAI's: penalties
-in [-2, 2], ``logit_bias`` values in [-100, 100], at most 20 top logprobs. A
-backend that cannot apply them (the fake GPU) refuses them by name instead of
-ignoring them. Whether this engine can speculate at all (it has a drafter) is
-not a limit but its build: ``ember.spec_build`` refuses that before admission.
+Logits-processing ranges are OpenAI's: penalties in [-2, 2], ``logit_bias``
+values in [-100, 100], at most 20 top logprobs.
 """
 
 from __future__ import annotations
-
-import math
-from typing import TYPE_CHECKING
-
-from engine.errors import InvalidRequest
-
-if TYPE_CHECKING:  # engine.types reads DEFAULT_MAX_TOKENS from here
-    from engine.ports import ModelInfo
-    from engine.types import SamplingParams
 
 # When a request sets no max_tokens (mlx_lm.server's default); HTTP clamps it
 # to the context left after the prompt.
@@ -29,91 +14,9 @@ DEFAULT_MAX_TOKENS = 512
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # the stop matcher holds back up to len(stop)-1 chars and rescans them per token
 # A draft window is verified in one forward; a fixed γ beyond this is only waste
-# (engine.spec.policy, EngineConfig.num_draft_tokens, a request's num_draft_tokens).
+# (engine.speculation.policy, EngineConfig.num_draft_tokens, a request's num_draft_tokens).
 MAX_DRAFT_TOKENS = 16
 MAX_CHOICES = 16  # OpenAI's ``n``: each choice is a row of the batch
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
-
-
-def active_fields(p: SamplingParams) -> list[str]:
-    """The logits-processing fields this request sets (beyond their neutral value)."""
-    out = []
-    if p.constraint is not None:
-        out.append("constraint")
-    if p.logprobs is not None:
-        out.append("logprobs")
-    if p.logit_bias:
-        out.append("logit_bias")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(p, name):
-            out.append(name)
-    if p.repetition_penalty != 1.0:
-        out.append("repetition_penalty")
-    return out
-
-
-def check_limits(tokens: list[int], p: SamplingParams, info: ModelInfo) -> None:
-    """Refuse a request the engine cannot run as asked (``InvalidRequest``)."""
-    if not tokens:
-        raise InvalidRequest("the prompt is empty", "prompt")
-    if p.max_tokens < 1:
-        raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
-    if len(tokens) + p.max_tokens > info.context_length:
-        raise InvalidRequest(
-            f"prompt ({len(tokens)} tokens) plus max_tokens ({p.max_tokens}) exceeds "
-            f"the model's context of {info.context_length} tokens",
-            "max_tokens" if len(tokens) < info.context_length else "prompt",
-        )
-    # in C (map, min, max) rather than a generator: prompts are thousands of tokens
-    if not set(map(type, tokens)) <= {int} or min(tokens) < 0 or max(tokens) >= info.vocab_size:
-        raise InvalidRequest("a prompt token id is outside the vocabulary", "prompt")
-    check_sampling(p)
-    check_logits_params(p, info)
-
-
-def check_sampling(p: SamplingParams) -> None:
-    if p.temperature < 0 or not math.isfinite(p.temperature):
-        raise InvalidRequest("temperature must be a finite number >= 0", "temperature")
-    if not (0.0 < p.top_p <= 1.0):
-        raise InvalidRequest("top_p must be in (0, 1]", "top_p")
-    if p.top_k < 0:
-        raise InvalidRequest("top_k must be >= 0", "top_k")
-    if not (0.0 <= p.min_p <= 1.0):
-        raise InvalidRequest("min_p must be in [0, 1]", "min_p")
-    if p.seed is not None and not (0 <= p.seed < 2**64):
-        # numpy and MLX both refuse other seeds, and inside a GPU step that
-        # error would take the whole engine down.
-        raise InvalidRequest("seed must be in [0, 2**64)", "seed")
-    if len(p.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in p.stop):
-        raise InvalidRequest(f"a stop string is longer than {MAX_STOP_CHARS} characters", "stop")
-    n = p.num_draft_tokens
-    if n is not None and not 0 <= n <= MAX_DRAFT_TOKENS:
-        raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}]", "num_draft_tokens")
-
-
-def check_logits_params(p: SamplingParams, info: ModelInfo) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(p, name)
-        if not (math.isfinite(v) and -MAX_PENALTY <= v <= MAX_PENALTY):
-            raise InvalidRequest(f"{name} must be in [-2, 2]", name)
-    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
-        raise InvalidRequest("repetition_penalty must be a finite number > 0", "repetition_penalty")
-    for tok, bias in p.logit_bias.items():
-        if not (isinstance(tok, int) and 0 <= tok < info.vocab_size):
-            raise InvalidRequest(f"logit_bias key {tok!r} is not a token id of this model's vocabulary", "logit_bias")
-        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-            raise InvalidRequest(f"logit_bias values must be in [-100, 100] (token {tok}: {bias})", "logit_bias")
-    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"logprobs (top alternatives) must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
-    if p.constraint is not None and p.ignore_eos:
-        raise InvalidRequest("ignore_eos cannot be combined with a constraint: the grammar ends with EOS", "ignore_eos")
-    used = active_fields(p)
-    if used and not info.logits_processing:
-        raise InvalidRequest(
-            f"{used[0]} is not supported by this backend (the fake GPU has no logits processing; use backend='mlx')",
-            used[0],
-        )

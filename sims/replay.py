@@ -30,44 +30,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import anyio
 import httpx
 
 from sims import trace as tr
-from sims.replay_report import plot, report_markdown
+from sims.replay_report import Mark, Sample, plot, report_markdown
 from sims.trace import Flush, Request, Restart, Sessions, Trace
 
 RETRY_STATUS = {429, 502, 503, 504}
-
-
-@dataclass
-class Sample:
-    """One request as the client saw it; times in seconds from the run's start."""
-
-    id: int
-    session: str
-    start: float
-    end: float = 0.0
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None
-    attempts: int = 0
-    errors: list[str] = field(default_factory=list)
-    ok: bool = False
-
-
-@dataclass
-class Mark:
-    """A restart or flush, as it happened (or was skipped)."""
-
-    t: float
-    kind: str  # crash, graceful, flush
-    note: str = ""
 
 
 # ---------------------------------------------------------------------------

@@ -5,12 +5,10 @@ restarts and flushes marked (``sims.replay`` runs the trace)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from sims.trace import Trace
-
-if TYPE_CHECKING:
-    from sims.replay import Mark, Sample
 
 
 def pct(values: list[float], p: float) -> float | None:
@@ -23,6 +21,33 @@ def pct(values: list[float], p: float) -> float | None:
 
 def _ms(x: float | None) -> str:
     return "–" if x is None else f"{x * 1000:.1f}"
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it; times in seconds from the run's start."""
+
+    id: int
+    session: str
+    start: float
+    end: float = 0.0
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    attempts: int = 0
+    errors: list[str] = field(default_factory=list)
+    ok: bool = False
+
+
+@dataclass
+class Mark:
+    """A restart or flush, as it happened (or was skipped)."""
+
+    t: float
+    kind: str  # crash, graceful, flush
+    note: str = ""
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:

@@ -3,7 +3,7 @@ and the host that starts, kills and restarts engines.
 
 ``SimLoop`` is the event loop (virtual time, deadlock detection); the
 ``RecordingDisk`` puts every disk mutation in the event log; ``Host`` runs
-one engine at a time for a ``sims.run.Simulation``.
+one engine at a time for a ``sims.run.Simulation`` (as ``Hosted``).
 """
 
 from __future__ import annotations
@@ -11,17 +11,14 @@ from __future__ import annotations
 import asyncio.base_events
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import async_solipsism
 
-from ember import Engine
+from ember import Engine, EngineConfig, Ports
 from engine.errors import EngineDead
 from engine.eventlog import EventLog
-
-if TYPE_CHECKING:
-    from sims.run import Simulation
 
 
 def derive(seed: int, label: str) -> int:
@@ -188,11 +185,28 @@ class _Cmd:
     down_s: float = 2.0
 
 
+class Hosted(Protocol):
+    """What a ``Host`` needs of the simulation it runs the engine for
+    (``sims.run.Simulation``, which imports this module)."""
+
+    config: EngineConfig
+
+    def ports(self, gen: int) -> Ports: ...
+
+    def record(self, kind: str, **f: Any) -> None: ...
+
+    def after_up(self, engine: Engine) -> None: ...
+
+    def went_down(self, engine: Engine) -> None: ...
+
+    def power_loss(self) -> None: ...
+
+
 class Host:
     """Runs the engine; restarts it when the trace says so, when the
     simulator pulls the plug, or when it died on its own (a hung GPU step)."""
 
-    def __init__(self, sim: Simulation):
+    def __init__(self, sim: Hosted):
         self.sim = sim
         self.engine: Engine | None = None
         self.gen = 0

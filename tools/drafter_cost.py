@@ -32,7 +32,7 @@ def write_drafter(target: Path, out: Path, hidden: int, layers: int, seed: int =
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from engine.spec.draft_model import narrow_llama_config
+    from engine.speculation.draft_model import narrow_llama_config
 
     cfg = narrow_llama_config(json.loads((target / "config.json").read_text()), hidden, layers)
     mx.random.seed(seed)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     blas_threads().use(1)
     tmp = Path(tempfile.mkdtemp(prefix="drafter-cost-"))
     rows = []
-    from engine.spec.draft_model import MlxDraftModel
+    from engine.speculation.draft_model import MlxDraftModel
 
     items = args.drafters.split(",") if args.drafters else args.shapes.split(",")
     for shape in items:

@@ -16,7 +16,7 @@ Three stages, each skipped when its output already exists in ``--work``:
      forward per window (a prefill: ~20× cheaper per token than generating).
 2. ``train``: a narrow llama (hidden ``--hidden``, ``--layers`` layers) with
    its own small head over the ``--head-vocab`` target ids the labels use
-   most (``engine.spec.draft_model.small_head_drafter``), whose embedding starts
+   most (``engine.speculation.draft_model.small_head_drafter``), whose embedding starts
    as the target's projected on its top principal directions, trained with
    cross-entropy on the target's argmax labels (hard distillation: the
    acceptance rule only ever asks whether the drafter's argmax equals the
@@ -24,7 +24,7 @@ Three stages, each skipped when its output already exists in ``--work``:
 3. ``export``: the weights quantized to ``--bits`` (mlx-lm's affine
    quantization) into an mlx-lm directory without a tokenizer (the drafter
    borrows the target's; ``config.json`` records a digest of the target's
-   vocabulary that ``engine.spec.draft_model`` checks), with ``training_log.json``:
+   vocabulary that ``engine.speculation.draft_model`` checks), with ``training_log.json``:
    the command, seed, hardware, wall time per stage and the held-out
    agreement with the target's greedy token per position (teacher-forced,
    on chat answers to held-out instructions and on held-out local text).
@@ -344,7 +344,7 @@ def bench_chat_rows(args: argparse.Namespace) -> list[tuple]:
 
 
 def drafter_config(args: argparse.Namespace, target_cfg: dict, head_vocab: int) -> dict:
-    from engine.spec.draft_model import narrow_llama_config
+    from engine.speculation.draft_model import narrow_llama_config
 
     return {
         **narrow_llama_config(target_cfg, args.hidden, args.layers),
@@ -395,7 +395,7 @@ def stage_train(args: argparse.Namespace) -> dict:
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
-    from engine.spec.draft_model import small_head_drafter
+    from engine.speculation.draft_model import small_head_drafter
 
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -496,7 +496,7 @@ def target_vocab_digest(target: Path) -> str:
     """The target tokenizer's vocabulary digest, as the engine computes it."""
     from transformers import AutoTokenizer
 
-    from engine.spec.draft_model import vocab_digest
+    from engine.speculation.draft_model import vocab_digest
 
     return vocab_digest(AutoTokenizer.from_pretrained(str(target)).get_vocab())
 
@@ -505,7 +505,7 @@ def stage_export(args: argparse.Namespace, train_log: dict) -> dict:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from engine.spec.draft_model import small_head_drafter
+    from engine.speculation.draft_model import small_head_drafter
 
     cfg = json.loads((args.work / "drafter_config.json").read_text())
     model = small_head_drafter(cfg)
@@ -554,7 +554,7 @@ def stage_export_full(args: argparse.Namespace) -> dict:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from engine.spec.draft_model import small_head_drafter
+    from engine.speculation.draft_model import small_head_drafter
 
     t0 = time.time()
     cfg = json.loads((args.work / "drafter_config.json").read_text())

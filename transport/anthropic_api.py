@@ -49,6 +49,7 @@ from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
 from transport.reasoning import OutputSplitter, Reasoning, signature
+from transport.request_io import read_body
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 
 _encode = msgspec.json.Encoder().encode
@@ -285,7 +286,6 @@ async def _prompt(host: Any, engine: Any, req: Any, setup: Any) -> Any:
 
 
 async def messages(request: Request, host: Any) -> Response:
-    from transport.http import read_body
 
     engine = host.require_engine()
     timer = TokenTimer(host.metrics, engine.clock.now)
@@ -303,7 +303,6 @@ async def messages(request: Request, host: Any) -> Response:
 
 
 async def count_tokens(request: Request, host: Any) -> Response:
-    from transport.http import read_body
 
     engine = host.require_engine()
     req: CountTokensRequest = decode_request(await read_body(request, host.max_body_bytes), CountTokensRequest)

@@ -20,6 +20,7 @@ from engine.errors import InvalidRequest
 from engine.types import Constraint, SamplingParams
 from transport import generic_tools, reasoning
 from transport.output_memory import OutputMemory
+from transport.request_io import collect
 from transport.tool_calls import CallSplitter, markup_of
 from transport.tools import ToolSetup
 
@@ -177,7 +178,6 @@ async def respond(
     """Send the answer — SSE or one body — and remember its ids for the next turn."""
     from starlette.responses import Response
 
-    from transport.http import collect
     from transport.sse import EventStream
 
     def on_finish(text: str, ids: list[int]) -> None:

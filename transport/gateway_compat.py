@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -49,8 +49,21 @@ from starlette.routing import Route
 from engine.errors import InvalidRequest
 from transport.openai_schema import ChatCompletionRequest, CompletionRequest
 
-if TYPE_CHECKING:
-    from transport.http import ServerState
+
+class ServerState(Protocol):
+    """What the probes read of the server (``transport.http.ServerState``),
+    named here so this module needs no import of the app that mounts it."""
+
+    engine: Any
+    config: Any
+    trust_gateway: bool
+    extensions: ExtensionCounter
+
+    @property
+    def model_name(self) -> str: ...
+
+    def health(self) -> tuple[str, int]: ...
+
 
 # field → the value Ember's behaviour already has
 SGLANG_EXTENSIONS: dict[str, bool] = {

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,17 +25,17 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ember import Completion, Engine, Ports, RequestStream, load_ports
+from ember import Engine, Ports, load_ports
 from engine.config import EngineConfig
-from engine.errors import EngineError, InvalidRequest
-from transport import chat_turn, reasoning
+from engine.errors import InvalidRequest
+from transport import anthropic_api, chat_turn, reasoning, responses_api
 from transport.choices import ChoiceStream, submit_choices
 from transport.envelope import EnvelopeCounter
-from transport.errors import ApiError, error_body, from_engine_error
+from transport.errors import ApiError, error_body
 from transport.gateway_compat import ExtensionCounter, request_type
 from transport.gateway_compat import routes as gateway_routes
 from transport.limits import output_limit
@@ -43,8 +43,9 @@ from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
 from transport.openai_bodies import ModelCard, ModelList
 from transport.openai_schema import decode_request
 from transport.render import ChatRenderer, CompletionRenderer
+from transport.request_io import collect, endpoint, message_texts, read_body
 from transport.security import SecurityMiddleware
-from transport.sse import Disconnect, EventStream
+from transport.sse import EventStream
 from transport.ui_routes import routes as ui_routes
 
 log = logging.getLogger("ember.http")
@@ -216,81 +217,6 @@ class ServerState:
 # ---------------------------------------------------------------------------
 # Routes.
 
-Handler = Callable[[Request, ServerState], Awaitable[Response]]
-
-
-def _endpoint(route: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """Maps errors to OpenAI's shape and counts every answer by status."""
-
-    async def endpoint(request: Request) -> Response:
-        host: ServerState = request.app.state.ember
-        try:
-            response = await handler(request, host)
-        except ApiError as exc:
-            response = exc.response()
-        except EngineError as exc:
-            response = from_engine_error(exc).response()
-        except ClientDisconnect:
-            response = Response(status_code=400)  # nobody is left to read it
-        host.metrics.http_requests.labels(route, str(response.status_code)).inc()
-        return response
-
-    return endpoint
-
-
-def message_texts(messages: list[Any]) -> list[str]:
-    """Every string in chat messages (contents, names, tool arguments…), for
-    the byte bound checked before templating."""
-    out: list[str] = []
-    stack: list[Any] = list(messages)
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
-            out.append(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return out
-
-
-async def read_body(request: Request, cap: int) -> bytes:
-    too_large = ApiError(413, f"the request body is larger than {cap} bytes", code="request_too_large")
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > cap:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > cap:
-            raise too_large
-    return bytes(body)
-
-
-async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: TokenTimer) -> Any:
-    """A non-streaming request's whole output (a list, one per choice, for a
-    ``ChoiceStream``), or None if the client left (then it is aborted)."""
-    rids = getattr(stream, "rids", None)
-    outs = {rid: Completion() for rid in rids} if rids else None
-    out = Completion()
-    disconnect = Disconnect(receive)
-    failed: EngineError | None = None
-    async with stream, anyio.create_task_group() as tg:
-        tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
-        try:
-            async for d in stream:
-                timer.tokens(len(d.token_ids), d.usage)
-                (outs[d.rid] if outs is not None else out).add(d)
-        except EngineError as exc:
-            failed = exc
-        tg.cancel_scope.cancel()
-    if failed is not None:
-        raise failed
-    if disconnect.happened:
-        return None
-    timer.done()
-    return [outs[rid] for rid in rids] if outs is not None and rids else out
-
 
 async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
     engine = host.require_engine()
@@ -399,9 +325,7 @@ async def metrics(request: Request, host: ServerState) -> Response:
 
 def agent_routes() -> list[Route]:
     """The Anthropic Messages and OpenAI Responses routes, each with its own error shape."""
-    from transport import anthropic_api, responses_api
-
-    return anthropic_api.routes() + responses_api.routes(_endpoint)
+    return anthropic_api.routes() + responses_api.routes(endpoint)
 
 
 # ---------------------------------------------------------------------------
@@ -458,14 +382,14 @@ def build_app(
                 host.stop(tg.cancel_scope)
 
     routes = [
-        Route("/v1/chat/completions", _endpoint("chat", chat_completions), methods=["POST"]),
-        Route("/v1/completions", _endpoint("completions", completions), methods=["POST"]),
-        Route("/v1/models", _endpoint("models", models), methods=["GET"]),
-        Route("/v1/models/{model:path}", _endpoint("models", model_detail), methods=["GET"]),
-        Route("/health", _endpoint("health", health), methods=["GET"]),
-        Route("/stats", _endpoint("stats", stats), methods=["GET"]),
-        Route("/metrics", _endpoint("metrics", metrics), methods=["GET"]),
-        Route("/admin/cache/flush", _endpoint("cache_flush", cache_flush), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint("chat", chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint("completions", completions), methods=["POST"]),
+        Route("/v1/models", endpoint("models", models), methods=["GET"]),
+        Route("/v1/models/{model:path}", endpoint("models", model_detail), methods=["GET"]),
+        Route("/health", endpoint("health", health), methods=["GET"]),
+        Route("/stats", endpoint("stats", stats), methods=["GET"]),
+        Route("/metrics", endpoint("metrics", metrics), methods=["GET"]),
+        Route("/admin/cache/flush", endpoint("cache_flush", cache_flush), methods=["POST"]),
         *gateway_routes(),  # what the SGLang Model Gateway probes
         *ui_routes(),  # GET / and /ui: the dashboard and chat playground (transport/ui_routes.py)
     ]

@@ -42,6 +42,7 @@ from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
 from transport.reasoning import OutputSplitter, Reasoning
+from transport.request_io import read_body
 from transport.response_store import ResponseNotFound, ResponseStore
 from transport.responses_schema import CUSTOM_INPUT, ResponsesRequest
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
@@ -356,7 +357,6 @@ def _input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 
 async def responses(request: Request, host: Any) -> Response:
-    from transport.http import read_body
 
     engine = host.require_engine()
     timer = TokenTimer(host.metrics, engine.clock.now)

@@ -18,7 +18,7 @@ BUNDLED: dict[str, pathlib.Path] = {
 }
 
 # Drafters for targets that are not bundled: no tokenizer of their own (they
-# name the target's by digest, engine.spec.draft_model.vocab_digest), so
+# name the target's by digest, engine.speculation.draft_model.vocab_digest), so
 # ``mlx_lm.load`` alone cannot open them; the engine's drafter can.
 DRAFTERS: dict[str, pathlib.Path] = {
     "smollm2-draft": _HERE / "smollm2-draft",  # for SmolLM2-135M-Instruct (tools/train_drafter.py)

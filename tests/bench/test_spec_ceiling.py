@@ -6,7 +6,7 @@ import pytest
 
 from actors.verifier import accept_window
 from bench.spec_ceiling import AlignerDrafter, NgramDrafter, OracleDrafter, ceilings, replay, report
-from engine.spec.ngram import NgramIndex
+from engine.speculation.ngram import NgramIndex
 
 PROMPT = list(range(100, 140))  # 40 distinct tokens: one alignment, no accidental repeats
 

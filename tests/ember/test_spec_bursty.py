@@ -27,7 +27,7 @@ import random
 import pytest
 
 from actors.verifier import StepCost, VerifierCore, Verify, Window
-from engine.spec.policy import GammaPolicy
+from engine.speculation.policy import GammaPolicy
 from tests.ember.test_spec_costs import FakeMachine
 
 

@@ -14,8 +14,8 @@ import random
 import pytest
 
 from actors.verifier import StepCost, VerifierCore, Verify, Window
-from engine.spec.costs import RoundCosts
-from engine.spec.policy import GammaPolicy
+from engine.speculation.costs import RoundCosts
+from engine.speculation.policy import GammaPolicy
 
 
 class FakeMachine:

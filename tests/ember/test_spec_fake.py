@@ -18,9 +18,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.drafter import Draft, Drafted, DraftedRound
-from actors.drafter_cores import ModelDrafterCore
-from actors.scheduler import Admit
+from actors.drafter import DraftedRound
+from actors.drafter_cores import Draft, Drafted, ModelDrafterCore
 from actors.scheduler_core import SchedulerConfig, SchedulerCore
 from actors.spec_rounds import SpecRounds
 from actors.verifier import VerifierCore, Verify, Window, accept_window
@@ -30,8 +29,8 @@ from engine.fake.gpu import FakeBackend, FakeGPUConfig, expected_tokens
 from engine.fake.kv_cache import FakeKVCache
 from engine.fake.tokenizer import ByteTokenizer
 from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
-from engine.spec.draft_model import FakeDraftModel
-from engine.spec.policy import GammaPolicy
+from engine.speculation.draft_model import FakeDraftModel
+from engine.speculation.policy import GammaPolicy
 
 EOS = ByteTokenizer.EOS
 
@@ -175,7 +174,7 @@ def draft(core: SchedulerCore, tokens: list[int]) -> list[Draft]:
 def test_scheduler_round_accept_reject_bonus_eos_and_rollback():
     core, verifier, pc = scheduler_with_spec(gamma=3)
     prompt = [1, 2, 3, 4]
-    core.admit(Admit(rid=1, tokens=prompt, params=SamplingParams(max_tokens=50)))
+    core.admit(1, prompt, SamplingParams(max_tokens=50))
 
     plan = core.plan()  # open, prefill, and the first decode: always plain
     assert [d.token for d in plan.decode] == [4] and not plan.verify
@@ -220,7 +219,7 @@ def test_scheduler_round_accept_reject_bonus_eos_and_rollback():
 
 def test_scheduler_usage_counts_the_rounds():
     core, verifier, _ = scheduler_with_spec(gamma=2)
-    core.admit(Admit(rid=1, tokens=[1, 2], params=SamplingParams(max_tokens=5)))
+    core.admit(1, [1, 2], SamplingParams(max_tokens=5))
     plan = core.plan()
     round_trip(core, verifier, StepResult(tokens={1: 7}), plan)
     draft(core, [8, 9])
@@ -243,7 +242,7 @@ def test_scheduler_usage_counts_the_rounds():
 
 def test_max_tokens_caps_gamma():
     core, verifier, _ = scheduler_with_spec(gamma=4)
-    core.admit(Admit(rid=1, tokens=[1, 2], params=SamplingParams(max_tokens=3)))
+    core.admit(1, [1, 2], SamplingParams(max_tokens=3))
     plan = core.plan()
     round_trip(core, verifier, StepResult(tokens={1: 7}), plan)
     (asked,) = core.draft_requests()

@@ -17,7 +17,7 @@ pricing a γ = 1 probe at ~2.9× plain, held for the probe-budget spacing of
 from __future__ import annotations
 
 from actors.verifier import StepCost, VerifierCore, Verify, Window
-from engine.spec.policy import GammaPolicy
+from engine.speculation.policy import GammaPolicy
 
 PLAIN_S = 0.094  # a plain SmolLM2 round, as measured
 

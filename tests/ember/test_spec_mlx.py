@@ -160,7 +160,7 @@ async def test_a_drafter_without_a_tokenizer_is_checked_by_vocabulary_digest(tmp
     names the target's vocabulary by digest. The right digest drafts with the
     same output as without speculation; a wrong or missing one is refused."""
     from ember.spec_build import _vocab
-    from engine.spec.draft_model import vocab_digest
+    from engine.speculation.draft_model import vocab_digest
 
     model, draft = _paths()
     bare = tmp_path / "bare-draft"
@@ -192,7 +192,7 @@ async def test_a_small_head_drafter_proposes_target_ids(tmp_path):
     from mlx.utils import tree_flatten
 
     from ember.spec_build import _vocab
-    from engine.spec.draft_model import small_head_drafter, vocab_digest
+    from engine.speculation.draft_model import small_head_drafter, vocab_digest
 
     model, _ = _paths()
     cfg = json.loads((model / "config.json").read_text())

@@ -199,7 +199,7 @@ async def test_adaptive_policy_reports_measured_costs():
 # ---------------------------------------------------------------------------
 # The adaptive γ policy by hand.
 
-from engine.spec.policy import GammaPolicy  # noqa: E402
+from engine.speculation.policy import GammaPolicy  # noqa: E402
 
 
 def test_policy_cost_model_plain_and_verify_rounds_linear_in_rows_and_drafts():
@@ -452,7 +452,8 @@ def test_a_row_stops_speculating_when_its_catch_up_alone_exceeds_the_budget():
 
 def test_catch_up_reaches_the_policy_with_the_next_verify():
     """The Drafter's catch-up (seconds and tokens) travels Scheduler → Verifier."""
-    from actors.drafter import Draft, Drafted, DraftedRound
+    from actors.drafter import DraftedRound
+    from actors.drafter_cores import Draft, Drafted
     from actors.spec_rounds import SpecRounds
     from actors.verifier import VerifierCore
 

@@ -24,8 +24,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from actors.cold_tier import ColdTier, Store
-from actors.scheduler import Admit, Restored, RowState
-from actors.scheduler_core import SchedulerConfig, SchedulerCore
+from actors.scheduler_core import RowState, SchedulerConfig, SchedulerCore
 from ember.api import Engine
 from engine.config import EngineConfig
 from engine.eventlog import EventLog
@@ -215,13 +214,13 @@ def feed(tokens):
 async def test_a_strictly_longer_ssd_prefix_parks_the_row_and_the_batch_goes_on():
     cold = FakeCold(longest=30)
     core = core_with(cold, ram_tokens=P[:10])
-    core.admit(Admit(rid=1, tokens=P, params=SamplingParams(max_tokens=4)))
-    core.admit(Admit(rid=2, tokens=[1, 2, 3], params=SamplingParams(max_tokens=4)))
+    core.admit(1, P, SamplingParams(max_tokens=4))
+    core.admit(2, [1, 2, 3], SamplingParams(max_tokens=4))
     plan = core.plan()
     assert [o.rid for o in plan.open] == [2]  # row 1 waits for SSD; row 2 steps
     assert core.rows[1].state is RowState.RESTORING and cold.requests == [(1, P, "", 10)]
     assert core.has_work() and core.restoring == {1}
-    core.restored(Restored(rid=1, cache=feed(P[:30]), cached=30))
+    core.restored(1, feed(P[:30]), 30)
     plan = core.plan()
     (o,) = plan.open
     assert (o.rid, o.cached) == (1, 30) and core.rows[1].cached == 30
@@ -232,14 +231,14 @@ async def test_a_strictly_longer_ssd_prefix_parks_the_row_and_the_batch_goes_on(
 async def test_a_tie_goes_to_ram_and_a_miss_falls_back_to_the_ram_candidate():
     cold = FakeCold(longest=10)
     core = core_with(cold, ram_tokens=P[:10])
-    core.admit(Admit(rid=1, tokens=P, params=SamplingParams(max_tokens=4)))
+    core.admit(1, P, SamplingParams(max_tokens=4))
     (o,) = core.plan().open
     assert (o.rid, o.cached) == (1, 10) and cold.requests == []
 
     cold.n = 25
-    core.admit(Admit(rid=2, tokens=P, params=SamplingParams(max_tokens=4)))
+    core.admit(2, P, SamplingParams(max_tokens=4))
     assert core.plan().open == [] and core.rows[2].state is RowState.RESTORING
-    core.restored(Restored(rid=2, cache=None, cached=0))  # the file was bad: a miss
+    core.restored(2, None, 0)  # the file was bad: a miss
     (o,) = core.plan().open
     assert (o.rid, o.cached) == (2, 10)
 
@@ -248,14 +247,14 @@ async def test_a_tie_goes_to_ram_and_a_miss_falls_back_to_the_ram_candidate():
 async def test_abort_while_restoring_and_a_broken_cold_tier():
     cold = FakeCold(longest=25)
     core = core_with(cold)
-    core.admit(Admit(rid=1, tokens=P, params=SamplingParams(max_tokens=4)))
+    core.admit(1, P, SamplingParams(max_tokens=4))
     core.plan()
     core.abort(1)
     assert 1 not in core.rows and core.restoring == set()
-    core.restored(Restored(rid=1, cache=feed(P[:25]), cached=25))  # late answer: dropped
+    core.restored(1, feed(P[:25]), 25)  # late answer: dropped
     assert not core.has_work() or core.plan().open == []
     cold.fail = True
-    core.admit(Admit(rid=2, tokens=P, params=SamplingParams(max_tokens=4)))
+    core.admit(2, P, SamplingParams(max_tokens=4))
     (o,) = core.plan().open
     assert (o.rid, o.cached) == (2, 0)  # the request itself is served cold
 

@@ -1,4 +1,4 @@
-"""Prompt lookup (engine.spec.ngram) and the n-gram Drafter core."""
+"""Prompt lookup (engine.speculation.ngram) and the n-gram Drafter core."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.drafter import Draft
-from actors.drafter_cores import NgramDrafterCore
-from engine.spec.ngram import NgramIndex
+from actors.drafter_cores import Draft, NgramDrafterCore
+from engine.speculation.ngram import NgramIndex
 
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -1,6 +1,6 @@
-"""Prompt lookup's copy pointer (engine.spec.ngram): a long copy follows its source."""
+"""Prompt lookup's copy pointer (engine.speculation.ngram): a long copy follows its source."""
 
-from engine.spec.ngram import NgramIndex
+from engine.speculation.ngram import NgramIndex
 
 SOURCE = [5, 6, 7, 8, 9, 10, 11, 12]
 FILE = list(range(20, 60))  # a file of 40 distinct tokens

@@ -31,7 +31,7 @@ plain decode, ``E = 1``.
   reached, and before any of its own drafts were judged as deep as the
   engine-wide acceptance pays for; in a batch, any depth (there the jump, not
   the width, is the cost).
-* The cost model (``engine.spec.costs.RoundCosts``) prices each verify shape
+* The cost model (``engine.speculation.costs.RoundCosts``) prices each verify shape
   as a ratio to the plain rounds at the same batch size measured within a
   few rounds of it — the same load on both sides of the ratio — times the
   current plain round. A lone row that speculates every round decodes
@@ -83,7 +83,7 @@ from typing import Any
 import numpy as np
 
 from engine.limits import MAX_DRAFT_TOKENS
-from engine.spec.costs import RoundCosts
+from engine.speculation.costs import RoundCosts
 
 ADAPTIVE_GAMMA_MAX = 6
 
@@ -141,7 +141,7 @@ class GammaPolicy:
         self.probe_cap = probe_cap
         self.margin = margin  # drafting must promise this much more than plain decode
         # Plain rounds decoded in a row when no recent plain round anchors the
-        # verify rounds' prices (engine.spec.costs): a median of three is not
+        # verify rounds' prices (engine.speculation.costs): a median of three is not
         # thrown by one slow round.
         self.explore_rounds = explore_rounds
         self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
@@ -225,7 +225,7 @@ class GammaPolicy:
     def observe_costs(self, rounds: list[tuple[int, float, int, int, float]]) -> None:
         """Rounds ``(gamma, step_s, rows, drafted_tokens, draft_s)`` measured in
         one stretch of time: verify rounds are priced against the plain rounds
-        among them (``engine.spec.costs``)."""
+        among them (``engine.speculation.costs``)."""
         if not rounds:
             return
         self.rows_now = max(1, rounds[-1][2])

@@ -1,6 +1,6 @@
 """What a speculative round costs, measured against plain decode under the same load.
 
-The adaptive γ policy (``engine.spec.policy.GammaPolicy``) compares rounds
+The adaptive γ policy (``engine.speculation.policy.GammaPolicy``) compares rounds
 with different verify windows: it needs ``cost(rows, drafts)``, the seconds
 of a round in which ``rows`` rows feed ``drafts`` draft tokens in all.
 

@@ -1,0 +1,99 @@
+"""What every route does with a request's bytes and a generation's output,
+shared by the OpenAI routes (transport/http.py), Anthropic Messages
+(transport/anthropic_api.py) and Responses (transport/responses_api.py):
+the body read under its byte cap, the strings a byte bound counts, a
+non-streaming request's whole output (aborted if the client leaves), and the
+OpenAI-shaped error mapping around a handler. It imports no route module, so
+each route module imports it and none imports ``transport.http``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from ember import Completion, RequestStream
+from engine.errors import EngineError
+from transport.choices import ChoiceStream
+from transport.errors import ApiError, from_engine_error
+from transport.metrics import TokenTimer
+from transport.sse import Disconnect
+
+Handler = Callable[[Request, Any], Awaitable[Response]]
+
+
+def endpoint(route: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """Maps errors to OpenAI's shape and counts every answer by status."""
+
+    async def answer(request: Request) -> Response:
+        host = request.app.state.ember
+        try:
+            response = await handler(request, host)
+        except ApiError as exc:
+            response = exc.response()
+        except EngineError as exc:
+            response = from_engine_error(exc).response()
+        except ClientDisconnect:
+            response = Response(status_code=400)  # nobody is left to read it
+        host.metrics.http_requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    return answer
+
+
+def message_texts(messages: list[Any]) -> list[str]:
+    """Every string in chat messages (contents, names, tool arguments…), for
+    the byte bound checked before templating."""
+    out: list[str] = []
+    stack: list[Any] = list(messages)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
+
+
+async def read_body(request: Request, cap: int) -> bytes:
+    too_large = ApiError(413, f"the request body is larger than {cap} bytes", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > cap:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > cap:
+            raise too_large
+    return bytes(body)
+
+
+async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: TokenTimer) -> Any:
+    """A non-streaming request's whole output (a list, one per choice, for a
+    ``ChoiceStream``), or None if the client left (then it is aborted)."""
+    rids = getattr(stream, "rids", None)
+    outs = {rid: Completion() for rid in rids} if rids else None
+    out = Completion()
+    disconnect = Disconnect(receive)
+    failed: EngineError | None = None
+    async with stream, anyio.create_task_group() as tg:
+        tg.start_soon(disconnect.cancel_on_disconnect, tg.cancel_scope)
+        try:
+            async for d in stream:
+                timer.tokens(len(d.token_ids), d.usage)
+                (outs[d.rid] if outs is not None else out).add(d)
+        except EngineError as exc:
+            failed = exc
+        tg.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
+    if disconnect.happened:
+        return None
+    timer.done()
+    return [outs[rid] for rid in rids] if outs is not None and rids else out
