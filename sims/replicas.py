@@ -3,7 +3,7 @@
     python -m sims.replicas --n 2 --router cache_aware                # fake GPU replicas, gateway on :30000
     python -m sims.replicas --n 2 --router round_robin --port 8000 -- --model tiny --batch 4
 
-Starts ``ember serve --port P --trust-gateway [replica args]`` N times on free
+Starts ``ember serve --port P [replica args]`` N times on free
 ports (``--fake-gpu`` unless replica args are given), waits for each
 ``/health``, then ``python -m sglang_router.launch_router --worker-urls …
 --policy POLICY`` and waits until it has registered every replica; prints the
@@ -84,7 +84,7 @@ class Cluster:
         try:
             for i in range(self.n):
                 port = free_port()
-                argv = [*_ember_argv(), "serve", "--port", str(port), "--trust-gateway", *self.replica_args]
+                argv = [*_ember_argv(), "serve", "--port", str(port), *self.replica_args]
                 self.replicas.append(self._spawn(argv, f"replica-{i}.log"))
                 self.replica_urls.append(f"http://127.0.0.1:{port}")
             for proc, url in zip(self.replicas, self.replica_urls):

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--trust-gateway",
         action="store_true",
-        help="accept the SGLang Model Gateway's extension fields (no_stop_trim, ...) in requests (docs/distributed.md)",
+        help="no-op alias, kept for old command lines: the SGLang Model Gateway's extension fields are accepted at their neutral values without it (docs/distributed.md)",
     )
     s.add_argument(
         "--default-max-tokens",

@@ -16,22 +16,21 @@ found by running sglang-router 0.3.2 in front of ``ember serve`` replicas
   its own SGLang types, adding SGLang's sampling fields at their defaults:
   ``no_stop_trim``, ``continue_final_message``, ``skip_special_tokens``,
   ``separate_reasoning``, ``stream_reasoning``, ``return_hidden_states`` (and
-  ``ignore_eos``/``echo``, which Ember already reads). Ember's schema forbids
-  unknown fields so a user's misspelt one is a 400, not a silent no-op; that
-  stays. A replica started with ``--trust-gateway`` decodes with
-  ``GatewayChatCompletionRequest``/``GatewayCompletionRequest`` instead: the
-  same strict types plus exactly the fields in ``SGLANG_EXTENSIONS``. Each is
-  accepted at the value that means what Ember does anyway and is a 400 naming
-  it otherwise (Ember cannot honour ``no_stop_trim: true`` or hidden states);
-  the reasoning switches are no-ops for a server without a reasoning parser,
-  so any value is accepted. Every accepted extension field is counted
-  (``ember_gateway_extension_fields_total{field}``, and ``/server_info``).
-  Any other unknown field is still a 400, with or without the flag.
+  ``ignore_eos``/``echo``, which Ember already reads). The gateway is a client
+  like any other (issue #29): at their neutral values — the value that means
+  what Ember does anyway — these six are envelope fields, accepted on every
+  replica and counted (``ember_envelope_fields_total{route, field,
+  action="ignored"}``, and ``ember_gateway_extension_fields_total{field}`` /
+  ``/server_info``). Every request decodes with
+  ``GatewayChatCompletionRequest``/``GatewayCompletionRequest``: the same
+  strict types plus exactly the fields in ``SGLANG_EXTENSIONS``. A value Ember
+  cannot honour (``no_stop_trim: true``, hidden states, a continued final
+  message, special tokens as text, reasoning left in the answer of a model
+  that reasons) is a 400 naming the field. Any other unknown field is still a
+  400: a misspelt field is never a silent no-op.
 
-Why a flag and not a header: the gateway sends no header of its own a replica
-could trust, and the extension fields are harmless defaults; the flag only
-widens the accepted set by a fixed list, for a replica that is reached
-through the gateway.
+``--trust-gateway`` is kept as a documented no-op alias (the fields no longer
+need it); ``/server_info`` still reports it.
 """
 
 from __future__ import annotations
@@ -66,19 +65,21 @@ class ServerState(Protocol):
     def health(self) -> tuple[str, int]: ...
 
 
-_ANY = object()
-
-# field → the value Ember's behaviour already has (``_ANY``: every value is a no-op here)
-SGLANG_EXTENSIONS: dict[str, Any] = {
+# field → the value Ember's behaviour already has
+SGLANG_EXTENSIONS: dict[str, bool] = {
     "no_stop_trim": False,  # Ember trims a matched stop string from the output, as OpenAI does
     "continue_final_message": False,  # a trailing assistant message is answered, not continued
     # mlx-lm's streaming detokenizer, as in mlx_lm.server: an EOS ends the output
     # and never becomes text; keeping special tokens as text is not offered
     "skip_special_tokens": True,
     "return_hidden_states": False,  # no hidden states in responses
-    "separate_reasoning": _ANY,  # no reasoning parser: nothing to separate
-    "stream_reasoning": _ANY,
+    # a reasoning model's <think> section always comes out apart from the answer
+    # (transport/reasoning.py), streamed as it is written; on a model that does
+    # not reason there is nothing to separate and any value is a no-op
+    "separate_reasoning": True,
+    "stream_reasoning": True,
 }
+_REASONING_SWITCHES = ("separate_reasoning", "stream_reasoning")
 
 
 # Added to both request types (``None``: the gateway did not send it). Made with
@@ -93,14 +94,16 @@ GatewayCompletionRequest = msgspec.defstruct(
 _GATEWAY_TYPES = (GatewayChatCompletionRequest, GatewayCompletionRequest)
 
 
-def check_extensions(req: Any, seen: Counter[str]) -> None:
-    """A 400 naming the first extension field Ember cannot honour; counts the rest."""
+def check_extensions(req: Any, seen: Counter[str], reasons: bool = True) -> list[str]:
+    """A 400 naming the first extension field Ember cannot honour; counts the
+    rest in ``seen`` and returns their names. ``reasons``: the model has a
+    reasoning section to separate (else the reasoning switches take any value)."""
     present = []
     for name, neutral in SGLANG_EXTENSIONS.items():
         value = getattr(req, name)
         if value is None:
             continue
-        if neutral is not _ANY and value != neutral:
+        if value != neutral and (reasons or name not in _REASONING_SWITCHES):
             raise InvalidRequest(
                 f"{name}={msgspec.json.encode(value).decode()} is not supported (an SGLang extension; "
                 f"Ember accepts only {msgspec.json.encode(neutral).decode()})",
@@ -108,6 +111,7 @@ def check_extensions(req: Any, seen: Counter[str]) -> None:
             )
         present.append(name)
     seen.update(present)
+    return present
 
 
 # SGLang's request types default ``model`` to this; the gateway sends it when
@@ -115,23 +119,38 @@ def check_extensions(req: Any, seen: Counter[str]) -> None:
 GATEWAY_NO_MODEL = "unknown"
 
 
+def requested_model(req: Any) -> str | None:
+    """The model a decoded request names: SGLang's default ``"unknown"`` from
+    the gateway (a request carrying its fields) means none, as in ``check``."""
+    model = getattr(req, "model", None)
+    from_gateway = isinstance(req, _GATEWAY_TYPES) and any(getattr(req, n) is not None for n in SGLANG_EXTENSIONS)
+    return None if model == GATEWAY_NO_MODEL and from_gateway else model
+
+
 class ExtensionCounter(Collector):
-    """Checks a trusted gateway's requests; counts each extension field accepted."""
+    """Checks the gateway's extension fields on every request; counts each one accepted."""
 
     def __init__(self) -> None:
         self.seen: Counter[str] = Counter()
 
-    def check(self, req: Any) -> Any:
+    def check(self, req: Any, envelope: Any = None, route: str = "chat", reasons: bool = True) -> Any:
+        """``req`` with its extension fields checked and counted (also as
+        envelope fields of ``route``). ``"model": "unknown"`` means no model
+        named when the request came through the gateway (it carries the
+        gateway's fields), as SGLang's types default it."""
         if isinstance(req, _GATEWAY_TYPES):
-            check_extensions(req, self.seen)
-            if req.model == GATEWAY_NO_MODEL:  # type: ignore[attr-defined]  # both gateway types carry model
+            present = check_extensions(req, self.seen, reasons)
+            if envelope is not None:
+                for name in present:
+                    envelope.note(route, name, "ignored")
+            if present and req.model == GATEWAY_NO_MODEL:  # type: ignore[attr-defined]  # both gateway types carry model
                 req.model = None  # type: ignore[attr-defined]
         return req
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
             "ember_gateway_extension_fields",
-            "SGLang extension fields accepted from a trusted gateway",
+            "SGLang Model Gateway extension fields accepted (at their neutral values)",
             labels=["field"],
         )
         for name in SGLANG_EXTENSIONS:
@@ -139,10 +158,11 @@ class ExtensionCounter(Collector):
         yield family
 
 
-def request_type(chat: bool, trust_gateway: bool) -> type:
-    if trust_gateway:
-        return GatewayChatCompletionRequest if chat else GatewayCompletionRequest
-    return ChatCompletionRequest if chat else CompletionRequest
+def request_type(chat: bool, trust_gateway: bool = False) -> type:
+    """The request type of a chat or completion: the strict one plus the
+    gateway's fields, with or without ``--trust-gateway`` (now a no-op alias)."""
+    del trust_gateway
+    return GatewayChatCompletionRequest if chat else GatewayCompletionRequest
 
 
 # ---------------------------------------------------------------------------

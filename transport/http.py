@@ -40,11 +40,11 @@ from ember.registry import (
 )
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
-from transport import anthropic_api, chat_turn, embeddings_api, responses_api
+from transport import anthropic_api, chat_turn, embeddings_api, reasoning, responses_api
 from transport.choices import ChoiceStream, submit_choices
 from transport.envelope import EnvelopeCounter
 from transport.errors import ApiError, error_body
-from transport.gateway_compat import ExtensionCounter, request_type
+from transport.gateway_compat import ExtensionCounter, request_type, requested_model
 from transport.gateway_compat import routes as gateway_routes
 from transport.limits import output_limit
 from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
@@ -305,9 +305,11 @@ class ServerState:
 async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
     host.require_engine()
     body = await read_body(request, host.max_body_bytes)
-    req = host.extensions.check(decode_request(body, request_type(chat, host.trust_gateway)))
-    engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
+    req = decode_request(body, request_type(chat, host.trust_gateway))
+    engine, model = await host.engine_for(requested_model(req), keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now)
+    thinks = reasoning.markup_of(engine.tokenizer) is not None
+    req = host.extensions.check(req, host.envelope, "chat" if chat else "completions", thinks)
     prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
         tools = req.tool_setup()

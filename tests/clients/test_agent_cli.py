@@ -112,6 +112,7 @@ def test_opencode_reads_a_file_and_quotes_it(tmp_path):
 
 
 @pytest.mark.real_model
+@pytest.mark.timeout(900)  # the client is given 600 s (run_client); the default 300 s cut it off under load
 def test_claude_code_on_smollm2_completes(tmp_path):
     """SmolLM2 (8k context) with a tool set small enough for it: any answer, exit 0."""
     claude = _need("claude")

@@ -1,6 +1,7 @@
 """What the SGLang Model Gateway needs from a replica, without the gateway:
 its probes (/server_info, /model_info, /get_load) and its request extension
-fields, which only a replica started with --trust-gateway accepts. The bodies
+fields, envelope fields every replica accepts at their neutral values (with or
+without --trust-gateway, now a no-op alias). The bodies
 below are the ones sglang-router 0.3.2 sent (captured; docs/distributed.md)."""
 
 from __future__ import annotations
@@ -41,14 +42,10 @@ GATEWAY_COMPLETION = {
 }
 
 
-async def test_untrusted_replica_refuses_gateway_fields():
-    async with serving() as (_, client):
-        r = await client.post("/v1/chat/completions", json=GATEWAY_CHAT)
-        assert_error(r, 400, param="no_stop_trim")
-
-
-async def test_trusted_replica_answers_gateway_chat_and_counts_fields():
-    async with serving(trust_gateway=True) as (_, client):
+@pytest.mark.parametrize("trust", [False, True])
+async def test_replica_answers_gateway_chat_and_counts_fields(trust):
+    """Without the flag (as a user runs it) and with it (the no-op alias)."""
+    async with serving(trust_gateway=trust) as (_, client):
         r = await client.post("/v1/chat/completions", json=GATEWAY_CHAT)
         assert r.status_code == 200, r.text
         body = r.json()
@@ -57,11 +54,16 @@ async def test_trusted_replica_answers_gateway_chat_and_counts_fields():
         r = await client.post("/v1/completions", json=GATEWAY_COMPLETION)
         assert r.status_code == 200 and "data: [DONE]" in r.text
         info = (await client.get("/server_info")).json()
-        assert info["trust_gateway"] is True
+        assert info["trust_gateway"] is trust
         assert info["gateway_extension_fields"]["no_stop_trim"] == 2
         assert info["gateway_extension_fields"]["separate_reasoning"] == 1
         metrics = (await client.get("/metrics")).text
         assert 'ember_gateway_extension_fields_total{field="no_stop_trim"} 2.0' in metrics
+        envelope = (await client.get("/stats")).json()["envelope"]
+        assert envelope["chat"]["no_stop_trim:ignored"] == 1
+        assert envelope["completions"]["no_stop_trim:ignored"] == 1
+        assert envelope["chat"]["stream_reasoning:ignored"] == 1
+        assert 'ember_envelope_fields_total{action="ignored",field="return_hidden_states",route="chat"} 1.0' in metrics
 
 
 @pytest.mark.parametrize(
@@ -73,18 +75,22 @@ async def test_trusted_replica_answers_gateway_chat_and_counts_fields():
         ({"return_hidden_states": True}, "return_hidden_states"),
         ({"continue_final_message": True}, "continue_final_message"),
         ({"skip_special_tokens": "yes"}, "skip_special_tokens"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
     ],
 )
-async def test_trusted_replica_still_refuses_what_it_cannot_do(extra, param):
-    async with serving(trust_gateway=True) as (_, client):
+@pytest.mark.parametrize("trust", [False, True])
+async def test_replica_still_refuses_what_it_cannot_do(extra, param, trust):
+    async with serving(trust_gateway=trust) as (_, client):
         r = await client.post("/v1/chat/completions", json={**GATEWAY_CHAT, **extra})
         assert_error(r, 400, param=param)
         info = (await client.get("/server_info")).json()
         assert info["gateway_extension_fields"] == {}  # nothing counted for a refused request
+        assert "chat" not in (await client.get("/stats")).json()["envelope"]
 
 
-async def test_unknown_model_is_only_an_alias_behind_a_trusted_gateway():
-    async with serving() as (_, client):
+async def test_unknown_model_is_only_an_alias_from_the_gateway():
+    """Without the gateway's fields "unknown" is a model name like any other."""
+    async with serving(trust_gateway=True) as (_, client):
         r = await client.post("/v1/chat/completions", json={"messages": CHAT, "model": "unknown", "max_tokens": 2})
         assert_error(r, 404, param="model", code="model_not_found")
 
@@ -126,3 +132,28 @@ def engine_params(**kw):
     from engine.types import SamplingParams
 
     return SamplingParams(**kw)
+
+
+async def test_reasoning_switches_are_free_on_a_model_that_does_not_reason():
+    async with serving() as (_, client):
+        body = {**GATEWAY_CHAT, "separate_reasoning": False, "stream_reasoning": False}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+
+
+def test_reasoning_left_in_the_answer_is_refused_on_a_model_that_reasons():
+    from collections import Counter
+
+    from engine.errors import InvalidRequest
+    from transport.gateway_compat import GatewayChatCompletionRequest, check_extensions
+    from transport.openai_schema import decode_request
+
+    req = decode_request(
+        json.dumps({**GATEWAY_CHAT, "separate_reasoning": False}).encode(), GatewayChatCompletionRequest
+    )
+    assert check_extensions(req, Counter(), reasons=False)  # a no-op there
+    with pytest.raises(InvalidRequest) as err:
+        check_extensions(req, Counter(), reasons=True)
+    assert err.value.param == "separate_reasoning"
+    neutral = decode_request(json.dumps(GATEWAY_CHAT).encode(), GatewayChatCompletionRequest)
+    assert len(check_extensions(neutral, Counter(), reasons=True)) == 6
