@@ -76,7 +76,8 @@ def test_page_in_a_browser(tmp_path: Path) -> None:
     assert seen["errors_at_load"] == 0, seen
     assert seen["errors_before_wrong_key"] == [], seen  # no console error while the page is used with its key
     assert seen["requests_elsewhere"] == [], seen  # nothing left this origin
-    assert seen["models"] == ["tiny"]
+    # the picker lists every name the registry can serve (#30), the served model among them
+    assert "tiny" in seen["models"], seen
     assert seen["answer"].strip(), seen
     assert len(seen["stream_lengths"]) >= 2, f"the answer did not stream in steps: {seen['stream_lengths']}"
     assert seen["cached_first"] == 0 and seen["cached_replay"] > 0, seen  # the replay hit the prompt cache
