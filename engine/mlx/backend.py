@@ -82,6 +82,7 @@ from mlx_lm.models.cache import (
 
 from engine.config import EngineConfig
 from engine.device import ThreadDevice
+from engine.errors import InvalidRequest
 from engine.mlx.batch import DecodeBatch, merge_caches
 from engine.mlx.blas import blas_threads
 from engine.mlx.cache_views import CachePrefix, layer_nbytes, prefix_view, snapshot_cache
@@ -199,6 +200,8 @@ class MLXBackend:
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         probe = self.make_cache()
+        if kv_bits:
+            self._check_kv_groups(kv_bits, kv_group_size)
         # Running ahead needs a batch that can give a step back (``_undo``): plain or
         # quantized KV always, a sliding window while it has not wrapped (``_ahead_fits``)
         self.pipeline = pipeline and all(type(c) in (KVCache, RotatingKVCache) for c in probe)
@@ -248,7 +251,14 @@ class MLXBackend:
         self._built: mx.array | None = None  # a step built ahead, not yet being computed
         self._ahead_error: Exception | None = None
         self.steps = 0
-        self.counters = {"pipelined": 0, "undone": 0, "ahead_heads_windows": 0, "prefill_together": 0}
+        self.counters = {
+            "pipelined": 0,
+            "undone": 0,
+            "ahead_heads_windows": 0,
+            "prefill_together": 0,
+            "cache_faults": 0,
+        }
+        self._refill: dict[int, list[int]] = {}  # rid -> prefix to prefill: its prefix cache faulted (``_open``)
         # Paths a cache kind ruled out, each time it did (/stats "fallbacks"):
         # spec_untrimmable: a verify window cut to a plain decode (the cache cannot roll back);
         # run_ahead_off: decode steps not run ahead (only all-KVCache batches can undo one);
@@ -321,6 +331,28 @@ class MLXBackend:
         if self.max_kv_size:
             cache = [RotatingKVCache(max_size=self.max_kv_size, keep=0) if type(c) is KVCache else c for c in cache]
         return cache
+
+    def _check_kv_groups(self, bits: int, group_size: int) -> None:
+        """Refuse ``--kv-bits`` at load when a KV layer's head dimension is not a
+        multiple of the group size: ``mx.quantize`` would raise on the first
+        request (engine_dead) instead. The dimensions come from a one-token
+        forward, so every architecture's layout (MLA, differing K and V) is seen."""
+        cache = self.make_cache()
+        self.model(mx.array([[0]]), cache=cache)
+        dims = sorted(
+            {int(x.shape[-1]) for c in cache if type(c) is KVCache and c.keys is not None for x in (c.keys, c.values)}
+        )
+        bad = [d for d in dims if d % group_size]
+        if bad:
+            fits = [g for g in (128, 64, 32) if all(d % g == 0 for d in dims)]
+            hint = (
+                f"; --kv-group-size {fits[0]} divides it" if fits else "; no --kv-group-size (32, 64, 128) divides it"
+            )
+            raise InvalidRequest(
+                f"--kv-bits {bits} cannot quantize this model's KV cache: its head dimension {bad[0]} is not a "
+                f"multiple of --kv-group-size {group_size}{hint}",
+                "kv_group_size",
+            )
 
     def _quantize(self, cache: list[Any]) -> None:
         """``--kv-bits``: plain KV layers become ``QuantizedKVCache`` once they hold
@@ -551,6 +583,7 @@ class MLXBackend:
         return [t[index] if index is not None else t[:0] for t in tokens]
 
     def _open(self, plan: StepPlan, res: StepResult) -> None:
+        self._refill = {}
         for o in plan.open:
             if o.rid in self._rows:
                 res.errors[o.rid] = f"row {o.rid} is already open"
@@ -558,19 +591,19 @@ class MLXBackend:
             if o.cache is None:
                 cache, fed = self.make_cache(), 0
             else:
-                cache, fed = o.cache, o.cached
-                if isinstance(cache, CachePrefix):
-                    try:
-                        cache = prefix_view(cache.cache, cache.n)
-                    except Exception as exc:  # noqa: BLE001 - this row fails, not the step
+                try:
+                    cache, fed = self._open_cache(o.cache, o.cached), o.cached
+                except Exception as exc:  # noqa: BLE001 - a cache fault is a miss, not an error
+                    if isinstance(exc, MemoryError) or _is_oom(exc):
+                        raise
+                    if len(o.prefix) != o.cached:  # nothing to prefill instead: this row fails, not the step
                         res.errors[o.rid] = f"prefix cache: {exc}"
                         continue
-                size = getattr(cache[0], "offset", None)
-                if isinstance(size, int) and size != fed:
-                    if size < fed or not can_trim_prompt_cache(cache):
-                        res.errors[o.rid] = f"prefix cache holds {size} tokens, not {fed}"
-                        continue
-                    trim_prompt_cache(cache, size - fed)
+                    # open it empty and prefill the whole prompt (``_prefill``); the Scheduler logs it
+                    self.counters["cache_faults"] += 1
+                    res.cache_faults[o.rid] = str(exc)
+                    self._refill[o.rid] = list(o.prefix)
+                    cache, fed = self.make_cache(), 0
             seed = row_seed(o.sampling, self.engine_seed, o.rid)
             sampler = RowSampler(o.sampling, seed, self.info.vocab_size)
             logits = None
@@ -582,6 +615,20 @@ class MLXBackend:
                     continue
                 logits = RowLogits(o.sampling, matcher, self.info.vocab_size, sorted(self.tokenizer.eos_token_ids))
             self._rows[o.rid] = _Row(o.rid, sampler, o.sampling.max_tokens, cache, fed, logits=logits)
+
+    @staticmethod
+    def _open_cache(cache: Any, n: int) -> list[Any]:
+        """A row's private cache of ``n`` tokens from what ``OpenRow`` carried:
+        a ``CachePrefix`` of a RAM-tier entry is cut here (``prefix_view``), a
+        cache holding more tokens trimmed; raises when it cannot serve ``n``."""
+        if isinstance(cache, CachePrefix):
+            cache = prefix_view(cache.cache, cache.n)
+        size = getattr(cache[0], "offset", None)
+        if isinstance(size, int) and size != n:
+            if size < n or not can_trim_prompt_cache(cache):
+                raise ValueError(f"prefix cache holds {size} tokens, not {n}")
+            trim_prompt_cache(cache, size - n)
+        return cast(list[Any], cache)
 
     def _trim(self, plan: StepPlan, res: StepResult) -> None:
         batch_trim: dict[int, int] = {}
@@ -633,17 +680,20 @@ class MLXBackend:
     def _prefill(self, plan: StepPlan, res: StepResult) -> None:
         vocab = self.info.vocab_size
         ready: list[tuple[_Row, list[int]]] = []
-        for chunk in plan.prefill:
-            row = self._rows.get(chunk.rid)
+        refill, self._refill = self._refill, {}  # rows whose prefix cache faulted this step: their prefix first
+        chunks = [(c.rid, refill.pop(c.rid, []) + c.tokens) for c in plan.prefill]
+        chunks += list(refill.items())  # a faulted row with no chunk this step (it decodes next)
+        for rid, tokens in chunks:
+            row = self._rows.get(rid)
             if row is None or row.cache is None:
-                res.errors.setdefault(chunk.rid, f"row {chunk.rid} cannot prefill (not open, or decoding)")
+                res.errors.setdefault(rid, f"row {rid} cannot prefill (not open, or decoding)")
                 continue
-            if not chunk.tokens:
+            if not tokens:
                 continue
-            if min(chunk.tokens) < 0 or max(chunk.tokens) >= vocab:
-                res.errors[chunk.rid] = "a token id is outside the vocabulary"
+            if min(tokens) < 0 or max(tokens) >= vocab:
+                res.errors[rid] = "a token id is outside the vocabulary"
                 continue
-            ready.append((row, chunk.tokens))
+            ready.append((row, tokens))
         # Chunks of rows whose caches hold the same number of tokens go through
         # one forward (mlx_lm.BatchGenerator prefills its prompts together too).
         groups: dict[int, list[tuple[_Row, list[int]]]] = {}
