@@ -374,6 +374,9 @@ class MLXBackend:
         mx.clear_cache()
 
     def _step(self, plan: StepPlan) -> StepResult:
+        """One plan, in the numbered order of its effects (as ``Scheduler._step``):
+        close, open, trim and prefill before any decode, so a row opened and
+        prefilled in this step decodes in it too."""
         res = StepResult()
         self.steps += 1
         width = len(plan.decode) + sum(len(v.tokens) for v in plan.verify)
@@ -382,6 +385,7 @@ class MLXBackend:
         if self._ahead_error is not None:
             exc, self._ahead_error = self._ahead_error, None
             raise exc
+        # 1. the step run ahead: kept when this plan is what it computed, else undone
         queued, self._queued = self._queued, []
         heads = False  # the step run ahead is the first position of this step's verify windows
         if queued and not self._queue_fits(plan):
@@ -389,42 +393,21 @@ class MLXBackend:
             if not heads:
                 self._undo(queued)
                 queued = []
+        # 2. close rows leaving (their caches kept), then 3. open, trim and 4. prefill
         queued_tokens = self._close(plan, res, queued)
         self._open(plan, res)
         self._trim(plan, res)
         self._prefill(plan, res)
-        for rid in plan.checkpoint:
-            row = self._rows.get(rid)
-            if row is not None and row.cache is not None and rid not in res.errors:
-                try:
-                    res.checkpoints[rid] = snapshot_cache(row.cache)
-                except Exception as exc:  # noqa: BLE001 - no checkpoint is a later miss, never a failed row
-                    if isinstance(exc, MemoryError) or _is_oom(exc):
-                        raise
-                    self.fallbacks["checkpoint_failed"] += 1
-
-        work: dict[int, list[int]] = {}
-        for d in plan.decode:
-            work[d.rid] = [d.token]
-        for v in plan.verify:
-            if v.rid in work or not v.tokens:
-                res.errors[v.rid] = "a row can decode or verify once per step, with a non-empty window"
-                work.pop(v.rid, None)
-                continue
-            if self._window_fits(v.rid, len(v.tokens)):
-                work[v.rid] = list(v.tokens)
-            else:
-                work[v.rid] = v.tokens[:1]
-                self.fallbacks["spec_untrimmable"] += 1
+        # 5. checkpoints of the rows asked for, as they stand after prefill
+        self._checkpoint(plan, res)
+        # 6. this step's work: a decode token or a verify window per row
+        work = self._work(plan, res)
         verify_rids = {v.rid for v in plan.verify}
-        for rid in list(work):
-            if rid not in self._rows:
-                res.errors.setdefault(rid, f"row {rid} is not open on the device")
-                del work[rid]
         batch = self._batch
         joiners = [rid for rid in work if self._rows[rid].cache is not None]
         verifying = bool(plan.verify)
 
+        # 7. the decode batch's forward (or the step run ahead's tokens), then rows joining it
         outputs: list[tuple[list[int], list[int] | None, Any, dict]] = []  # (rids, widths, tokens, logprobs)
         step_tokens: list[mx.array] = []  # [B] per group, for the next queued step
         if queued:
@@ -474,6 +457,7 @@ class MLXBackend:
                 row.cache = None
                 row.fed += len(toks)
 
+        # 8. run the next step ahead when every batch row decoded and the kind can undo it
         all_decoded = not verifying and len(batch) > 0 and len(work) == len(batch)
         ahead = None
         fits = all_decoded and self.pipeline and self._ahead_fits()
@@ -497,6 +481,7 @@ class MLXBackend:
                 # which the ``eval`` below waits for), as ``generate_step`` does.
                 # The MLX thread computes it once the result is handed over.
                 self._build_ahead(pending=1)
+        # 9. evaluate and collect: tokens, logprobs, verify targets; caches handed out.
         # Caches handed out are evaluated, so the prompt-cache tiers may copy them
         # from another thread (an unevaluated array is bound to this thread's stream).
         kept = [*res.closed.values(), *res.checkpoints.values()]
@@ -515,6 +500,37 @@ class MLXBackend:
         return res
 
     # ---- phases --------------------------------------------------------------
+    def _checkpoint(self, plan: StepPlan, res: StepResult) -> None:
+        for rid in plan.checkpoint:
+            row = self._rows.get(rid)
+            if row is not None and row.cache is not None and rid not in res.errors:
+                try:
+                    res.checkpoints[rid] = snapshot_cache(row.cache)
+                except Exception as exc:  # noqa: BLE001 - no checkpoint is a later miss, never a failed row
+                    if isinstance(exc, MemoryError) or _is_oom(exc):
+                        raise
+                    self.fallbacks["checkpoint_failed"] += 1
+
+    def _work(self, plan: StepPlan, res: StepResult) -> dict[int, list[int]]:
+        work: dict[int, list[int]] = {}
+        for d in plan.decode:
+            work[d.rid] = [d.token]
+        for v in plan.verify:
+            if v.rid in work or not v.tokens:
+                res.errors[v.rid] = "a row can decode or verify once per step, with a non-empty window"
+                work.pop(v.rid, None)
+                continue
+            if self._window_fits(v.rid, len(v.tokens)):
+                work[v.rid] = list(v.tokens)
+            else:
+                work[v.rid] = v.tokens[:1]
+                self.fallbacks["spec_untrimmable"] += 1
+        for rid in list(work):
+            if rid not in self._rows:
+                res.errors.setdefault(rid, f"row {rid} is not open on the device")
+                del work[rid]
+        return work
+
     def _close(self, plan: StepPlan, res: StepResult, queued: list[_Ahead]) -> list[mx.array]:
         """Close rows; return each queued step's tokens for the rows that stay."""
         leaving: list[int] = []
