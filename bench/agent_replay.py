@@ -298,7 +298,7 @@ def progress(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> tuple[list[dict[str, list[Turn]]], list[float]]:
-    from bench.vs_mlx_lm import Server, free_port
+    from bench.serve.vs_mlx_lm import Server, free_port
     from engine.models import resolve_model
 
     model_dir = resolve_model(args.model)

@@ -9,7 +9,7 @@ ports (``--fake-gpu`` unless replica args are given), waits for each
 --policy POLICY`` and waits until it has registered every replica; prints the
 gateway's URL and serves until SIGINT/SIGTERM, then stops the gateway and
 drains the replicas (SIGTERM). ``--router none`` starts the replicas only.
-The same ``Cluster`` runs the gateway tests and ``bench.affinity``.
+The same ``Cluster`` runs the gateway tests and ``bench.serve.affinity``.
 Needs the ``cluster`` extra (``pip install -e ".[cluster]"``).
 """
 

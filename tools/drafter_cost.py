@@ -6,7 +6,7 @@ For each ``HIDDENxLAYERS`` it writes an untrained narrow llama with a TIED
 embedding over the target's whole vocabulary (an ordinary mlx-lm directory
 with the target's tokenizer files, so ``mlx_lm.server --draft-model`` could
 load it too) and times a one-token step of it beside the target's forward
-over n = 1..7 tokens (``bench.forward.width_leg``, one OpenBLAS thread,
+over n = 1..7 tokens (``bench.cpu.forward.width_leg``, one OpenBLAS thread,
 300-token cache, median ms, interleaved). Weights are random: only the cost
 is measured. From those it prints, per shape and γ, the per-position
 acceptance a drafter of that shape needs for a target speedup (default
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
 
     maybe_reexec_with_openblas()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--target", type=Path, required=True, help="smollm2-135m, gemma3-270m or an mlx-lm directory")
     ap.add_argument("--shapes", default="128x2,192x2,256x4")
     ap.add_argument(
         "--drafters",
@@ -75,11 +75,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args(argv)
+    from engine.models import resolve_model
+
+    args.target = resolve_model(args.target)  # a name (smollm2-135m) or an mlx-lm directory
 
     from mlx_lm import load
     from mlx_lm.utils import load_model
 
-    from bench.forward import load_with_ids, width_leg
+    from bench.cpu.forward import load_with_ids, width_leg
 
     model, _, ids = load_with_ids(str(args.target))
     del model

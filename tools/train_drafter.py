@@ -196,7 +196,7 @@ TOPICS += [
 def gen_instructions(n: int, seed: int) -> list[str]:
     combos = [task.format(t=t) for t in TOPICS for task in TASKS]
     random.Random(seed).shuffle(combos)
-    from bench.spec_workloads import CHAT_PROMPTS
+    from bench.spec.workloads import CHAT_PROMPTS
 
     held = set(CHAT_PROMPTS)
     return [c for c in combos if c not in held][:n]
@@ -206,7 +206,7 @@ def local_texts() -> list[str]:
     """Text on this machine: the stdlib's sources (code with docstrings and
     comments, like the code an assistant writes) and the repo's docs (prose)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    from bench.spec_workloads import EDIT_FILES
+    from bench.spec.workloads import EDIT_FILES
 
     bench_files = {f for f, _, _ in EDIT_FILES}  # the edit/agent workloads' files stay held out
     files = sorted(p for p in stdlib.glob("*.py") if p.stat().st_size < 200_000 and p.name not in bench_files)
@@ -291,10 +291,10 @@ def stage_data(args: argparse.Namespace) -> None:
     gen_path, tf_path = args.work / "generated.jsonl", args.work / "teacher_forced.json"
     t0 = time.time()
     prompts = gen_instructions(args.gen_prompts, args.seed)
-    from bench.spec_workloads import CHAT_PROMPTS
+    from bench.spec.workloads import CHAT_PROMPTS
 
     # The benchmark's own chat prompts, answered by the target: an evaluation
-    # set only (never trained on), the distribution ``bench.spec`` measures.
+    # set only (never trained on), the distribution ``bench.spec.sweep`` measures.
     jobs = [(args.work / "bench_chat.jsonl", CHAT_PROMPTS), (gen_path, prompts)]
     asyncio.run(_generate(str(args.target), jobs, args.gen_tokens, args.gen_batch, args.gen_minutes))
     log_s = args.work / "generated_seconds.json"
@@ -328,7 +328,7 @@ def examples(args: argparse.Namespace) -> tuple[list, list, list, list]:
 
 def bench_chat_rows(args: argparse.Namespace) -> list[tuple]:
     """The target's greedy answers to the benchmark's own chat prompts
-    (``bench.spec_workloads.CHAT_PROMPTS``): evaluation only, never trained on."""
+    (``bench.spec.workloads.CHAT_PROMPTS``): evaluation only, never trained on."""
     path = args.work / "bench_chat.jsonl"
     if not path.exists():
         return []
@@ -543,7 +543,7 @@ def stage_export_full(args: argparse.Namespace) -> dict:
     --draft-model`` can load too: the body as trained, and a head over all
     49,152 ids fitted on the frozen body's features (its rows for the small
     head's ids start as the small head's), for ``--full-head-minutes``. For
-    side-by-side benchmarks against mlx-lm (bench/spec_vs_mlx_lm.py); the
+    side-by-side benchmarks against mlx-lm (bench/spec/vs_mlx_lm.py); the
     small-head drafter is what ships (a full head at hidden 256 is ~12.6M
     multiply-adds per drafted token)."""
     import shutil
@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> None:
 
     maybe_reexec_with_openblas()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--target", type=Path, required=True, help="smollm2-135m, gemma3-270m or an mlx-lm directory")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
@@ -665,6 +665,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--full-head-minutes", type=float, default=4.0)
     ap.add_argument("--full-head-positions", type=int, default=60000)
     args = ap.parse_args(argv)
+    from engine.models import resolve_model
+
+    args.target = resolve_model(args.target)  # a name (smollm2-135m) or an mlx-lm directory
     args.work.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
     log_path = args.work / "log.json"

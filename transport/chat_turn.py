@@ -45,7 +45,7 @@ def output_memory(engine: Any) -> OutputMemory:
     """The engine's memory of generated ids (transport/output_memory.py)."""
     memory = _MEMORIES.get(engine)
     if memory is None:
-        # EMBER_OUTPUT_MEMORY=0 keeps nothing: bench.agent_turns --no-output-memory measures without it
+        # EMBER_OUTPUT_MEMORY=0 keeps nothing: bench.serve.agent_turns --no-output-memory measures without it
         off = os.environ.get("EMBER_OUTPUT_MEMORY", "1") == "0"
         memory = _MEMORIES[engine] = OutputMemory(max_chars=0 if off else 16 << 20)
     return memory

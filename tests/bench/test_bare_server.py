@@ -1,4 +1,4 @@
-"""bench/bare_server.py, the bare-loop reference bench.vs_mlx_lm measures over HTTP:
+"""bench/serve/bare_server.py, the bare-loop reference bench.serve.vs_mlx_lm measures over HTTP:
 it must stream what mlx_lm.stream_generate yields, token for token, in the
 shape the bench's client reads."""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_streams_the_bare_loops_tokens():
     import mlx_lm
 
-    from bench.bare_server import build_app
+    from bench.serve.bare_server import build_app
 
     path = str(resolve_model("tiny"))
     model, tok = mlx_lm.load(path)

@@ -1,7 +1,7 @@
 """The speculation benchmark's free-drafter ceiling: tokens per target call
 over the relative cost of the γ+1-token verify forward."""
 
-from bench.spec import ceiling
+from bench.spec.sweep import ceiling
 
 
 def test_the_ceiling_divides_tokens_per_call_by_the_window_cost():
@@ -26,7 +26,7 @@ def test_the_adaptive_bench_interval_is_a_t_interval_of_log_ratios():
     import math
     import statistics
 
-    from bench.adaptive import paired_interval, t95, verdict
+    from bench.spec.adaptive import paired_interval, t95, verdict
 
     ratios = [0.95, 1.02, 0.99, 1.04, 0.98, 1.01]
     g, lo, hi = paired_interval(ratios)

@@ -1,4 +1,4 @@
-"""bench/spec.py's round anatomy times a round through the engine's phase
+"""bench/spec/sweep.py's round anatomy times a round through the engine's phase
 observer port (``Ports.observer``), not by patching the Scheduler."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench.spec import RoundTimes, anatomy, timing_ports
+from bench.spec.sweep import RoundTimes, anatomy, timing_ports
 from ember import Engine, EngineConfig, SamplingParams
 
 pytestmark = pytest.mark.anyio

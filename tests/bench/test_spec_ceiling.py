@@ -1,11 +1,11 @@
-"""The copy-drafter ceilings (bench.spec_ceiling) on hand-made token lists: no model."""
+"""The copy-drafter ceilings (bench.spec.ceiling) on hand-made token lists: no model."""
 
 import random
 
 import pytest
 
 from actors.verifier import accept_window
-from bench.spec_ceiling import AlignerDrafter, NgramDrafter, OracleDrafter, ceilings, replay, report
+from bench.spec.ceiling import AlignerDrafter, NgramDrafter, OracleDrafter, ceilings, replay, report
 from engine.speculation.ngram import NgramIndex
 
 PROMPT = list(range(100, 140))  # 40 distinct tokens: one alignment, no accidental repeats

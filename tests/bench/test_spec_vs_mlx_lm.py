@@ -1,11 +1,11 @@
-"""bench.spec_vs_mlx_lm's pure parts: arguments, γ flags, prompt rotation,
+"""bench.spec.vs_mlx_lm's pure parts: arguments, γ flags, prompt rotation,
 ratios and the report (no servers: hand-made rounds)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.spec_vs_mlx_lm import counter_deltas, ember_gamma_flags, parse_args, ratios, report, round_prompts
+from bench.spec.vs_mlx_lm import counter_deltas, ember_gamma_flags, parse_args, ratios, report, round_prompts
 
 BASE = ["--model", "/m", "--draft-model", "/d"]
 

@@ -1,9 +1,9 @@
-"""bench.step_breakdown's measurement loop (no model: parts are fake callables
+"""bench.cpu.step_breakdown's measurement loop (no model: parts are fake callables
 with known costs, so the test is deterministic)."""
 
 from __future__ import annotations
 
-import bench.step_breakdown as sb
+import bench.cpu.step_breakdown as sb
 
 NAMES = ["ember_step", "batchgen_next", "forward", "body", "head", "linears", "linears_fused", "sdpa", "sample"]
 

@@ -1,11 +1,11 @@
-"""bench.vs_mlx_lm's report states issue 24's targets and the full command (no
+"""bench.serve.vs_mlx_lm's report states issue 24's targets and the full command (no
 servers: the report is computed from hand-made samples)."""
 
 from __future__ import annotations
 
 import argparse
 
-from bench.vs_mlx_lm import Results, report
+from bench.serve.vs_mlx_lm import Results, report
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -32,7 +32,7 @@ def _results() -> Results:
 def test_the_report_uses_issue_24_targets_and_the_full_command():
     text = report(_results(), _args())
     assert (
-        "Command: `python -m bench.vs_mlx_lm --model smollm2-135m --rounds 2 --legs decode1,agg8,bare --gamma 2 "
+        "Command: `python -m bench.serve.vs_mlx_lm --model smollm2-135m --rounds 2 --legs decode1,agg8,bare --gamma 2 "
         "--long-tokens 1500 --long-rounds 1 --out docs/x.md`" in text
     )
     lines = {ln.split(" | ")[0]: ln for ln in text.splitlines() if ln.startswith("| ")}

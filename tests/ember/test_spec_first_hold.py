@@ -1,7 +1,7 @@
 """A new request's first verdict, on prices only the engine's past requests set.
 
 The real run this reproduces (docs/bench/spec.md, "Issue #21, third pass"):
-``python -m bench.spec --paired`` on SmolLM2-135M with prompt lookup runs,
+``python -m bench.spec.sweep --paired`` on SmolLM2-135M with prompt lookup runs,
 on one engine, plain decode of the ``copy`` request, then the same request
 at γ = 4 and γ = 6 (every draft accepted), then adaptive γ. The fixed-γ
 requests never decode a costed plain round (their first token comes with

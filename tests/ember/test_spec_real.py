@@ -62,7 +62,7 @@ async def _run(engine, prompts, params, together: bool):
 
 @pytest.mark.parametrize("drafter", ["ngram", "smollm2-draft"])
 async def test_greedy_speculation_is_token_identical_on_the_real_target(drafter):
-    from bench import spec_workloads as sw
+    from bench.spec import workloads as sw
 
     target = _target()
     if drafter != "ngram":

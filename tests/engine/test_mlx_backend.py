@@ -521,7 +521,7 @@ def test_mlx_thread_runs_everything_on_one_thread():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux-only")
 def test_the_mlx_thread_carries_its_name_in_the_os():
-    """top -H, perf and /proc (bench.cpu_per_token) tell the MLX thread apart by it."""
+    """top -H, perf and /proc (bench.cpu.cpu_per_token) tell the MLX thread apart by it."""
     import os
     import threading
 

@@ -101,7 +101,7 @@ def test_bad_drafter_sizes_fail_at_construction():
 
 
 def test_replay_counts_target_calls_of_greedy_prompt_lookup():
-    from bench.spec_replay import tokens_per_call
+    from bench.spec.replay import tokens_per_call
 
     # The continuation repeats the prompt. Calls 1 and 2 have no 2-token
     # match to copy from (suffixes "7 8" and "8 1" are new) and yield one

@@ -3,9 +3,9 @@
 A module counts as declared only by what its own command installs (README,
 CONTRIBUTING.md): ``ember serve`` the core ``dependencies``; ``python -m
 bench.X`` / ``python -m sims.X`` the ``bench`` extra; the gateway commands
-(``sims.replicas``, ``bench.affinity``) the ``cluster`` extra; ``python -m
+(``sims.replicas``, ``bench.serve.affinity``) the ``cluster`` extra; ``python -m
 tools.X`` the ``train`` extra; ``pytest`` the ``test`` extra. So ``pip install
--e ".[bench]" && python -m bench.vs_mlx_lm`` cannot fail on a module only the
+-e ".[bench]" && python -m bench.serve.vs_mlx_lm`` cannot fail on a module only the
 test extra brings.
 
 An import inside ``try: ... except ImportError`` is an optional one (the
@@ -36,7 +36,7 @@ COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "sims": ("bench",),
     "bench": ("bench",),
     "sims.replicas": ("cluster",),  # pip install -e ".[cluster]" (README, docs/distributed.md)
-    "bench.affinity": ("cluster",),
+    "bench.serve.affinity": ("cluster",),
     "tools": ("train",),
     "tests": ("test",),
     # `ember serve --model smollm2-135m | FILE.gguf`: the README's install line has `.[models]`

@@ -1,4 +1,4 @@
-"""The report of ``bench.vs_mlx_lm``: per-leg medians and Ember/mlx-lm ratios
+"""The report of ``bench.serve.vs_mlx_lm``: per-leg medians and Ember/mlx-lm ratios
 as Markdown against the targets, and the ratio chart."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ RESTART_TARGET = 0.02  # restart TTFT as a fraction of Ember's own cold TTFT
 
 def command_line(args: argparse.Namespace) -> str:
     """The full command that reproduces this run."""
-    parts = ["python -m bench.vs_mlx_lm", f"--model {args.model}", f"--rounds {args.rounds}"]
+    parts = ["python -m bench.serve.vs_mlx_lm", f"--model {args.model}", f"--rounds {args.rounds}"]
     if args.legs:
         parts.append(f"--legs {args.legs}")
     parts += [
@@ -238,7 +238,7 @@ def report(res: Results, args: argparse.Namespace) -> str:
         if h:
             lines += [
                 "",
-                f"The same loop behind the thinnest streaming server (`bench/bare_server.py`: "
+                f"The same loop behind the thinnest streaming server (`bench/serve/bare_server.py`: "
                 f"`stream_generate` on a thread, one SSE event per token), measured with the same client as "
                 f"the two servers: {fmt(h2, ' tok/s')} with default threads, {fmt(h1, ' tok/s')} with one. "
                 f"Ember = **{fmt(e / h if e else None, '×')}** of the faster; mlx_lm.server "

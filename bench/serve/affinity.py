@@ -1,8 +1,8 @@
 """Does prefix-aware routing pay? Agent sessions against 1 replica, N replicas
 round-robin and N replicas cache-aware, all behind the SGLang Model Gateway.
 
-    python -m bench.affinity                                  # 24 sessions x 8 turns, fake GPU, N=2
-    python -m bench.affinity --sessions 8 --turns 4 --prefix-bytes 1500 -- --model tiny --batch 4
+    python -m bench.serve.affinity                                  # 24 sessions x 8 turns, fake GPU, N=2
+    python -m bench.serve.affinity --sessions 8 --turns 4 --prefix-bytes 1500 -- --model tiny --batch 4
 
 Each session opens with its own long prefix (``--prefix-bytes`` of distinct
 text: a repository's files, say) and then appends a tool result per turn, so a
@@ -122,7 +122,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.affinity", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.serve.affinity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--sessions", type=int, default=24)
     ap.add_argument("--turns", type=int, default=8)

@@ -1,7 +1,7 @@
 """Engine overhead on MLX: Ember's Engine vs a bare mlx-lm loop, same model, same run.
 
-    python -m bench.engine                  # bundled tiny, writes docs/bench/engine.md
-    python -m bench.engine --rounds 7 --tokens 512 --model path/to/mlx-model
+    python -m bench.serve.engine                  # bundled tiny, writes docs/bench/engine.md
+    python -m bench.serve.engine --rounds 7 --tokens 512 --model path/to/mlx-model
 
 Legs (all greedy, EOS ignored, OpenBLAS preloaded via ``engine.mlx.blas``):
 
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from bench.engine_report import table, write_report
+from bench.serve.engine_report import table, write_report
 from engine.mlx.blas import OPT_OUT, maybe_reexec_with_openblas
 
 PROMPT = "import os\nimport sys\n\n\ndef main():\n"
@@ -431,7 +431,7 @@ def reference_blas(args: argparse.Namespace) -> dict[str, Any] | None:
     cmd = [
         sys.executable,
         "-m",
-        "bench.engine",
+        "bench.serve.engine",
         "--single-only",
         "--json",
         "--model",
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(res))
         return
     ref = None if args.no_blas or os.environ.get(OPT_OUT) else reference_blas(args)
-    command = "python -m bench.engine " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.serve.engine " + " ".join(sys.argv[1:] if argv is None else argv)
     body = table(res, ref, command.strip())
     print(body)
     if "profile" in res:

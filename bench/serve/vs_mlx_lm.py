@@ -1,7 +1,7 @@
 """Side-by-side benchmark: Ember vs ``mlx_lm.server`` on the same model and machine.
 
-    python -m bench.vs_mlx_lm                       # 5 rounds, writes docs/bench/vs-mlx-lm.{md,png}
-    python -m bench.vs_mlx_lm --rounds 7 --legs decode1,agg8
+    python -m bench.serve.vs_mlx_lm                       # 5 rounds, writes docs/bench/vs-mlx-lm.{md,png}
+    python -m bench.serve.vs_mlx_lm --rounds 7 --legs decode1,agg8
 
 Both servers run on 127.0.0.1 with the same model directory, the same BLAS
 (OpenBLAS preloaded for both when present) and the same prompts. Each round
@@ -16,7 +16,7 @@ TTFT; mlx_lm.server keeps nothing across a restart, so its restart TTFT is its
 cold TTFT), Ember decode with the SSD tier on vs off, speculation speedup at the
 best γ, and a bare ``mlx_lm.stream_generate`` loop as the single-stream ceiling,
 in its own process and behind the thinnest streaming server
-(``bench/bare_server.py``).
+(``bench/serve/bare_server.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.vs_mlx_lm_report import OPENBLAS, Results, chart, report
+from bench.serve.vs_mlx_lm_report import OPENBLAS, Results, chart, report
 
 MODEL_NAME = "default"  # set to the model directory: both servers serve it under that name
 LEGS = ["decode1", "agg4", "agg8", "ttft1k_cold", "ttft1k_warm", "ttft8k", "restart", "tier", "spec", "bare"]
@@ -291,7 +291,7 @@ async def run(args: argparse.Namespace) -> Results:
         # The bare loop behind the thinnest streaming server, measured with the same
         # client: what the HTTP hop and a client on the same cores cost any server.
         def bare_cmd(port: int) -> list[str]:
-            return [sys.executable, "-m", "bench.bare_server", "--model", str(model_dir), "--port", str(port)]
+            return [sys.executable, "-m", "bench.serve.bare_server", "--model", str(model_dir), "--port", str(port)]
 
         extra.append(Server("bare-http", bare_cmd(p := free_port()), p, work / "bare-http.log"))
         extra.append(
@@ -417,7 +417,7 @@ async def run(args: argparse.Namespace) -> Results:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.vs_mlx_lm", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.serve.vs_mlx_lm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--legs", default="", help=f"comma-separated subset of {','.join(LEGS)}")

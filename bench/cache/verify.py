@@ -1,7 +1,7 @@
 """What verifying every restored tensor costs: restore TTFT with the per-tensor
 checksum on (the default) and off, side by side on one SSD entry.
 
-    python -m bench.verify [--prompt-tokens 8192] [--repeats 5]
+    python -m bench.cache.verify [--prompt-tokens 8192] [--repeats 5]
 
 One engine writes an N-token prefix to an SSD folder (``Engine.aflush``);
 then, per repeat, two fresh engines on that folder ("restarts"), verify on and
@@ -23,7 +23,7 @@ import time
 import anyio
 import xxhash
 
-from bench.ssd import _prompt, _ttft, _wait_for_puts
+from bench.cache.ssd import _prompt, _ttft, _wait_for_puts
 from ember.api import Engine
 from engine.config import EngineConfig
 from engine.kv import kvfile
@@ -74,13 +74,18 @@ async def main(args: argparse.Namespace) -> None:
                 print(f"  repeat {r} verify={'on ' if verify else 'off'}: {t * 1000:.1f} ms", file=sys.stderr)
     on, off = statistics.median(ttft[True]), statistics.median(ttft[False])
     ratios = statistics.median(a / b for a, b in zip(ttft[True], ttft[False]))
-    print(f"prompt {args.prompt_tokens} tokens, entry {rates['entry_mib']:.1f} MiB, cold TTFT {cold * 1000:.0f} ms")
-    print(
-        f"restore TTFT median: verify on {on * 1000:.1f} ms, off {off * 1000:.1f} ms, paired on/off ratio {ratios:.3f}"
-    )
-    print(
-        f"checksum alone over the entry: xxh3-64 {rates['xxh3-64_ms']:.1f} ms, blake2b-8 {rates['blake2b-8_ms']:.1f} ms"
-    )
+    per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(ttft[True], ttft[False]))
+    print(f"`{args.model}`, {args.prompt_tokens}-token prompt, {args.repeats} repeats, on/off alternating")
+    print()
+    print("| measure | value |")
+    print("|---|---|")
+    print(f"| SSD entry | {rates['entry_mib']:.1f} MiB |")
+    print(f"| cold TTFT (full prefill) | {cold * 1000:.0f} ms |")
+    print(f"| restore TTFT, verify on (median) | {on * 1000:.1f} ms |")
+    print(f"| restore TTFT, verify off (median) | {off * 1000:.1f} ms |")
+    print(f"| paired on/off ratio (median of repeats) | {ratios:.3f} (per repeat: {per_round}) |")
+    print(f"| checksum alone, xxh3-64 | {rates['xxh3-64_ms']:.1f} ms |")
+    print(f"| checksum alone, blake2b-8 (the previous hash) | {rates['blake2b-8_ms']:.1f} ms |")
 
 
 if __name__ == "__main__":

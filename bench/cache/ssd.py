@@ -1,6 +1,6 @@
 """Benchmark the SSD cold tier on the MLX backend; baselines measured in the same run.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 python -m bench.ssd
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 python -m bench.cache.ssd
 
 1. Restart TTFT: for each repeat, a fresh engine with an empty SSD folder
    serves an N-token prompt (a cold full prefill: the baseline), flushes it
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
 
-    from engine.mlx.blas import maybe_reexec_with_openblas  # the 40x BLAS on Linux, once
+    from engine.mlx.blas import maybe_reexec_with_openblas  # OpenBLAS on Linux, once
 
     maybe_reexec_with_openblas()
     print(f"model={args.model} prompt={args.prompt_tokens} repeats={args.repeats} pid={os.getpid()}", file=sys.stderr)
@@ -200,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
             ("SSD entries written during decode runs", f"{sum(dec['writes_during_decode'])}"),
         ]
     width = max(len(k) for k, _ in rows)
+    if args.markdown:
+        print(f"`{args.model}`, {args.prompt_tokens}-token prompt, {args.repeats} repeats (medians over all of them)")
+        print()
+        print("| measure | value |")
+        print("|---|---|")
     for k, v in rows:
         print(f"| {k} | {v} |" if args.markdown else f"{k:<{width}}  {v}")
     return 0

@@ -1,7 +1,7 @@
 """Time to ready: Ember with its CPU calibration cached vs re-measured
 (``EMBER_CPU_RECALIBRATE=1``), next to ``mlx_lm.server``, on the same model.
 
-    python -m bench.startup --model smollm2-135m --rounds 3
+    python -m bench.serve.startup --model smollm2-135m --rounds 3
 
 Each round starts the three one after the other (order rotating), each until
 its HTTP port answers, then stops it; medians. The first Ember start may
@@ -18,13 +18,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.vs_mlx_lm import Server, free_port
+from bench.serve.vs_mlx_lm import Server, free_port
 
 
 def main(argv: list[str] | None = None) -> int:
     from engine.models import resolve_model
 
-    ap = argparse.ArgumentParser(prog="python -m bench.startup")
+    ap = argparse.ArgumentParser(prog="python -m bench.serve.startup")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             srv.stop()
             print(f"[startup] round {rnd + 1} {name}: {times[name][-1]:.1f} s", file=sys.stderr, flush=True)
         loads.append(os.getloadavg()[0])
-    print(f"Command: `python -m bench.startup --model {args.model} --rounds {args.rounds}`")
+    print(f"Command: `python -m bench.serve.startup --model {args.model} --rounds {args.rounds}`")
     print(f"1-minute load average per round: {', '.join(f'{x:.1f}' for x in loads)}")
     print("| server | ready, s (median) | all rounds |")
     print("|---|---|---|")

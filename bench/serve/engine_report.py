@@ -1,4 +1,4 @@
-"""The report of ``bench.engine``: the results as a Markdown table, written
+"""The report of ``bench.serve.engine``: the results as a Markdown table, written
 between markers into docs/bench/engine.md (the rest of the page is kept)."""
 
 from __future__ import annotations
@@ -6,7 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+BEGIN, END = (
+    "<!-- engine-report:begin -->",
+    "<!-- engine-report:end -->",
+)  # not a bench.docs block: this bench writes its page itself
 
 
 def table(res: dict[str, Any], ref: dict[str, Any] | None, command: str) -> str:

@@ -1,11 +1,11 @@
-"""The thinnest streaming server around the bare loop: a reference for bench.vs_mlx_lm.
+"""The thinnest streaming server around the bare loop: a reference for bench.serve.vs_mlx_lm.
 
-    python -m bench.bare_server --model DIR --port 8123
+    python -m bench.serve.bare_server --model DIR --port 8123
 
 ``POST /v1/completions`` with ``stream: true`` runs ``mlx_lm.stream_generate``
 on a worker thread (one request at a time) and streams each token as an
 OpenAI-style SSE event, then a usage chunk and ``[DONE]``. Nothing else: no
-batching, no cache, no scheduler. bench.vs_mlx_lm measures it with the same client
+batching, no cache, no scheduler. bench.serve.vs_mlx_lm measures it with the same client
 as the two real servers, so "Ember / bare loop behind HTTP" is what Ember's
 engine costs over the bare loop, with the HTTP hop and the client process on
 the same cores counted on both sides (the in-process bare loop pays neither).
@@ -78,7 +78,7 @@ def build_app(model_dir: str) -> Starlette:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    ap = argparse.ArgumentParser(prog="python -m bench.bare_server", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.serve.bare_server", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--port", type=int, required=True)
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """Repeat-the-same-long-prompt on models whose cache cannot be trimmed.
 
-    python -m bench.checkpoints [--tokens 2048] [--repeats 3] [--markdown]
+    python -m bench.cache.checkpoints [--tokens 2048] [--repeats 3] [--markdown]
 
 For a sliding-window model (gemma3_text, window shorter than the prompt) and
 a hybrid SSM model (lfm2), random weights (``sims.tiny_archs`` with wider

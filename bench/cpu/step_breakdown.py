@@ -1,6 +1,6 @@
 """Where a B-row decode step's time goes, Ember's path next to mlx-lm's ``BatchGenerator``:
 
-    python -m bench.step_breakdown --model <mlx-lm dir> --rows 8 --threads 1,2
+    python -m bench.cpu.step_breakdown --model <mlx-lm dir> --rows 8 --threads 1,2
 
 Same process, same model, same OpenBLAS thread count (each count in turn), B
 prompts of the same length (an aligned batch, as in a steady 8-stream decode).
@@ -166,7 +166,7 @@ def main() -> None:
 
     maybe_reexec_with_openblas()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="an mlx-lm model directory")
+    ap.add_argument("--model", required=True, help="smollm2-135m, gemma3-270m or an mlx-lm directory")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--threads", default="1,2", help="OpenBLAS thread counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=6)
@@ -176,8 +176,9 @@ def main() -> None:
     from mlx_lm import load
 
     from engine.mlx.blas import blas_threads
+    from engine.models import resolve_model
 
-    model, tok = load(args.model)
+    model, tok = load(str(resolve_model(args.model)))
     prompts = [tok.encode(p)[:5] for p in (PROMPTS * (args.rows // len(PROMPTS) + 1))[: args.rows]]
     blas = blas_threads()
     results = {}

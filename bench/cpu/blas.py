@@ -1,7 +1,7 @@
 """What OpenBLAS changes on Linux, side by side (README, "OpenBLAS"):
 
-    python -m bench.blas                 # 5 rounds
-    python -m bench.blas --rounds 9
+    python -m bench.cpu.blas                 # 5 rounds
+    python -m bench.cpu.blas --rounds 9
 
 MLX's Linux CPU wheel links a reference BLAS; ``ember`` and ``pytest`` re-exec
 themselves with Debian's OpenBLAS in ``LD_PRELOAD`` when it is installed
@@ -67,9 +67,9 @@ def _child(openblas: bool) -> dict[str, float]:
         assert lib is not None
         env["LD_PRELOAD"] = lib
     env["EMBER_NO_OPENBLAS"] = "1"  # no re-exec in the child: LD_PRELOAD is set (or not) here
-    run = subprocess.run([sys.executable, "-m", "bench.blas", CHILD], env=env, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "bench.cpu.blas", CHILD], env=env, capture_output=True, text=True)
     if run.returncode != 0:
-        raise SystemExit(f"bench.blas child failed:\n{run.stderr}")
+        raise SystemExit(f"bench.cpu.blas child failed:\n{run.stderr}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -82,14 +82,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(_measure()))
         return
     if not sys.platform.startswith("linux") or openblas_path() is None:
-        raise SystemExit("bench.blas: no system OpenBLAS here (apt-get install libopenblas0-pthread)")
+        raise SystemExit("bench.cpu.blas: no system OpenBLAS here (apt-get install libopenblas0-pthread)")
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     load0 = os.getloadavg()
     for _ in range(args.rounds):
         for openblas in (True, False):
             runs[openblas].append(_child(openblas))
     load1 = os.getloadavg()
-    print(f"# bench.blas: {args.rounds} rounds, alternating; load {load0[0]:.2f} -> {load1[0]:.2f} (1-min)")
+    print(f"bench.cpu.blas: {args.rounds} rounds, alternating; load {load0[0]:.2f} -> {load1[0]:.2f} (1-min)")
     print()
     print("| measure | reference BLAS (median) | OpenBLAS (median) | speed-up |")
     print("|---|---|---|---|")

@@ -1,7 +1,7 @@
 """Prompt-cache hits across the turns of a tool-using agent session, through
 each of Ember's three chat APIs, streaming and not.
 
-    python -m bench.agent_turns [--model tiny] [--turns 20] [--json out.json]
+    python -m bench.serve.agent_turns [--model tiny] [--turns 20] [--json out.json]
 
 Starts ``ember serve`` on 127.0.0.1 (a free port), then replays one session per
 (API, mode): odd turns force a tool call (``tool_choice`` required, one call),

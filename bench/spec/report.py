@@ -1,7 +1,7 @@
-"""The report of ``bench.spec``: the γ-sweep table with its free-drafter
+"""The report of ``bench.spec.sweep``: the γ-sweep table with its free-drafter
 ceiling, and the paired (speculation on/off, same request) report; the
-``Config`` rows it reads and the paired-interval statistics (``bench.spec``
-and ``bench.adaptive`` import them from here)."""
+``Config`` rows it reads and the paired-interval statistics (``bench.spec.sweep``
+and ``bench.spec.adaptive`` import them from here)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def report(
 ) -> str:
     base = configs[0]
     lines = [
-        f"Command: `python -m bench.spec {' '.join(sys.argv[1:])}`".rstrip(),
+        f"Command: `python -m bench.spec.sweep {' '.join(sys.argv[1:])}`".rstrip(),
         "",
         f"Machine: {meta['machine']}; BLAS: {meta['blas']}; target `{meta['model']}`, "
         f"drafter `{meta['draft']}`; {args.tokens} tokens per request, greedy, {args.rounds} interleaved "
@@ -101,7 +101,7 @@ def report(
     ]
     if width_ms:
         lines += [
-            "Verify forward cost on the target, same run (`bench.forward` width leg, 1 OpenBLAS thread, "
+            "Verify forward cost on the target, same run (`bench.cpu.forward` width leg, 1 OpenBLAS thread, "
             "batch 1): "
             + ", ".join(f"n={n} {ms / width_ms[1]:.2f}×" for n, ms in width_ms.items())
             + " of n=1"
@@ -164,7 +164,7 @@ def report(
 def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat, elapsed) -> str:
 
     lines = [
-        f"Command: `python -m bench.spec {' '.join(sys.argv[1:])}`",
+        f"Command: `python -m bench.spec.sweep {' '.join(sys.argv[1:])}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cpus, shared with other work (load average at the end "
         f"{os.getloadavg()[0]:.1f}); BLAS {os.environ.get('LD_PRELOAD') or 'reference'}; target `{args.model}`; "

@@ -1,7 +1,7 @@
 """Micro-benchmarks of single forwards on the bundled target, side by side:
 
-    python -m bench.forward            # the first three legs
-    python -m bench.forward --legs width,mask,prefill,layout --rounds 8
+    python -m bench.cpu.forward            # the first three legs
+    python -m bench.cpu.forward --legs width,mask,prefill,layout --rounds 8
 
 * ``width``: a forward over n = 1..5 tokens on a warm KV cache (a verify
   window of γ = n − 1), one OpenBLAS thread as the engine runs it; ratio to
@@ -177,7 +177,7 @@ def verify_costs(
 ) -> tuple[dict[int, float], float | None]:
     """The width leg at one OpenBLAS thread (as the engine runs a 1-row step),
     and a one-token step of the draft model (None for ``ngram``), median ms:
-    what bench.spec's ceiling columns divide by."""
+    what bench.spec.sweep's ceiling columns divide by."""
     from engine.mlx.blas import blas_threads
     from engine.mlx.cpu_layout import pretranspose_linears, wants_pretranspose
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.mlx.blas import blas_threads, maybe_reexec_with_openblas
 
     maybe_reexec_with_openblas()
-    ap = argparse.ArgumentParser(prog="python -m bench.forward", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu.forward", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--legs", default="width,mask,prefill")
     ap.add_argument("--rounds", type=int, default=6)

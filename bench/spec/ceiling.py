@@ -1,10 +1,10 @@
 """How far is prompt lookup from the best any copy drafter could do? Tokens per target call.
 
-    python -m bench.spec_ceiling --model /work/models/smollm2-fp32 --workloads edit --gammas 4,6 --tokens 48
-    python -m bench.spec_ceiling --model DIR --workloads edit,copy,agent --verify-costs 1.59,1.71
+    python -m bench.spec.ceiling --model /work/models/smollm2-fp32 --workloads edit --gammas 4,6 --tokens 48
+    python -m bench.spec.ceiling --model DIR --workloads edit,copy,agent --verify-costs 1.59,1.71
 
 Greedy speculation emits exactly the target's greedy tokens, so the target's
-greedy output on each workload prompt (``bench.spec_workloads``) can be
+greedy output on each workload prompt (``bench.spec.workloads``) can be
 replayed through a drafter in a simulated speculative loop: each round drafts
 at most γ tokens, accepts the prefix that matches the output and adds the
 target's own next token. Three drafters, on the same output:
@@ -23,7 +23,7 @@ target's own next token. Three drafters, on the same output:
 If the aligner is far above ngram, the lookup is the problem; if the aligner
 is close to ngram and both are far below γ + 1, the model departs from the
 input. ``--verify-costs`` (one per γ: a verify round's cost in plain decode
-rounds, measured by ``bench.spec``) turns tokens per call into the speedup
+rounds, measured by ``bench.spec.sweep``) turns tokens per call into the speedup
 each drafter could reach at most. No timing here: the replay is exact and
 the model runs only to produce the greedy outputs.
 """
@@ -226,8 +226,8 @@ def workload_cases(
 ) -> list[tuple[str, list[int], list[int]]]:
     """(name, prompt, greedy output) for the first ``n`` prompts of a workload;
     an agent session gives one case per turn, each turn built from the model's
-    own earlier answers (as ``bench.spec`` runs it)."""
-    from bench import spec_workloads as sw
+    own earlier answers (as ``bench.spec.sweep`` runs it)."""
+    from bench.spec import workloads as sw
 
     cases: list[tuple[str, list[int], list[int]]] = []
     if workload == "agent":

@@ -1,7 +1,7 @@
 """Prompt lookup replayed over a model's own greedy output: tokens per target call, no timing.
 
-    python -m bench.spec_replay                  # bundled tiny, bench.spec's prompts
-    python -m bench.spec_replay --model DIR --tokens 160
+    python -m bench.spec.replay                  # bundled tiny, bench.spec.sweep's prompts
+    python -m bench.spec.replay --model DIR --tokens 160
 
 Greedy speculation emits exactly the target's greedy tokens, so how many
 tokens each target call yields with prompt lookup (``engine.speculation.ngram``) at a
@@ -9,7 +9,7 @@ fixed γ is a property of the model and the prompts alone: generate the
 greedy continuation once, then replay the rounds — propose γ tokens from the
 context, accept the prefix that matches the continuation, emit it plus the
 target's own next token. The result matches the "tokens / target call"
-column of ``bench.spec`` without its minutes of noisy timing, which is
+column of ``bench.spec.sweep`` without its minutes of noisy timing, which is
 what a training run needs to compare candidate models (docs/models.md).
 """
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 
-from bench.spec_ceiling import NgramDrafter, greedy, replay
+from bench.spec.ceiling import NgramDrafter, greedy, replay
 
 
 def tokens_per_call(prompt: list[int], continuation: list[int], gamma: int) -> float:
-    """Tokens each target call yields with prompt lookup at ``gamma`` (``bench.spec_ceiling.replay``)."""
+    """Tokens each target call yields with prompt lookup at ``gamma`` (``bench.spec.ceiling.replay``)."""
     return replay(continuation, gamma, NgramDrafter(prompt)).tokens_per_call
 
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from mlx_lm import load
 
-    from bench.spec import workload_prompts
+    from bench.spec.sweep import workload_prompts
     from engine.models import resolve_model
 
     model, tok = load(str(resolve_model(args.model)))

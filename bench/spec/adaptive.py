@@ -1,11 +1,11 @@
 """Adaptive γ against speculation off, paired round by round:
 
-    python -m bench.adaptive                 # 30 rounds, bundled pair
-    python -m bench.adaptive --rounds 40 --out docs/bench/adaptive.md
-    python -m bench.adaptive --workloads grounded --fixed-gammas 3,4
+    python -m bench.spec.adaptive                 # 30 rounds, bundled pair
+    python -m bench.spec.adaptive --rounds 40 --out docs/bench/adaptive.md
+    python -m bench.spec.adaptive --workloads grounded --fixed-gammas 3,4
 
 Issue #6 asks that adaptive γ is never more than 3% slower than speculation
-off, on any workload. ``bench.spec`` sweeps every γ in a handful of
+off, on any workload. ``bench.spec.sweep`` sweeps every γ in a handful of
 rounds, and on this shared VM two identical engines drift 5-20% apart over
 such a run, so a 3% bound drowns. This bench spends its whole time on that
 one question. Every round runs every workload through six arms, the order
@@ -38,7 +38,7 @@ A configuration meets the bound when its interval's lower end is at or above
 0.97 (slower by more than 3% is then ruled out at 95%); one whose interval
 straddles 0.97 is *not resolved* by this run, and one whose upper end is
 below 0.97 misses. Workloads and throughput are the ones of
-``bench.spec`` (decode tokens/s from first to last token, greedy, EOS
+``bench.spec.sweep`` (decode tokens/s from first to last token, greedy, EOS
 ignored; ``batch4`` aggregate over four concurrent requests).
 """
 
@@ -54,8 +54,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.spec import Config, common_args, run_workload, workload_prompts
-from bench.spec_report import paired_interval, t95  # noqa: F401 - t95: a name tests import from here
+from bench.spec.report import paired_interval, t95  # noqa: F401 - t95: a name tests import from here
+from bench.spec.sweep import Config, common_args, run_workload, workload_prompts
 
 
 def verdict(lo: float, hi: float, bound: float = 0.97) -> str:
@@ -83,7 +83,7 @@ def report(
         pairs += [(plain, off, "engine vs engine"), (adaptive, plain, None), (adaptive, off, "engine vs engine")]
     load = os.getloadavg()
     lines = [
-        f"Command: `python -m bench.adaptive {' '.join(sys.argv[1:])}`".rstrip(),
+        f"Command: `python -m bench.spec.adaptive {' '.join(sys.argv[1:])}`".rstrip(),
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cpus; BLAS {os.environ.get('LD_PRELOAD') or 'reference'}; "
         f"target `{args.model}`, drafter `{args.draft}`; {args.tokens} tokens per request, greedy; "

@@ -1,8 +1,8 @@
 """Speculative decoding benchmark: a γ sweep for both drafters against no speculation.
 
-    python -m bench.spec                         # bundled tiny + tiny-draft, 3 rounds
-    python -m bench.spec --rounds 5 --tokens 256
-    python -m bench.spec --model PATH --draft PATH --out results.md
+    python -m bench.spec.sweep                         # bundled tiny + tiny-draft, 3 rounds
+    python -m bench.spec.sweep --rounds 5 --tokens 256
+    python -m bench.spec.sweep --model PATH --draft PATH --out results.md
 
 Every configuration runs as its own engine (same target weights, same
 process): speculation off (γ = 0), prompt lookup (``ngram``) and the draft
@@ -29,7 +29,7 @@ identical configurations drift apart in this run.
 """
 
 # Over 500 lines on purpose (issue 18): the sweep and the paired runner share the
-# prompts, Config/Arm and the engine set-up; the reports are in bench.spec_report.
+# prompts, Config/Arm and the engine set-up; the reports are in bench.spec.report.
 from __future__ import annotations
 
 import argparse
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.spec_report import Config, ceiling, fmt_ratio, paired_report, report  # noqa: F401 - ceiling, fmt_ratio: the names tests import from here
+from bench.spec.report import Config, ceiling, fmt_ratio, paired_report, report  # noqa: F401 - ceiling, fmt_ratio: the names tests import from here
 
 FREE_PROMPTS = [
     "def parse_args(argv):\n    ",
@@ -82,7 +82,7 @@ def workload_prompts(tokenizer: Any, n: int) -> dict[str, list[list[int]]]:
 
 
 def common_args(doc: str, rounds: int) -> argparse.ArgumentParser:
-    """The options this bench shares with ``bench.adaptive``."""
+    """The options this bench shares with ``bench.spec.adaptive``."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--draft", default="tiny-draft")
@@ -206,7 +206,7 @@ def verify_width_cost(
     interpreter at exit, now and then."""
     code = (
         "import json, sys\n"
-        "from bench.forward import verify_costs\n"
+        "from bench.cpu.forward import verify_costs\n"
         "print(json.dumps(verify_costs(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:]))))\n"
     )
     argv = [sys.executable, "-c", code, model_name, draft_name, str(max(1, rounds)), str(steps), str(widths)]
@@ -321,7 +321,7 @@ async def run_paired_cell(
     greedy-identity check) and the usages. Batch 1: ``n`` requests (agent:
     sessions) one after another, tokens over first→last token time. Batch b:
     b requests (sessions) at once, prompts cycled, tokens over wall time."""
-    from bench import spec_workloads as sw
+    from bench.spec import workloads as sw
 
     tok = engine.tokenizer
     if workload == "agent":
@@ -467,7 +467,7 @@ async def paired_anatomy(
     ``chat`` and ``edit``), plain and at γ = 3 and adaptive."""
     import msgspec
 
-    from bench import spec_workloads as sw
+    from bench.spec import workloads as sw
 
     lines = [
         "Round anatomy (one request, batch 1, low quartile ms): the Drafter ask (draft-model forwards "

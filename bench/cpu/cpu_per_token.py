@@ -1,12 +1,12 @@
 """Where a streamed token's CPU goes, per server thread, side by side:
 
-    python -m bench.cpu_per_token                        # 1 and 8 streams, Ember and the bare server
-    python -m bench.cpu_per_token --streams 8 --rounds 12 --servers ember,bare,mlx-lm
+    python -m bench.cpu.cpu_per_token                        # 1 and 8 streams, Ember and the bare server
+    python -m bench.cpu.cpu_per_token --streams 8 --rounds 12 --servers ember,bare,mlx-lm
 
-Starts each server (Ember, ``bench/bare_server.py``, optionally
+Starts each server (Ember, ``bench/serve/bare_server.py``, optionally
 ``mlx_lm.server``) on the bundled model, alternates them round by round, and
 drives each round with ``--streams`` concurrent streaming requests through the
-same httpx client as ``bench.vs_mlx_lm``. Around every round it reads each server
+same httpx client as ``bench.serve.vs_mlx_lm``. Around every round it reads each server
 thread's CPU time from ``/proc/PID/task/*/stat`` (Linux), and its own with
 ``time.process_time``, and reports CPU milliseconds per generated token by
 thread: the event loop (the process's main thread), Ember's MLX thread (named
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import httpx
 
-from bench import vs_mlx_lm as bench
-from bench.vs_mlx_lm import Prompts, Server, free_port, stream_completion
+from bench.serve import vs_mlx_lm as bench
+from bench.serve.vs_mlx_lm import Prompts, Server, free_port, stream_completion
 
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -85,7 +85,7 @@ def servers(names: list[str], model_dir: Path, work: Path, bare_blas_threads: in
     py = sys.executable
     argv = {
         "ember": [py, "-m", "transport.cli", "serve", "--model", str(model_dir)],
-        "bare": [py, "-m", "bench.bare_server", "--model", str(model_dir)],
+        "bare": [py, "-m", "bench.serve.bare_server", "--model", str(model_dir)],
         "mlx-lm": [py, "-m", "mlx_lm.server", "--model", str(model_dir)],
     }
     out = []
@@ -133,7 +133,7 @@ async def run(args: argparse.Namespace) -> str:
 def report(results: dict, args: argparse.Namespace) -> str:
     cols = ["main", "ember-mlx", "other"]
     lines = [
-        f"Command: `python -m bench.cpu_per_token {' '.join(sys.argv[1:])}`".rstrip(),
+        f"Command: `python -m bench.cpu.cpu_per_token {' '.join(sys.argv[1:])}`".rstrip(),
         "",
         f"Load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}. Medians over "
         f"{args.rounds} alternating rounds; CPU ms per generated token.",
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.mlx.blas import maybe_reexec_with_openblas
 
     maybe_reexec_with_openblas()
-    ap = argparse.ArgumentParser(prog="python -m bench.cpu_per_token", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu.cpu_per_token", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--servers", default="ember,bare", help="comma-separated: ember, bare, mlx-lm")
     ap.add_argument("--streams", default="1,8", type=lambda s: [int(x) for x in s.split(",")])
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     if not Path("/proc/self/task").is_dir():
-        raise SystemExit("bench.cpu_per_token reads /proc: Linux only")
+        raise SystemExit("bench.cpu.cpu_per_token reads /proc: Linux only")
     if "bare" in args.servers.split(",") and max(args.streams) > 1:
         print(
             "[cpu_per_token] note: the bare server runs one request at a time; its several-stream rows "

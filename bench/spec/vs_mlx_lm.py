@@ -1,18 +1,18 @@
 """Ember with speculation vs ``mlx_lm.server`` with the same draft model:
 aggregate tokens/s of 4 concurrent ``chat`` requests (issue #21's last target, ≥ 2×).
 
-    python -m bench.spec_vs_mlx_lm --model /work/models/smollm2-fp32 \\
+    python -m bench.spec.vs_mlx_lm --model /work/models/smollm2-fp32 \\
         --draft-model /work/models/drafter-work4/full --rounds 5
 
 Both servers run on 127.0.0.1 with the same target directory and the SAME
 draft-model directory (an ordinary mlx-lm directory: a full-vocabulary head
 and the target's tokenizer files, which is what ``mlx_lm.server
 --draft-model`` can load; ``tools/train_drafter.py --stages export-full``
-writes one). Servers are started and timed with ``bench.vs_mlx_lm``'s helpers
+writes one). Servers are started and timed with ``bench.serve.vs_mlx_lm``'s helpers
 (same BLAS, same client, same streaming completion call).
 
 Each round sends the same ``concurrency`` chat prompts
-(``bench.spec_workloads.CHAT_PROMPTS`` through the target's chat template,
+(``bench.spec.workloads.CHAT_PROMPTS`` through the target's chat template,
 applied here so both servers see identical text) to each server at once,
 greedy, the same ``max_tokens``, alternating which server goes first. A
 round's number is the completion tokens of all requests over the wall time
@@ -41,16 +41,16 @@ from pathlib import Path
 
 import httpx
 
-import bench.vs_mlx_lm as vs
-from bench.spec_workloads import CHAT_PROMPTS
-from bench.vs_mlx_lm import Server, free_port, progress, stream_completion
+import bench.serve.vs_mlx_lm as vs
+from bench.serve.vs_mlx_lm import Server, free_port, progress, stream_completion
+from bench.spec.workloads import CHAT_PROMPTS
 
 TARGET_RATIO = 2.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.spec_vs_mlx_lm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="the target: an mlx-lm model directory")
+    ap = argparse.ArgumentParser(prog="python -m bench.spec.vs_mlx_lm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="the target: smollm2-135m, gemma3-270m or an mlx-lm directory")
     ap.add_argument("--draft-model", required=True, help="an mlx-lm drafter directory both servers load")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -150,7 +150,9 @@ def _walk(obj):
 
 
 async def run(args: argparse.Namespace) -> dict:
-    model_dir, draft_dir = Path(args.model).resolve(), Path(args.draft_model).resolve()
+    from engine.models import resolve_model
+
+    model_dir, draft_dir = resolve_model(args.model).resolve(), resolve_model(args.draft_model).resolve()
     vs.MODEL_NAME = str(model_dir)  # both servers serve the model under its directory's path
     prompts = chat_texts(model_dir)
     work = Path(tempfile.mkdtemp(prefix="ember-spec-vs-"))

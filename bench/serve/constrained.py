@@ -1,7 +1,7 @@
 """Constrained vs unconstrained decoding throughput on the bundled model.
 
-    python -m bench.constrained                  # 8 streams, 5 rounds each
-    python -m bench.constrained --streams 8 --rounds 7 --tokens 160
+    python -m bench.serve.constrained                  # 8 streams, 5 rounds each
+    python -m bench.serve.constrained --streams 8 --rounds 7 --tokens 160
 
 One engine (``tiny``, batch 8, no prompt cache); each round runs ``streams``
 concurrent requests of one kind, and the kinds alternate round by round so

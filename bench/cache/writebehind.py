@@ -1,7 +1,7 @@
 """Decode speed while a large write-behind is pending, against the SSD tier off.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 python -m bench.writebehind
-    python -m bench.writebehind --model PATH --rounds 7 --prefix-tokens 3000 --decode-tokens 256
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 python -m bench.cache.writebehind
+    python -m bench.cache.writebehind --model PATH --rounds 7 --prefix-tokens 3000 --decode-tokens 256
 
 Each round, for each arm (in a rotated order, so no arm always runs first):
 prefill a long unique prompt (its KV becomes a large RAM entry and a dirty
@@ -125,7 +125,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.writebehind", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cache.writebehind", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="bundled model name or an mlx-lm model directory")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prefix-tokens", type=int, default=3000, help="length of the prompt whose KV is written behind")

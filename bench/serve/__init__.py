@@ -1,0 +1,1 @@
+"""Serving: Ember vs ``mlx_lm.server``, engine overhead, startup, constrained decoding, agent turns, prefix-aware routing."""
