@@ -256,7 +256,7 @@ class SchedulerCore:
         row.detok = self.backend.tokenizer.detokenizer()
         row.next_input = row.prompt[-1]
         row.opened = True
-        plan.open.append(OpenRow(row.rid, row.params, cache, cached, row.prompt[:cached] if cache is not None else ()))
+        plan.open.append(OpenRow(row.rid, row.params, cache, cached, row.prompt[:cached] if cache is not None else []))
         row.move(RowState.PREFILL if cached < row.prefill_total else RowState.DECODE)
         self.active.append(row.rid)
         self.events.record("open", self.clock.now(), rid=row.rid, cached=cached)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from asyncio import _get_running_loop
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -111,7 +111,7 @@ class OpenRow:
     sampling: SamplingParams
     cache: Any = None
     cached: int = 0
-    prefix: Sequence[int] = ()
+    prefix: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
