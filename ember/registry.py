@@ -45,6 +45,26 @@ LOAD_TIMEOUT_S = 300.0
 MAX_LOAD_WAITERS = 256
 
 
+def parse_keep_alive(value: float | str | None) -> float | None | str:
+    """Ollama's ``keep_alive``: seconds, or a duration ("30s", "5m", "1h"); negative: forever (None);
+    absent (None): "" (leave the model's keep-alive as it is). ValueError when it is neither."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        v = value.strip()
+        scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+        unit = next((u for u in ("ms", "s", "m", "h") if v.endswith(u)), "")
+        try:
+            seconds = float(v[: len(v) - len(unit)]) * scale.get(unit, 1.0)
+        except ValueError:
+            raise ValueError(f"keep_alive must be seconds or a duration like '5m', not {value!r}") from None
+    else:
+        seconds = float(value)
+    if math.isnan(seconds):
+        raise ValueError("keep_alive must be a number")
+    return None if seconds < 0 else seconds
+
+
 class ModelNotFound(LookupError):
     def __init__(self, name: str, names: list[str]):
         super().__init__(f"the model {name!r} does not exist; this server serves: {', '.join(names)}")
@@ -224,9 +244,10 @@ class Registry:
             return msgspec.structs.replace(self.base, model=target, model_name=name, draft_model=None)
 
         for name in BUNDLED:
-            self.add_chat(name, chat_config(name, name), source="bundled")
+            if name != self.base.model:  # --model under its served name is the default entry (aliased above)
+                self.add_chat(name, chat_config(name, name), source="bundled")
         for name in PACKAGED:
-            if installed(name):
+            if installed(name) and name != self.base.model:
                 self.add_chat(name, chat_config(name, name), source="packaged")
         import importlib.util
 
@@ -276,9 +297,10 @@ class Registry:
     async def shutdown(self) -> None:
         """Unload every model (each drains and flushes)."""
         with anyio.CancelScope(shield=True):
-            for e in list(self.entries.values()):
-                if e.state in ("loaded", "loading"):
-                    await self.unload(e.name, reason=None)
+            async with anyio.create_task_group() as tg:
+                for e in list(self.entries.values()):
+                    if e.state in ("loaded", "loading", "unloading"):
+                        tg.start_soon(functools.partial(self.unload, e.name, reason=None))
 
     def _now(self) -> float:
         return anyio.current_time()
@@ -299,9 +321,9 @@ class Registry:
             entry.keep_alive_s = keep_alive_s  # type: ignore[assignment]
             self._poke()
         while True:
-            if entry.state == "loaded" and entry.engine is not None and entry.engine.status == "ready":
+            if entry.state == "loaded" and entry.engine is not None:
                 entry.last_used = self._now()
-                return entry.engine
+                return entry.engine  # ready, or dead: the caller answers for its status
             if entry.state == "unloading" and entry._stopped is not None:
                 await entry._stopped.wait()
                 continue
@@ -392,7 +414,12 @@ class Registry:
             return
         assert entry.config is not None
         config = entry.config.validate()
-        base = entry.ports() if entry.ports is not None else dataclasses.replace(self.base_ports)
+        if entry.ports is not None:
+            base = entry.ports()
+        elif entry.name == self.default:
+            base = dataclasses.replace(self.base_ports)
+        else:  # its own backend, device and event log, from its config; the clock and disk are shared
+            base = dataclasses.replace(self.base_ports, backend=None, device=None, events=None, observer=None)
         load = functools.partial(load_ports, config, base, keep_events=False)
         if base.backend is None and config.backend != "fake":
             ports = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 
@@ -18,8 +20,15 @@ import pytest
 
 from engine.mlx.blas import maybe_reexec_with_openblas, reexec_env
 
+KV_TMP_PREFIX = "ember-test-kv-"
+
 
 def pytest_configure(config):
+    # `ember serve` keeps an SSD prompt cache under ~/.cache/ember/kv by default
+    # (transport/ssd_default.py): the suite's servers (in-process and the
+    # subprocesses, which inherit the variable) write into a temp dir instead.
+    if not os.environ.get("EMBER_KV_CACHE_DIR"):
+        os.environ["EMBER_KV_CACHE_DIR"] = tempfile.mkdtemp(prefix=KV_TMP_PREFIX)
     # MLX's Linux CPU wheel links a reference BLAS; the MLX tests run several
     # times faster with OpenBLAS preloaded, which only works from process start.
     # So a plain `pytest` re-executes itself once with it (EMBER_NO_OPENBLAS=1
@@ -30,6 +39,12 @@ def pytest_configure(config):
     if capman is not None:
         capman.stop_global_capturing()
     maybe_reexec_with_openblas()
+
+
+def pytest_unconfigure(config):
+    path = os.environ.get("EMBER_KV_CACHE_DIR", "")
+    if os.path.basename(path).startswith(KV_TMP_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -287,10 +287,10 @@ async def _prompt(host: Any, engine: Any, req: Any, setup: Any) -> Any:
 
 async def messages(request: Request, host: Any) -> Response:
 
-    engine = host.require_engine()
-    timer = TokenTimer(host.metrics, engine.clock.now)
+    host.require_engine()
     req: MessagesRequest = decode_request(await read_body(request, host.max_body_bytes), MessagesRequest)
-    model = host.check_model(req.model)
+    engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
+    timer = TokenTimer(host.metrics, engine.clock.now)
     setup = req.tool_setup()
     prompt = await _prompt(host, engine, req, setup)
     limit = output_limit(req.max_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
@@ -304,9 +304,9 @@ async def messages(request: Request, host: Any) -> Response:
 
 async def count_tokens(request: Request, host: Any) -> Response:
 
-    engine = host.require_engine()
+    host.require_engine()
     req: CountTokensRequest = decode_request(await read_body(request, host.max_body_bytes), CountTokensRequest)
-    host.check_model(req.model)
+    engine, _ = await host.engine_for(req.model, keep_alive=req.keep_alive)
     setup = req.tool_setup()
     prompt = await _prompt(host, engine, req, setup)
     return Response(_encode({"input_tokens": len(prompt)}), media_type="application/json")

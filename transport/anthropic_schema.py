@@ -178,6 +178,7 @@ class _Prompt(_Strict, kw_only=True):
     counts any request messages accepts, so they read the same fields."""
 
     model: str | None = None
+    keep_alive: float | str | None = None  # Ollama's: seconds or "5m"; negative: never unload (ember/registry.py)
     messages: list[Message]
     system: str | list[TextBlock] | None = None
     tools: list[dict[str, Any]] | None = None

@@ -58,8 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, help="rows in the running batch")
     s.add_argument("--max-queue", type=int, help="requests waiting beyond the batch before 429")
     s.add_argument("--prompt-cache", type=float, metavar="GIB", help="RAM prompt-cache cap (0 disables)")
-    s.add_argument("--ssd-cache", metavar="DIR", help="directory of the SSD prompt-cache tier")
-    s.add_argument("--ssd-cache-max", type=float, metavar="GIB", help="byte cap of the SSD tier")
+    ssd = s.add_mutually_exclusive_group()
+    ssd.add_argument(
+        "--ssd-cache",
+        metavar="DIR",
+        help="directory of the SSD prompt-cache tier (default: on, under ~/.cache/ember/kv/; transport/ssd_default.py)",
+    )
+    ssd.add_argument("--no-ssd-cache", action="store_true", help="serve without the SSD prompt-cache tier")
+    s.add_argument(
+        "--ssd-cache-max",
+        type=float,
+        metavar="GIB",
+        help="byte cap of the SSD tier (default: min(32, 10%% of free space))",
+    )
     s.add_argument(
         "--ssd-cache-verify",
         action=argparse.BooleanOptionalAction,
@@ -115,6 +126,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="abort a stream whose client reads nothing for this long (it would hold its slot)",
     )
+    s.add_argument(
+        "--models-dir",
+        default="~/.cache/ember/models",
+        metavar="DIR",
+        help="more models to serve on demand: every mlx-lm directory, .gguf file and sentence-transformers directory here",
+    )
+    s.add_argument(
+        "--keep-alive",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="unload a model other than --model idle this long (default 600; a negative number: never)",
+    )
+    s.add_argument(
+        "--max-memory", type=float, metavar="GIB", help="unload least-recently-used models to stay under this"
+    )
+    s.add_argument("--pin", action="append", default=[], metavar="NAME", help="never unload this model (repeatable)")
+    s.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME=MODEL",
+        help="serve MODEL under NAME too; NAME may be a glob, e.g. 'claude-haiku-*=smollm2-135m' (repeatable)",
+    )
+    s.add_argument("--model-load-timeout", type=float, default=300.0, metavar="SECONDS", help=argparse.SUPPRESS)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=serve, parser=s)
 
@@ -183,6 +219,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             fields[field] = value
     if getattr(args, "ssd_cache_verify", None) is not None:
         fields["ssd_cache_verify"] = args.ssd_cache_verify
+    _default_ssd(args, fields)
     if getattr(args, "distributed", None):
         from engine.mlx.distributed import DEFAULT_STEP_TIMEOUT_S
 
@@ -202,6 +239,40 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         except (FileNotFoundError, ValueError) as exc:  # ValueError: a GGUF that cannot convert
             parser.error(str(exc))
     return config
+
+
+def _default_ssd(args: argparse.Namespace, fields: dict[str, Any]) -> None:
+    """``serve`` turns the SSD tier on unless told otherwise (transport/ssd_default.py);
+    ``generate`` and the embedded Engine keep it off. ``args.ssd_note`` is what the
+    start line says about it."""
+    if not hasattr(args, "no_ssd_cache"):
+        return  # not `serve`
+    if fields.get("ssd_cache_dir"):
+        cap = fields.get("ssd_cache_max_gib", 32.0)
+        args.ssd_note = f"SSD prompt cache {fields['ssd_cache_dir']}, cap {cap:g} GiB"
+        return
+    if args.no_ssd_cache or fields.get("prompt_cache_gib") == 0:  # the SSD tier needs the RAM tier
+        args.ssd_note = "SSD prompt cache off"
+        return
+    from transport.ssd_default import default_ssd
+
+    found = default_ssd(
+        fields["model"],
+        kv_bits=fields.get("kv_bits"),
+        kv_group_size=fields.get("kv_group_size"),
+        window=fields.get("max_kv_size"),
+    )
+    if found is None:
+        args.ssd_note = "SSD prompt cache off (too little free disk space)"
+        return
+    fields["ssd_cache_dir"] = found.dir
+    if "ssd_cache_max_gib" not in fields:
+        fields["ssd_cache_max_gib"] = found.cap_gib
+    args.ssd_note = (
+        found.describe()
+        if fields["ssd_cache_max_gib"] == found.cap_gib
+        else (f"SSD prompt cache {found.dir}, cap {fields['ssd_cache_max_gib']:g} GiB")
+    )
 
 
 def default_model(args: argparse.Namespace) -> str:
@@ -272,6 +343,26 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 # serve
 
 
+def registry_kw(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The many-models flags as ``ember.registry.Registry`` arguments (a bad one is the parser's error)."""
+    aliases = {}
+    for a in args.alias:
+        name, sep, model = a.partition("=")
+        if not sep or not name or not model:
+            parser.error(f"--alias takes NAME=MODEL, not {a!r}")
+        aliases[name] = model
+    if args.max_memory is not None and not args.max_memory > 0:
+        parser.error("--max-memory must be a positive number of GiB")
+    return {
+        "models_dir": args.models_dir,
+        "keep_alive_s": None if args.keep_alive < 0 else args.keep_alive,
+        "max_memory": None if args.max_memory is None else int(args.max_memory * (1 << 30)),
+        "pins": tuple(args.pin),
+        "aliases": aliases,
+        "load_timeout_s": args.model_load_timeout,
+    }
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
@@ -305,6 +396,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         api_key=args.api_key,
         loopback_only=is_loopback(args.host),
         send_timeout_s=args.send_timeout,
+        registry_kw=registry_kw(args, parser),
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -325,7 +417,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Plain asyncio, not uvloop: under uvloop a SIGTERM reached the drain only
     # after requests already in the socket were answered (/health said 200 right
     # after the signal; tests/ember/test_durability_engine.py).
-    rc = asyncio.run(_serve(server, sock, app.state.ember, url))
+    rc = asyncio.run(_serve(server, sock, app.state.ember, url, getattr(args, "ssd_note", "")))
     _exit_now(rc)
     return rc  # not reached
 
@@ -370,7 +462,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(server: Any, sock: socket.socket, state: Any, url: str) -> int:
+async def _serve(server: Any, sock: socket.socket, state: Any, url: str, note: str = "") -> int:
     _drain_first(server, state)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     # uvicorn has no "listening" event, and the engine loads in the background:
@@ -383,7 +475,10 @@ async def _serve(server: Any, sock: socket.socket, state: Any, url: str) -> int:
         await task
         return 2
     if server.started:
-        print(f"ember: serving {state.model_name} at {url} (OpenAI API: {url}/v1)", flush=True)
+        print(
+            f"ember: serving {state.model_name} at {url} (OpenAI API: {url}/v1){'; ' + note if note else ''}",
+            flush=True,
+        )
     await task
     engine = state.engine
     if engine is not None and engine.shutdown_timed_out:
@@ -417,7 +512,7 @@ def _drain_first(server: Any, state: Any) -> None:
 
     async def drain(engine: Any) -> None:
         try:
-            if not await engine.drain():
+            if not await state.drain_all():  # every loaded model, the default (``engine``) among them
                 server.force_exit = True  # the deadline is spent: do not wait for connections again
         finally:
             server.should_exit = True

@@ -13,7 +13,6 @@ docs/http.md.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,10 +28,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ember import Engine, Ports, load_ports
+from ember import Engine, Ports
+from ember.registry import (
+    ModelBusy,
+    ModelEntry,
+    ModelLoadFailed,
+    ModelLoadTimeout,
+    ModelNotFound,
+    Registry,
+    parse_keep_alive,
+)
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
-from transport import anthropic_api, chat_turn, responses_api
+from transport import anthropic_api, chat_turn, embeddings_api, responses_api
 from transport.choices import ChoiceStream, submit_choices
 from transport.envelope import EnvelopeCounter
 from transport.errors import ApiError, error_body
@@ -75,6 +83,8 @@ class ServerState:
         max_body_bytes: int,
         trust_gateway: bool = False,
         send_timeout_s: float | None = None,
+        registry_kw: dict[str, Any] | None = None,
+        models: dict[str, EngineConfig] | None = None,
     ):
         self.config = config
         self.trust_gateway = trust_gateway  # accept the SGLang gateway's extension fields (transport/gateway_compat.py)
@@ -84,7 +94,10 @@ class ServerState:
         self.keepalive_s = keepalive_s
         self.default_max_tokens = default_max_tokens  # the operator's cap on an unset limit (None: the context left)
         self.max_body_bytes = max_body_bytes
-        self.engine: Engine | None = None
+        # the router: every model this server can serve, the default (--model) among them (ember/registry.py)
+        self.registry = Registry(config, default=self.default_name(), ports=Ports(**engine_kw), **(registry_kw or {}))
+        for name, cfg in (models or {}).items():
+            self.registry.add_chat(name, cfg.validate(), source="config")
         self.phase = "starting"  # starting → ready → draining → stopped, or starting → failed
         self.error: BaseException | None = None
         self.created = int(time.time())
@@ -102,30 +115,69 @@ class ServerState:
         self.settled, self._stop = anyio.Event(), anyio.Event()
         task_status.started()
         try:
-            # A long-running server must not keep every engine event in memory.
-            load = functools.partial(load_ports, self.config, Ports(**self.engine_kw), keep_events=False)
-            if self.engine_kw.get("backend") is None and self.config.backend != "fake":
-                # Loading a model blocks for seconds: do it off the loop so /health answers meanwhile.
-                ports = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
-            else:
-                ports = load()
-            async with Engine.open(self.config, ports=ports) as engine:
-                self.engine = engine
-                self.phase = "ready"
-                self.settled.set()
-                log.info("[http] ready model=%s", self.model_name)
-                await self._stop.wait()
-                self.phase = "draining"
-                log.info("[http] draining in_flight=%s", engine.stats()["gateway"]["in_flight"])
-            self.phase = "stopped"
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.registry.run)
+                try:
+                    await self._serve()
+                finally:
+                    await self.registry.shutdown()  # every loaded model drains and flushes
+                    tg.cancel_scope.cancel()
+            if self.phase != "failed":
+                self.phase = "stopped"
+        finally:
+            self.settled.set()
+
+    async def _serve(self) -> None:
+        assert self._stop is not None and self.settled is not None
+        try:
+            while True:  # the default model loads off the loop (ember/registry.py): /health answers meanwhile
+                try:
+                    await self.registry.engine_for(None)
+                    break
+                except ModelLoadTimeout:
+                    continue  # no request waits on it: the startup load has no deadline
+            self.phase = "ready"
+            self.settled.set()
+            log.info("[http] ready model=%s", self.model_name)
+            await self._stop.wait()
+            self.phase = "draining"
+            log.info("[http] draining models=%s", [e.name for e in self.registry.loaded()])
         except Exception as exc:
             what = "failed to start" if self.phase == "starting" else "stopped with an error"
             self.error = exc
             self.phase = "failed"
             log.error("[http] the engine %s: %r", what, exc)
             log.debug("[http] engine failure", exc_info=exc)
-        finally:
-            self.settled.set()
+
+    @property
+    def engine(self) -> Engine | None:
+        """The default model's engine (gateway_compat, /health, older callers)."""
+        entry = self.registry.entries.get(self.registry.default or "")
+        return entry.engine if entry is not None and entry.state == "loaded" else None
+
+    def default_name(self) -> str:
+        """The default model's served name, known before it loads (see ``model_name``)."""
+        if self.config.model_name:
+            return self.config.model_name
+        if self.config.backend == "mlx":
+            return self.config.model
+        backend = self.engine_kw.get("backend")
+        info = getattr(backend, "info", None)
+        return info.model_id if info is not None else f"fake-gpu-{self.config.fake.seed}"
+
+    async def drain_all(self) -> bool:
+        """Drain every loaded model at once (each finishes its requests and flushes);
+        True if all of them did within their deadline."""
+        results: list[bool] = []
+
+        async def one(engine: Any) -> None:
+            results.append(bool(await engine.drain()))
+
+        async with anyio.create_task_group() as tg:
+            for e in self.registry.loaded():
+                if hasattr(e.engine, "drain"):
+                    tg.start_soon(one, e.engine)
+        return all(results)
 
     def stop(self, scope: anyio.CancelScope) -> None:
         if self.phase == "starting":
@@ -134,19 +186,20 @@ class ServerState:
             self._stop.set()
 
     # ---- what routes need ------------------------------------------------
-    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, engine: Any = None) -> Any:
         """Run CPU work a request brings (tokenizing, chat templates) on a
         worker thread, so /health and other streams keep their latency; inline
         when the engine runs in virtual time (its device is inline: no threads)."""
-        if self.engine is None or self.engine.runs_inline:
+        engine = engine if engine is not None else self.engine
+        if engine is None or engine.runs_inline:
             return fn(*args)
         if self._tokenize_limiter is None:
             self._tokenize_limiter = anyio.CapacityLimiter(TOKENIZE_THREADS)
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._tokenize_limiter)
 
-    def check_prompt_bytes(self, texts: list[str], param: str) -> None:
+    def check_prompt_bytes(self, texts: list[str], param: str, engine: Any = None) -> None:
         """The byte bound, checked before tokenizing (see PROMPT_BYTES_PER_TOKEN)."""
-        engine = self.engine
+        engine = engine if engine is not None else self.engine
         assert engine is not None
         cap = engine.info.context_length * PROMPT_BYTES_PER_TOKEN
         n = 0
@@ -172,8 +225,10 @@ class ServerState:
         loop: what every chat-shaped route (chat completions, Messages,
         Responses) renders its prompt with. ``template_kwargs`` go to the chat
         template (e.g. ``enable_thinking``)."""
-        self.check_prompt_bytes(message_texts(messages), param)
-        return await self.off_loop(chat_turn.chat_prompt, engine, messages, setup, param, template_kwargs)
+        self.check_prompt_bytes(message_texts(messages), param, engine)
+        return await self.off_loop(
+            chat_turn.chat_prompt, engine, messages, setup, param, template_kwargs, engine=engine
+        )
 
     def health(self) -> tuple[str, int]:
         if self.phase == "ready" and self.engine is not None:
@@ -194,24 +249,53 @@ class ServerState:
     def model_name(self) -> str:
         """``--served-model-name``, else the model as named on the command line
         (``tiny`` or a path, like mlx_lm.server), else the fake GPU's id."""
-        if self.config.model_name:
-            return self.config.model_name
-        if self.config.backend == "mlx" or self.engine is None:
-            return self.config.model
-        return self.engine.info.model_id
+        return self.registry.default or self.default_name()
+
+    def entry(self, requested: str | None) -> ModelEntry:
+        """The registry entry a request's ``model`` names; 404 listing the names otherwise."""
+        try:
+            return self.registry.resolve(requested)
+        except ModelNotFound as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
 
     def check_model(self, requested: str | None) -> str:
-        """The served name; a request may also use the model it was started with (``--model``)."""
-        name = self.model_name
-        aliases = (name, self.config.model) if self.config.backend == "mlx" else (name,)
-        if requested is None or requested in aliases:
-            return name
-        raise ApiError(
-            404,
-            f"the model {requested!r} does not exist (this server serves {name!r})",
-            param="model",
-            code="model_not_found",
-        )
+        """The served name of the model a request names (aliases resolved), or a 404 listing the names."""
+        return self.entry(requested).name
+
+    async def engine_for(self, requested: str | None, kind: str = "chat", keep_alive: Any = None) -> tuple[Any, str]:
+        """The routed engine and its served name: the model a request names,
+        loaded first if need be (concurrent requests for it wait, bounded).
+        Unknown: 404 listing the names; the wrong kind (chat to an embedding
+        model, or back): 400; a failed load: 500 naming the cause; a load
+        that takes too long, or too many waiting: 503."""
+        self.require_engine()
+        entry = self.entry(requested)
+        if entry.kind != kind:
+            what = "an embedding model: use /v1/embeddings" if entry.kind == "embed" else "not an embedding model"
+            raise ApiError(400, f"the model {entry.name!r} is {what}", param="model", code="model_wrong_kind")
+        try:
+            keep = parse_keep_alive(keep_alive)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="keep_alive") from None
+        try:
+            engine = await self.registry.engine_for(entry.name, keep_alive_s=keep)
+        except ModelLoadFailed as exc:
+            raise ApiError(500, str(exc), "server_error", param="model", code="model_load_failed") from None
+        except (ModelLoadTimeout, ModelBusy) as exc:
+            code = "model_load_timeout" if isinstance(exc, ModelLoadTimeout) else "model_busy"
+            raise ApiError(503, str(exc), "server_error", code=code, headers={"retry-after": "5"}) from None
+        if engine.status != "ready":
+            code = "engine_dead" if engine.status == "dead" else "engine_draining"
+            raise ApiError(
+                503,
+                f"the model {entry.name!r} is {engine.status}",
+                "server_error",
+                code=code,
+                headers={"retry-after": "1"},
+            )
+        if self.phase != "ready":
+            self.require_engine()
+        return engine, entry.name
 
 
 # ---------------------------------------------------------------------------
@@ -219,11 +303,11 @@ class ServerState:
 
 
 async def _generate(request: Request, host: ServerState, chat: bool) -> Response:
-    engine = host.require_engine()
-    timer = TokenTimer(host.metrics, engine.clock.now)
+    host.require_engine()
     body = await read_body(request, host.max_body_bytes)
     req = host.extensions.check(decode_request(body, request_type(chat, host.trust_gateway)))
-    model = host.check_model(req.model)
+    engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
+    timer = TokenTimer(host.metrics, engine.clock.now)
     prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
     if chat:
         tools = req.tool_setup()
@@ -233,8 +317,8 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
         prompt = await host.chat_prompt(engine, messages, tools, template_kwargs=thinking)
     else:
         if isinstance(req.prompt, str):
-            host.check_prompt_bytes([req.prompt], "prompt")
-            prompt = await host.off_loop(engine.encode, req.prompt)
+            host.check_prompt_bytes([req.prompt], "prompt", engine)
+            prompt = await host.off_loop(engine.encode, req.prompt, engine=engine)
         else:
             prompt = engine.encode(req.prompt)
     limit = output_limit(req.requested_max_tokens(), len(prompt), engine.info.context_length, host.default_max_tokens)
@@ -279,17 +363,60 @@ async def completions(request: Request, host: ServerState) -> Response:
     return await _generate(request, host, chat=False)
 
 
+def model_card(host: ServerState, entry: ModelEntry) -> ModelCard:
+    c = entry.card()
+    ctx = c["context_length"]
+    aliases = sorted(a for a, t in host.registry.aliases.items() if t == entry.name)
+    return ModelCard(
+        id=entry.name,
+        created=host.created,
+        context_length=ctx,
+        max_model_len=ctx,
+        state=entry.state,
+        kind=entry.kind,
+        memory_bytes=c["memory_bytes"],
+        size_bytes=c["size_bytes"],
+        pinned=entry.pinned,
+        keep_alive_s=entry.keep_alive_s,
+        aliases=aliases or None,
+        error=entry.error,
+    )
+
+
 async def models(request: Request, host: ServerState) -> Response:
-    ctx = host.engine.info.context_length if host.engine is not None else None
-    card = ModelCard(id=host.model_name, created=host.created, context_length=ctx, max_model_len=ctx)
-    return Response(msgspec.json.encode(ModelList(data=[card])), media_type="application/json")
+    """Every name the registry can serve, the default first, with its state."""
+    host.registry.refresh_memory()
+    entries = sorted(host.registry.entries.values(), key=lambda e: (e.name != host.registry.default, e.name))
+    cards = [model_card(host, e) for e in entries]
+    return Response(msgspec.json.encode(ModelList(data=cards)), media_type="application/json")
 
 
 async def model_detail(request: Request, host: ServerState) -> Response:
-    name = host.check_model(request.path_params["model"])
-    ctx = host.engine.info.context_length if host.engine is not None else None
-    card = ModelCard(id=name, created=host.created, context_length=ctx, max_model_len=ctx)
+    host.registry.refresh_memory()
+    card = model_card(host, host.entry(request.path_params["model"]))
     return Response(msgspec.json.encode(card), media_type="application/json")
+
+
+async def model_load(request: Request, host: ServerState) -> Response:
+    """``POST /admin/models/{id}/load``: load now (waits for it); the card after."""
+    entry = host.entry(request.path_params["model"])
+    host.require_engine()
+    try:
+        await host.registry.engine_for(entry.name)
+    except ModelLoadFailed as exc:
+        raise ApiError(500, str(exc), "server_error", param="model", code="model_load_failed") from None
+    except (ModelLoadTimeout, ModelBusy) as exc:
+        raise ApiError(503, str(exc), "server_error", code="model_busy", headers={"retry-after": "5"}) from None
+    return Response(msgspec.json.encode(model_card(host, entry)), media_type="application/json")
+
+
+async def model_unload(request: Request, host: ServerState) -> Response:
+    """``POST /admin/models/{id}/unload``: drain its requests, flush, free; the card after
+    (``"unloaded": false`` when it was not loaded). The next request for it loads it again."""
+    entry = host.entry(request.path_params["model"])
+    done = await host.registry.unload(entry.name)
+    body = {**msgspec.to_builtins(model_card(host, entry)), "unloaded": done}
+    return JSONResponse(body)
 
 
 async def health(request: Request, host: ServerState) -> Response:
@@ -306,6 +433,13 @@ def _plain(obj: Any) -> Any:
 async def stats(request: Request, host: ServerState) -> Response:
     engine = host.require_engine()
     body = {**engine.stats(), "envelope": host.envelope.snapshot(), "recent_requests": host.metrics.recent.snapshot()}
+    reg = host.registry.stats()  # the default model's stats stay top-level; every held model gets a section
+    body["models"] = {
+        name: {**m.pop("stats", {}), "registry": m}
+        for name, m in reg.pop("models").items()
+        if m["state"] != "available"
+    }
+    body["registry"] = reg
     return Response(msgspec.json.encode(body, enc_hook=_plain), media_type="application/json")
 
 
@@ -323,7 +457,7 @@ async def metrics(request: Request, host: ServerState) -> Response:
 
 def agent_routes() -> list[Route]:
     """The Anthropic Messages and OpenAI Responses routes, each with its own error shape."""
-    return anthropic_api.routes() + responses_api.routes(endpoint)
+    return anthropic_api.routes() + responses_api.routes(endpoint) + embeddings_api.routes(endpoint)
 
 
 # ---------------------------------------------------------------------------
@@ -352,9 +486,13 @@ def build_app(
     api_key: str | None = None,
     loopback_only: bool = False,
     send_timeout_s: float | None = SEND_TIMEOUT_S,
+    registry_kw: dict[str, Any] | None = None,
+    more_models: dict[str, EngineConfig] | None = None,
     **engine_kw: Any,
 ) -> Starlette:
-    """The app serving one engine; ``engine_kw`` are its ports (``ember.Ports``: backend, clock, events…).
+    """The app serving the default model (``config``) and the registry's others; ``engine_kw`` are the
+    default's ports (``ember.Ports``: backend, clock, events…). ``registry_kw`` go to ``ember.registry.Registry``
+    (models_dir, keep_alive_s, max_memory, pins, aliases, load_timeout_s); ``more_models`` adds named chat models.
 
     ``api_key`` and ``loopback_only`` (the CLI sets it when bound to a
     loopback address) configure ``transport.security``, which guards every
@@ -368,6 +506,8 @@ def build_app(
         max_body_bytes=max_body_bytes,
         trust_gateway=trust_gateway,
         send_timeout_s=send_timeout_s,
+        registry_kw=registry_kw,
+        models=more_models,
     )
 
     @asynccontextmanager
@@ -388,6 +528,8 @@ def build_app(
         Route("/stats", endpoint("stats", stats), methods=["GET"]),
         Route("/metrics", endpoint("metrics", metrics), methods=["GET"]),
         Route("/admin/cache/flush", endpoint("cache_flush", cache_flush), methods=["POST"]),
+        Route("/admin/models/{model:path}/load", endpoint("model_load", model_load), methods=["POST"]),
+        Route("/admin/models/{model:path}/unload", endpoint("model_unload", model_unload), methods=["POST"]),
         *gateway_routes(),  # what the SGLang Model Gateway probes
         *ui_routes(),  # GET / and /ui: the dashboard and chat playground (transport/ui_routes.py)
     ]

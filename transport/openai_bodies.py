@@ -161,6 +161,15 @@ class ModelCard(msgspec.Struct):
     # compacts by (vLLM's max_model_len, LM Studio's/OpenRouter's context_length)
     context_length: int | None = None
     max_model_len: int | None = None
+    # the registry's view (ember/registry.py): loaded / loading / available, what it holds
+    state: str | None = None
+    kind: str | None = None  # "chat" or "embed"
+    memory_bytes: int | None = None
+    size_bytes: int | None = None
+    pinned: bool | None = None
+    keep_alive_s: float | None = None
+    aliases: list[str] | None = None
+    error: str | None = None
 
 
 class ModelList(msgspec.Struct):

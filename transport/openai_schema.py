@@ -172,6 +172,7 @@ class _Common(_Strict):
     """Fields both endpoints share."""
 
     model: str | None = None
+    keep_alive: float | str | None = None  # Ollama's: seconds or "5m"; negative: never unload (ember/registry.py)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

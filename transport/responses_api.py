@@ -358,10 +358,10 @@ def _input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 async def responses(request: Request, host: Any) -> Response:
 
-    engine = host.require_engine()
-    timer = TokenTimer(host.metrics, engine.clock.now)
+    host.require_engine()
     req: ResponsesRequest = decode_request(await read_body(request, host.max_body_bytes), ResponsesRequest)
-    model = host.check_model(req.model)
+    engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
+    timer = TokenTimer(host.metrics, engine.clock.now)
     store = response_store(host)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:

@@ -206,6 +206,7 @@ def _custom_parameters(fmt: Any, param: str) -> tuple[dict[str, Any], str]:
 
 class ResponsesRequest(_Strict, kw_only=True, dict=True):
     model: str | None = None
+    keep_alive: float | str | None = None  # Ollama's: seconds or "5m"; negative: never unload (ember/registry.py)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None

@@ -263,12 +263,22 @@ async def run(args: argparse.Namespace) -> Results:
                 work / "ember-tier.log",
             )
         )
-        extra.append(Server("ember-notier", ember_cmd(p := free_port()), p, work / "ember-notier.log"))
+        # the SSD tier is on by default for `ember serve` (#32): the no-tier server says so
+        extra.append(
+            Server("ember-notier", ember_cmd(p := free_port(), "--no-ssd-cache"), p, work / "ember-notier.log")
+        )
     if "spec" in legs:
         extra.append(
             Server(
                 "ember-spec",
-                ember_cmd(p := free_port(), "--draft-model", "tiny-draft", "--num-draft-tokens", str(args.gamma)),
+                ember_cmd(
+                    p := free_port(),
+                    "--no-ssd-cache",
+                    "--draft-model",
+                    "tiny-draft",
+                    "--num-draft-tokens",
+                    str(args.gamma),
+                ),
                 p,
                 work / "ember-spec.log",
             )

@@ -122,5 +122,5 @@ def test_serve_flags_map_onto_engine_config(tmp_path):
     assert (config.ssd_cache_dir, config.ssd_cache_max_gib, config.ssd_cache_verify) == (str(tmp_path), 3.0, True)
     assert (config.ssd_demote_idle_s, config.draft_model, config.num_draft_tokens) == (30.0, "ngram", 4)
     assert config.model_name == "mine" and config.min_cached_prefix == 64
-    defaults = engine_config(build_parser().parse_args(["serve", "--fake-gpu"]), args.parser)
+    defaults = engine_config(build_parser().parse_args(["serve", "--fake-gpu", "--no-ssd-cache"]), args.parser)
     assert defaults == type(config)(backend="fake")  # unset flags leave EngineConfig's defaults

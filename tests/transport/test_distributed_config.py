@@ -3,6 +3,7 @@ before anything loads (the two-rank engine itself: tests/sims/test_distributed.p
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -17,7 +18,9 @@ from transport.cli import build_parser, engine_config
 def test_the_flag_keeps_the_ram_tier_and_arms_the_step_watchdog():
     args = build_parser().parse_args(["serve", "--distributed", "tensor", "--prompt-cache", "1"])
     config = engine_config(args, args.parser)
-    assert (config.distributed, config.prompt_cache_gib, config.ssd_cache_dir) == ("tensor", 1.0, None)
+    assert (config.distributed, config.prompt_cache_gib) == ("tensor", 1.0)
+    # the SSD tier is on by default for serve (#32); each rank gets its own shard folder under it
+    assert config.ssd_cache_dir and config.ssd_cache_dir.startswith(os.environ["EMBER_KV_CACHE_DIR"])
     assert config.step_timeout_s and config.step_timeout_s > 0  # a hung rank ends as engine_dead
 
 

@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.gateway import Drain
 from ember import EngineConfig, FakeGPUConfig, SamplingParams, load_ports
+from ember import registry as registry_mod
 from engine.eventlog import EventLog
 from engine.fake.gpu import FakeBackend, expected_tokens
 from engine.fake.tokenizer import ByteTokenizer
 from engine.types import SpecUsage, Usage
-from transport import http as http_mod
 from transport.http import build_app
 from transport.openai_bodies import UsageBody
 
@@ -282,7 +282,7 @@ async def test_health_503_while_the_model_loads(monkeypatch):
         ports.backend = FakeBackend(config.fake)  # the "model", loaded
         return load_ports(config, ports, keep_events=keep_events)
 
-    monkeypatch.setattr(http_mod, "load_ports", slow_load_ports)
+    monkeypatch.setattr(registry_mod, "load_ports", slow_load_ports)  # the registry loads every model
     app = build_app(EngineConfig(backend="mlx", model="slow"))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ember") as client:
