@@ -171,6 +171,7 @@ class SchedulerCore:
             "cached_tokens": 0,
             "ssd_cached_tokens": 0,  # the part of cached_tokens restored from SSD
             "prefilled_tokens": 0,  # prompt tokens run through prefill (not cached)
+            "cache_faults": 0,  # prefix caches the backend could not open: prefilled whole instead (a miss)
         }
         self.checkpointing = prefix_cache is not None and bool(getattr(backend, "needs_checkpoints", False))
         self._checkpoint_at: dict[int, int] = {}  # rid -> position, for the step planned last
@@ -255,7 +256,7 @@ class SchedulerCore:
         row.detok = self.backend.tokenizer.detokenizer()
         row.next_input = row.prompt[-1]
         row.opened = True
-        plan.open.append(OpenRow(row.rid, row.params, cache, cached))
+        plan.open.append(OpenRow(row.rid, row.params, cache, cached, row.prompt[:cached] if cache is not None else []))
         row.move(RowState.PREFILL if cached < row.prefill_total else RowState.DECODE)
         self.active.append(row.rid)
         self.events.record("open", self.clock.now(), rid=row.rid, cached=cached)
@@ -375,6 +376,8 @@ class SchedulerCore:
                 self.prefix_cache.put(row.cached_tokens(), row.ns, cache)
         for rid in plan.close:
             self.rows.pop(rid, None)
+        for rid, why in result.cache_faults.items():
+            self._cache_fault(rid, why)
         for rid, err in result.errors.items():
             self._fail(rid, err)
         for rid, token in result.tokens.items():
@@ -405,6 +408,24 @@ class SchedulerCore:
         self.spec.apply(verified, live, self._emit)
         rounds = [(v.rid, v.accepted, len(v.tokens)) for v in verified.verdicts]
         self.events.record("verified", self.clock.now(), n=self.steps, rounds=rounds)
+
+    def _cache_fault(self, rid: int, why: str) -> None:
+        """The backend could not open a row's prefix cache and prefilled its
+        prefix instead (a cache fault is a miss): the row holds no cached token."""
+        self.counters["cache_faults"] += 1
+        row = self.rows.get(rid)
+        self.events.record("cache_fault", self.clock.now(), rid=rid)
+        if row is None:
+            return
+        log.warning(
+            "request %d: its prefix cache of %d tokens could not open (%s); prefilled instead", rid, row.cached, why
+        )
+        self.counters["cached_tokens"] -= row.cached
+        if row.from_ssd:
+            self.counters["ssd_cached_tokens"] -= row.cached
+        self.counters["prefilled_tokens"] += row.cached
+        row.cached = 0
+        row.from_ssd = False
 
     def fail_step(self, plan: StepPlan, error: str) -> None:
         """A step raised a per-request error: fail every row it touched."""

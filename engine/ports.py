@@ -102,12 +102,16 @@ class ModelInfo:
 @dataclass(slots=True)
 class OpenRow:
     """Start a row: its sampling settings and an optional prefix cache (already a
-    private copy, trimmed to ``cached`` tokens) to continue from."""
+    private copy, trimmed to ``cached`` tokens) to continue from. ``prefix``: the
+    ``cached`` prompt tokens that cache holds, so that a cache the backend cannot
+    open (a fault) is a miss: the row opens empty and prefills them first
+    (``StepResult.cache_faults``)."""
 
     rid: int
     sampling: SamplingParams
     cache: Any = None
     cached: int = 0
+    prefix: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -168,6 +172,7 @@ class StepResult:
     errors: dict[int, str] = field(default_factory=dict)  # rid -> per-row failure
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # rid -> its token's, when asked for
     checkpoints: dict[int, Any] = field(default_factory=dict)  # rid -> a private copy of its cache (plan.checkpoint)
+    cache_faults: dict[int, str] = field(default_factory=dict)  # rid -> why its prefix cache could not open (a miss)
 
 
 class Backend(Protocol):

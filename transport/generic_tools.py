@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.mlx.tokenizer import ToolMarkup
+from engine.tool_markup import ToolMarkup
 
 START = "<tool_call>"
 END = "</tool_call>"

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from engine.mlx.tokenizer import ToolMarkup
+from engine.tool_markup import ToolMarkup
 from transport.tools import new_call_id
 
 log = logging.getLogger("ember.tools")

@@ -7,7 +7,7 @@ import codecs
 import json
 from typing import Any
 
-from engine.mlx.tokenizer import ToolMarkup
+from engine.tool_markup import ToolMarkup
 
 
 class ByteDetokenizer:

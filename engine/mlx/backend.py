@@ -62,8 +62,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
@@ -82,6 +81,7 @@ from mlx_lm.models.cache import (
 
 from engine.config import EngineConfig
 from engine.device import ThreadDevice
+from engine.errors import InvalidRequest
 from engine.mlx.batch import DecodeBatch, merge_caches
 from engine.mlx.blas import blas_threads
 from engine.mlx.cache_views import CachePrefix, layer_nbytes, prefix_view, snapshot_cache
@@ -103,6 +103,7 @@ from engine.mlx.model_identity import (
     tokenizer_hash,
     weights_digest,
 )
+from engine.mlx.rows import _Ahead, _is_oom, _own_cache, _Row, _row_logits
 from engine.mlx.sampling import RowSampler, row_seed
 from engine.mlx.tokenizer import MLXTokenizer
 from engine.ports import ModelInfo, StepPlan, StepResult
@@ -129,44 +130,6 @@ def load_mlx_backend(config: EngineConfig) -> tuple[MLXBackend, ThreadDevice]:
         raise
     device.after_each = lambda: backend.run_ahead(device.idle)
     return backend, device
-
-
-def _is_oom(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "unable to allocate" in text or "out of memory" in text or "bad_alloc" in text
-
-
-@dataclass(slots=True)
-class _Row:
-    rid: int
-    sampler: RowSampler
-    max_tokens: int
-    cache: list[Any] | None  # its own B=1 cache; None once it is in the DecodeBatch
-    fed: int = 0  # tokens committed to its KV cache
-    emitted: int = 0  # decode tokens handed back
-    logits: RowLogits | None = None  # processors, grammar mask, logprobs (engine.mlx.logits)
-
-
-def _own_cache(row: _Row) -> list[Any]:
-    """The B=1 cache of a row not (yet) in the DecodeBatch."""
-    assert row.cache is not None, "a row outside the DecodeBatch holds its own cache"
-    return row.cache
-
-
-def _row_logits(row: _Row) -> RowLogits:
-    """The logits processing of a row known to have it."""
-    assert row.logits is not None, "a row with logits processing"
-    return row.logits
-
-
-@dataclass(slots=True)
-class _Ahead:
-    """A decode step of the whole batch computed ahead (see the module docstring)."""
-
-    tokens: mx.array  # [B] its sampled tokens, in batch order
-    keys: list[tuple[_Row, mx.array]]  # the sampled rows' PRNG keys before it, to undo it
-    fed: Sequence[_Row] = ()  # rows whose RowLogits were fed its inputs (undo: trim 1)
-    logprobs: dict[int, tuple[mx.array, ...]] | None = None  # lazy, by rid
 
 
 class MLXBackend:
@@ -199,6 +162,8 @@ class MLXBackend:
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         probe = self.make_cache()
+        if kv_bits:
+            self._check_kv_groups(kv_bits, kv_group_size)
         # Running ahead needs a batch that can give a step back (``_undo``): plain or
         # quantized KV always, a sliding window while it has not wrapped (``_ahead_fits``)
         self.pipeline = pipeline and all(type(c) in (KVCache, RotatingKVCache) for c in probe)
@@ -248,7 +213,14 @@ class MLXBackend:
         self._built: mx.array | None = None  # a step built ahead, not yet being computed
         self._ahead_error: Exception | None = None
         self.steps = 0
-        self.counters = {"pipelined": 0, "undone": 0, "ahead_heads_windows": 0, "prefill_together": 0}
+        self.counters = {
+            "pipelined": 0,
+            "undone": 0,
+            "ahead_heads_windows": 0,
+            "prefill_together": 0,
+            "cache_faults": 0,
+        }
+        self._refill: dict[int, list[int]] = {}  # rid -> prefix to prefill: its prefix cache faulted (``_open``)
         # Paths a cache kind ruled out, each time it did (/stats "fallbacks"):
         # spec_untrimmable: a verify window cut to a plain decode (the cache cannot roll back);
         # run_ahead_off: decode steps not run ahead (only all-KVCache batches can undo one);
@@ -322,6 +294,28 @@ class MLXBackend:
             cache = [RotatingKVCache(max_size=self.max_kv_size, keep=0) if type(c) is KVCache else c for c in cache]
         return cache
 
+    def _check_kv_groups(self, bits: int, group_size: int) -> None:
+        """Refuse ``--kv-bits`` at load when a KV layer's head dimension is not a
+        multiple of the group size: ``mx.quantize`` would raise on the first
+        request (engine_dead) instead. The dimensions come from a one-token
+        forward, so every architecture's layout (MLA, differing K and V) is seen."""
+        cache = self.make_cache()
+        self.model(mx.array([[0]]), cache=cache)
+        dims = sorted(
+            {int(x.shape[-1]) for c in cache if type(c) is KVCache and c.keys is not None for x in (c.keys, c.values)}
+        )
+        bad = [d for d in dims if d % group_size]
+        if bad:
+            fits = [g for g in (128, 64, 32) if all(d % g == 0 for d in dims)]
+            hint = (
+                f"; --kv-group-size {fits[0]} divides it" if fits else "; no --kv-group-size (32, 64, 128) divides it"
+            )
+            raise InvalidRequest(
+                f"--kv-bits {bits} cannot quantize this model's KV cache: its head dimension {bad[0]} is not a "
+                f"multiple of --kv-group-size {group_size}{hint}",
+                "kv_group_size",
+            )
+
     def _quantize(self, cache: list[Any]) -> None:
         """``--kv-bits``: plain KV layers become ``QuantizedKVCache`` once they hold
         tokens, as ``mlx_lm.generate_step`` does after each forward with
@@ -380,6 +374,9 @@ class MLXBackend:
         mx.clear_cache()
 
     def _step(self, plan: StepPlan) -> StepResult:
+        """One plan, in the numbered order of its effects (as ``Scheduler._step``):
+        close, open, trim and prefill before any decode, so a row opened and
+        prefilled in this step decodes in it too."""
         res = StepResult()
         self.steps += 1
         width = len(plan.decode) + sum(len(v.tokens) for v in plan.verify)
@@ -388,6 +385,7 @@ class MLXBackend:
         if self._ahead_error is not None:
             exc, self._ahead_error = self._ahead_error, None
             raise exc
+        # 1. the step run ahead: kept when this plan is what it computed, else undone
         queued, self._queued = self._queued, []
         heads = False  # the step run ahead is the first position of this step's verify windows
         if queued and not self._queue_fits(plan):
@@ -395,42 +393,21 @@ class MLXBackend:
             if not heads:
                 self._undo(queued)
                 queued = []
+        # 2. close rows leaving (their caches kept), then 3. open, trim and 4. prefill
         queued_tokens = self._close(plan, res, queued)
         self._open(plan, res)
         self._trim(plan, res)
         self._prefill(plan, res)
-        for rid in plan.checkpoint:
-            row = self._rows.get(rid)
-            if row is not None and row.cache is not None and rid not in res.errors:
-                try:
-                    res.checkpoints[rid] = snapshot_cache(row.cache)
-                except Exception as exc:  # noqa: BLE001 - no checkpoint is a later miss, never a failed row
-                    if isinstance(exc, MemoryError) or _is_oom(exc):
-                        raise
-                    self.fallbacks["checkpoint_failed"] += 1
-
-        work: dict[int, list[int]] = {}
-        for d in plan.decode:
-            work[d.rid] = [d.token]
-        for v in plan.verify:
-            if v.rid in work or not v.tokens:
-                res.errors[v.rid] = "a row can decode or verify once per step, with a non-empty window"
-                work.pop(v.rid, None)
-                continue
-            if self._window_fits(v.rid, len(v.tokens)):
-                work[v.rid] = list(v.tokens)
-            else:
-                work[v.rid] = v.tokens[:1]
-                self.fallbacks["spec_untrimmable"] += 1
+        # 5. checkpoints of the rows asked for, as they stand after prefill
+        self._checkpoint(plan, res)
+        # 6. this step's work: a decode token or a verify window per row
+        work = self._work(plan, res)
         verify_rids = {v.rid for v in plan.verify}
-        for rid in list(work):
-            if rid not in self._rows:
-                res.errors.setdefault(rid, f"row {rid} is not open on the device")
-                del work[rid]
         batch = self._batch
         joiners = [rid for rid in work if self._rows[rid].cache is not None]
         verifying = bool(plan.verify)
 
+        # 7. the decode batch's forward (or the step run ahead's tokens), then rows joining it
         outputs: list[tuple[list[int], list[int] | None, Any, dict]] = []  # (rids, widths, tokens, logprobs)
         step_tokens: list[mx.array] = []  # [B] per group, for the next queued step
         if queued:
@@ -480,6 +457,7 @@ class MLXBackend:
                 row.cache = None
                 row.fed += len(toks)
 
+        # 8. run the next step ahead when every batch row decoded and the kind can undo it
         all_decoded = not verifying and len(batch) > 0 and len(work) == len(batch)
         ahead = None
         fits = all_decoded and self.pipeline and self._ahead_fits()
@@ -503,6 +481,7 @@ class MLXBackend:
                 # which the ``eval`` below waits for), as ``generate_step`` does.
                 # The MLX thread computes it once the result is handed over.
                 self._build_ahead(pending=1)
+        # 9. evaluate and collect: tokens, logprobs, verify targets; caches handed out.
         # Caches handed out are evaluated, so the prompt-cache tiers may copy them
         # from another thread (an unevaluated array is bound to this thread's stream).
         kept = [*res.closed.values(), *res.checkpoints.values()]
@@ -521,6 +500,37 @@ class MLXBackend:
         return res
 
     # ---- phases --------------------------------------------------------------
+    def _checkpoint(self, plan: StepPlan, res: StepResult) -> None:
+        for rid in plan.checkpoint:
+            row = self._rows.get(rid)
+            if row is not None and row.cache is not None and rid not in res.errors:
+                try:
+                    res.checkpoints[rid] = snapshot_cache(row.cache)
+                except Exception as exc:  # noqa: BLE001 - no checkpoint is a later miss, never a failed row
+                    if isinstance(exc, MemoryError) or _is_oom(exc):
+                        raise
+                    self.fallbacks["checkpoint_failed"] += 1
+
+    def _work(self, plan: StepPlan, res: StepResult) -> dict[int, list[int]]:
+        work: dict[int, list[int]] = {}
+        for d in plan.decode:
+            work[d.rid] = [d.token]
+        for v in plan.verify:
+            if v.rid in work or not v.tokens:
+                res.errors[v.rid] = "a row can decode or verify once per step, with a non-empty window"
+                work.pop(v.rid, None)
+                continue
+            if self._window_fits(v.rid, len(v.tokens)):
+                work[v.rid] = list(v.tokens)
+            else:
+                work[v.rid] = v.tokens[:1]
+                self.fallbacks["spec_untrimmable"] += 1
+        for rid in list(work):
+            if rid not in self._rows:
+                res.errors.setdefault(rid, f"row {rid} is not open on the device")
+                del work[rid]
+        return work
+
     def _close(self, plan: StepPlan, res: StepResult, queued: list[_Ahead]) -> list[mx.array]:
         """Close rows; return each queued step's tokens for the rows that stay."""
         leaving: list[int] = []
@@ -551,6 +561,7 @@ class MLXBackend:
         return [t[index] if index is not None else t[:0] for t in tokens]
 
     def _open(self, plan: StepPlan, res: StepResult) -> None:
+        self._refill = {}
         for o in plan.open:
             if o.rid in self._rows:
                 res.errors[o.rid] = f"row {o.rid} is already open"
@@ -558,19 +569,19 @@ class MLXBackend:
             if o.cache is None:
                 cache, fed = self.make_cache(), 0
             else:
-                cache, fed = o.cache, o.cached
-                if isinstance(cache, CachePrefix):
-                    try:
-                        cache = prefix_view(cache.cache, cache.n)
-                    except Exception as exc:  # noqa: BLE001 - this row fails, not the step
+                try:
+                    cache, fed = self._open_cache(o.cache, o.cached), o.cached
+                except Exception as exc:  # noqa: BLE001 - a cache fault is a miss, not an error
+                    if isinstance(exc, MemoryError) or _is_oom(exc):
+                        raise
+                    if len(o.prefix) != o.cached:  # nothing to prefill instead: this row fails, not the step
                         res.errors[o.rid] = f"prefix cache: {exc}"
                         continue
-                size = getattr(cache[0], "offset", None)
-                if isinstance(size, int) and size != fed:
-                    if size < fed or not can_trim_prompt_cache(cache):
-                        res.errors[o.rid] = f"prefix cache holds {size} tokens, not {fed}"
-                        continue
-                    trim_prompt_cache(cache, size - fed)
+                    # open it empty and prefill the whole prompt (``_prefill``); the Scheduler logs it
+                    self.counters["cache_faults"] += 1
+                    res.cache_faults[o.rid] = str(exc)
+                    self._refill[o.rid] = list(o.prefix)
+                    cache, fed = self.make_cache(), 0
             seed = row_seed(o.sampling, self.engine_seed, o.rid)
             sampler = RowSampler(o.sampling, seed, self.info.vocab_size)
             logits = None
@@ -582,6 +593,20 @@ class MLXBackend:
                     continue
                 logits = RowLogits(o.sampling, matcher, self.info.vocab_size, sorted(self.tokenizer.eos_token_ids))
             self._rows[o.rid] = _Row(o.rid, sampler, o.sampling.max_tokens, cache, fed, logits=logits)
+
+    @staticmethod
+    def _open_cache(cache: Any, n: int) -> list[Any]:
+        """A row's private cache of ``n`` tokens from what ``OpenRow`` carried:
+        a ``CachePrefix`` of a RAM-tier entry is cut here (``prefix_view``), a
+        cache holding more tokens trimmed; raises when it cannot serve ``n``."""
+        if isinstance(cache, CachePrefix):
+            cache = prefix_view(cache.cache, cache.n)
+        size = getattr(cache[0], "offset", None)
+        if isinstance(size, int) and size != n:
+            if size < n or not can_trim_prompt_cache(cache):
+                raise ValueError(f"prefix cache holds {size} tokens, not {n}")
+            trim_prompt_cache(cache, size - n)
+        return cast(list[Any], cache)
 
     def _trim(self, plan: StepPlan, res: StepResult) -> None:
         batch_trim: dict[int, int] = {}
@@ -633,17 +658,20 @@ class MLXBackend:
     def _prefill(self, plan: StepPlan, res: StepResult) -> None:
         vocab = self.info.vocab_size
         ready: list[tuple[_Row, list[int]]] = []
-        for chunk in plan.prefill:
-            row = self._rows.get(chunk.rid)
+        refill, self._refill = self._refill, {}  # rows whose prefix cache faulted this step: their prefix first
+        chunks = [(c.rid, refill.pop(c.rid, []) + c.tokens) for c in plan.prefill]
+        chunks += list(refill.items())  # a faulted row with no chunk this step (it decodes next)
+        for rid, tokens in chunks:
+            row = self._rows.get(rid)
             if row is None or row.cache is None:
-                res.errors.setdefault(chunk.rid, f"row {chunk.rid} cannot prefill (not open, or decoding)")
+                res.errors.setdefault(rid, f"row {rid} cannot prefill (not open, or decoding)")
                 continue
-            if not chunk.tokens:
+            if not tokens:
                 continue
-            if min(chunk.tokens) < 0 or max(chunk.tokens) >= vocab:
-                res.errors[chunk.rid] = "a token id is outside the vocabulary"
+            if min(tokens) < 0 or max(tokens) >= vocab:
+                res.errors[rid] = "a token id is outside the vocabulary"
                 continue
-            ready.append((row, chunk.tokens))
+            ready.append((row, tokens))
         # Chunks of rows whose caches hold the same number of tokens go through
         # one forward (mlx_lm.BatchGenerator prefills its prompts together too).
         groups: dict[int, list[tuple[_Row, list[int]]]] = {}

@@ -189,7 +189,7 @@ def encode_wire(plan: StepPlan, drops: list[int]) -> bytes:
                 # not a cache every rank holds (an SSD restore is one: it is
                 # tracked, actors.distributed_tier): refuse rather than let the ranks diverge
                 raise RuntimeError("a step plan with a cache the other ranks do not hold cannot be shared")
-            opened.append(OpenRow(o.rid, o.sampling, src.origin, o.cached))
+            opened.append(OpenRow(o.rid, o.sampling, src.origin, o.cached, o.prefix))
         plan = dataclasses.replace(plan, open=opened)
     return _encode((plan, drops))
 

@@ -6,21 +6,11 @@ Nothing here touches MLX arrays, so these methods are safe on the event loop
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequest
-
-
-@dataclass(frozen=True)
-class ToolMarkup:
-    """How a model's template writes tool calls: mlx-lm's markers and parser."""
-
-    start: str
-    end: str
-    parser: Callable[[str, Any], Any]
-    json_form: bool  # mlx-lm's `json_tools` form, for which a forced call's grammar is written
+from engine.tool_markup import ToolMarkup  # re-exported: it lived here
 
 
 class MLXTokenizer:

@@ -474,3 +474,81 @@ async def test_a_failing_batch_cache_or_checkpoint_is_a_counted_fallback(models,
         monkeypatch.undo()
         after = await engine.acomplete(prompts[1], SP)
         assert after.token_ids == want[1]
+
+
+# Every KV option on every architecture, with the flags as a user types them:
+# mlx-lm's default group size (64) included. A combination that cannot serve a
+# model is refused at start, naming the flag and the head dimension; one that
+# starts serves mlx-lm's greedy tokens (where mlx-lm can run the option: it
+# cannot quantize a rotating window) alone and batched.
+MATRIX_OPTIONS = {
+    "kv_bits4": {"kv_bits": 4},
+    "kv_bits8": {"kv_bits": 8},
+    "kv_bits8-group32": {"kv_bits": 8, "kv_group_size": 32},
+    "max_kv_size32": {"max_kv_size": 32},
+}
+# the archs as built (head_dim 16: no group size divides it), and two with head_dim 32
+MATRIX_ARCHS = {
+    **{arch: {} for arch in ARCHS},
+    "gemma3_text-hd32": {"head_dim": 32, "query_pre_attn_scalar": 32},
+    "llama-hd32": {"head_dim": 32},
+}
+
+
+def _kv_dims(path: pathlib.Path) -> set[int]:
+    """The head dimensions of the model's plain KV layers (what --kv-bits quantizes)."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    model, _ = load(str(path))
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    return {int(x.shape[-1]) for c in cache if type(c) is KVCache for x in (c.keys, c.values)}
+
+
+def _reference_as_ours(path, tokens: list[int], n: int, **kw) -> list[int]:
+    """mlx-lm's greedy tokens with the option: a window replaces the plain KV
+    layers only (as ``MLXBackend.make_cache`` does; SSM state stays)."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    model, _ = load(str(path))
+    if "max_kv_size" in kw:
+        size = kw.pop("max_kv_size")
+        cache = make_prompt_cache(model)
+        kw["prompt_cache"] = [RotatingKVCache(max_size=size, keep=0) if type(c) is KVCache else c for c in cache]
+    return [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=n, **kw)]
+
+
+@pytest.mark.parametrize("option", list(MATRIX_OPTIONS))
+@pytest.mark.parametrize("arch", list(MATRIX_ARCHS))
+async def test_every_kv_option_on_every_arch(models, arch, option):
+    from engine.errors import InvalidRequest
+
+    ours = MATRIX_OPTIONS[option]
+    path = models.path(arch.split("-")[0], **MATRIX_ARCHS[arch])
+    group = ours.get("kv_group_size", 64)
+    dims = _kv_dims(path) if "kv_bits" in ours else set()
+    if any(d % group for d in dims):
+        with pytest.raises(InvalidRequest) as refused:
+            async with Engine.open(_cfg(path, **ours)):
+                pass
+        msg = str(refused.value)
+        assert f"--kv-bits {ours['kv_bits']}" in msg and f"head dimension {min(dims)}" in msg
+        assert f"--kv-group-size {group}" in msg and refused.value.param == "kv_group_size"
+        return
+    async with Engine.open(_cfg(path, prompt_cache_gib=0, **ours)) as engine:
+        prompts = [engine.encode(p) for p in PROMPTS]
+        alone = (await engine.acomplete(prompts[0], SP)).token_ids
+        batched = await asyncio.gather(*[engine.acomplete(p, SP) for p in prompts])
+        assert engine.dead is None
+    assert batched[0].token_ids == alone
+    theirs = dict(ours)
+    if "kv_bits" in theirs:
+        theirs.update(kv_group_size=group, quantized_kv_start=0)
+    try:
+        want = [_reference_as_ours(path, p, SP.max_tokens, **theirs) for p in prompts]
+    except NotImplementedError:  # mlx-lm cannot quantize a RotatingKVCache: the engine alone is the oracle
+        return
+    assert [c.token_ids for c in batched] == want
