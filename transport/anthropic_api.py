@@ -290,7 +290,7 @@ async def messages(request: Request, host: Any) -> Response:
     host.require_engine()
     req: MessagesRequest = decode_request(await read_body(request, host.max_body_bytes), MessagesRequest)
     engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
-    timer = TokenTimer(host.metrics, engine.clock.now)
+    timer = TokenTimer(host.metrics, engine.clock.now, model)
     setup = req.tool_setup()
     prompt = await _prompt(host, engine, req, setup)
     limit = output_limit(req.max_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)

@@ -307,7 +307,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     body = await read_body(request, host.max_body_bytes)
     req = decode_request(body, request_type(chat, host.trust_gateway))
     engine, model = await host.engine_for(requested_model(req), keep_alive=req.keep_alive)
-    timer = TokenTimer(host.metrics, engine.clock.now)
+    timer = TokenTimer(host.metrics, engine.clock.now, model)
     thinks = reasoning.markup_of(engine.tokenizer) is not None
     req = host.extensions.check(req, host.envelope, "chat" if chat else "completions", thinks)
     prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise

@@ -141,9 +141,10 @@ class Metrics:
 class TokenTimer:
     """Observes one request's TTFT and inter-token latencies as deltas arrive."""
 
-    def __init__(self, metrics: Metrics, now: Callable[[], float]):
+    def __init__(self, metrics: Metrics, now: Callable[[], float], model: str | None = None):
         self.metrics = metrics
         self.now = now
+        self.model = model  # the served name, so the dashboard shows each model its own requests
         self.start = now()
         self.last: float | None = None
         self.ttft: float | None = None
@@ -168,4 +169,4 @@ class TokenTimer:
 
     def done(self) -> None:
         self.metrics.e2e.observe(self.now() - self.start)
-        self.metrics.recent.add(self.ttft, self.usage)
+        self.metrics.recent.add(self.ttft, self.usage, self.model)

@@ -361,7 +361,7 @@ async def responses(request: Request, host: Any) -> Response:
     host.require_engine()
     req: ResponsesRequest = decode_request(await read_body(request, host.max_body_bytes), ResponsesRequest)
     engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
-    timer = TokenTimer(host.metrics, engine.clock.now)
+    timer = TokenTimer(host.metrics, engine.clock.now, model)
     store = response_store(host)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:

@@ -22,10 +22,12 @@ class RecentRequests:
         self.size = size
         self.seq = 0  # requests ever recorded: the dashboard tells new records from old by it
 
-    def add(self, ttft_s: float | None, usage: Usage | None) -> None:
-        """One finished request (``ttft_s`` None: it produced no token)."""
+    def add(self, ttft_s: float | None, usage: Usage | None, model: str | None = None) -> None:
+        """One finished request (``ttft_s`` None: it produced no token) of ``model``."""
         self.seq += 1
         rec: dict[str, Any] = {"seq": self.seq, "t": round(time.time(), 3), "ttft_ms": None}
+        if model is not None:
+            rec["model"] = model  # the dashboard's section for that model keeps only its own
         if ttft_s is not None:
             rec["ttft_ms"] = round(ttft_s * 1000, 1)
         if usage is not None:

@@ -202,3 +202,14 @@ async def test_per_request_keep_alive_as_ollama_sends_it():
         assert r.status_code == 200 and entry.keep_alive_s == 30.0
         r = await client.post("/v1/chat/completions", json={"model": "b", "messages": msgs, "keep_alive": "soon"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
+
+
+async def test_the_dashboards_recent_requests_name_their_model():
+    """/stats' recent_requests carry the served name, so each model's dashboard
+    section shows its own requests (transport/ui/app.js filters on it)."""
+    async with serving(A, more_models={"b": B}, registry_kw={"aliases": {"claude-haiku-*": "b"}}) as (_, client):
+        assert (await _complete(client, "b", "hi", 4, False))[0] == 200
+        assert (await _complete(client, None, "hi", 4, True))[0] == 200
+        assert (await _complete(client, "claude-haiku-4-5", "hi", 4, False))[0] == 200
+        recent = (await client.get("/stats")).json()["recent_requests"]["requests"]
+    assert [r["model"] for r in recent] == ["b", "fake-gpu-0", "b"]
