@@ -161,6 +161,8 @@ class ServerState:
             return self.config.model_name
         if self.config.backend == "mlx":
             return self.config.model
+        if self.config.backend == "scripted":
+            return "scripted"  # engine.fake.scripted's model_id, which the agent clients are given
         backend = self.engine_kw.get("backend")
         info = getattr(backend, "info", None)
         return info.model_id if info is not None else f"fake-gpu-{self.config.fake.seed}"
