@@ -521,6 +521,7 @@ def _reference_as_ours(path, tokens: list[int], n: int, **kw) -> list[int]:
     return [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=n, **kw)]
 
 
+@pytest.mark.heavy  # 40 real-MLX cases: minutes without OpenBLAS
 @pytest.mark.parametrize("option", list(MATRIX_OPTIONS))
 @pytest.mark.parametrize("arch", list(MATRIX_ARCHS))
 async def test_every_kv_option_on_every_arch(models, arch, option):

@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 
 from tests.live_server import ember_serve
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # 24 SDK round trips against a live server
 
 MODEL = "tiny"
 QUESTION = "What is the weather in Paris?"
