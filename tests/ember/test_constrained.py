@@ -205,6 +205,7 @@ def _chi2_critical(df: int, alpha_z: float = 3.09) -> float:
     return df * (1 - a + alpha_z * math.sqrt(a)) ** 3
 
 
+@pytest.mark.heavy  # thousands of sampled tokens for a chi-square bound: 17 s without OpenBLAS
 async def test_constraint_keeps_the_distribution_over_allowed_tokens():
     """At temperature 1 the first token's frequencies under a regex are the
     model's probabilities restricted to the tokens the grammar allows there,

@@ -346,6 +346,7 @@ def test_serve_exits_1_when_the_shutdown_deadline_passes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # five SIGKILLed servers in a row
 def test_crashtest_reduced_five_kills(tmp_path):
     from sims.crashtest import run
 

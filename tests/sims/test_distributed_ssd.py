@@ -22,7 +22,10 @@ import pytest
 
 from tests.sims.test_distributed import Ranks, qwen2_dir, reference  # noqa: F401 - qwen2_dir: a fixture
 
-pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # two mx.distributed ranks per case, restarted: ~1 min a case without OpenBLAS
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.heavy,
+]  # two mx.distributed ranks per case, restarted: ~1 min a case without OpenBLAS
 
 N = 16
 # three long prompts (hundreds of tokens) with nothing in common at their start
