@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from engine.closed_schema import close_objects
 from engine.errors import InvalidRequest
 from engine.types import Constraint
 
@@ -184,7 +185,8 @@ def forced_call_grammar(tools: list[Tool], choice: ToolChoice, *, parallel: bool
     alts = []
     for i, t in enumerate(chosen):
         head = f'{start}\n{{"name": {json.dumps(t.name)}, "arguments": '
-        schema = {**(t.parameters or {"type": "object"}), "x-guidance": _JSON_STYLE}
+        params = t.parameters or {"type": "object", "properties": {}}  # no parameters: the call writes {}
+        schema = {**close_objects(params), "x-guidance": _JSON_STYLE}
         rules.append(f"call{i}: {_lark_string(head)} args{i} {_lark_string('}' + chr(10) + end)}")
         rules.append(f"args{i}: %json {json.dumps(schema)}")
         alts.append(f"call{i}")
@@ -250,4 +252,8 @@ class ToolSetup(msgspec.Struct, frozen=True, kw_only=True):
     def constraint(self, markup: Any) -> Constraint | None:
         if not self.forced:
             return None
-        return forced_call_grammar(self.tools, self.choice, parallel=self.parallel, start=markup.start, end=markup.end)
+        # A named choice is one call of that function (OpenAI's and vLLM's meaning):
+        # left open, a model that does not stop on its own writes the call again
+        # until max_tokens and the answer ends "length", which clients treat as failed.
+        parallel = self.parallel and self.choice.mode != "named"
+        return forced_call_grammar(self.tools, self.choice, parallel=parallel, start=markup.start, end=markup.end)

@@ -24,6 +24,7 @@ from typing import Any
 import llguidance
 import msgspec
 
+from engine.closed_schema import close_objects
 from engine.errors import InvalidRequest
 from engine.types import Constraint
 
@@ -47,7 +48,7 @@ def _grammar_text(c: Constraint) -> str:
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest("a JSON schema must be an object (or true/false)", "constraint")
         try:
-            return LL.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return LL.grammar_from_json_schema(close_objects(schema), defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(f"invalid JSON schema: {exc}", "constraint") from None
     if c.kind == "lark":

@@ -256,3 +256,21 @@ def test_forced_call_grammar_is_valid_lark_for_llguidance():
         assert g.kind == "lark"
         assert llg.LLMatcher.validate_grammar(llg.grammar_from("lark", g.source)) == ""
     assert isinstance(tools[0], Tool)
+
+
+def test_a_named_tool_choice_is_one_call_even_with_parallel_calls_allowed():
+    """OpenAI's (and vLLM's) meaning of a named choice: one call of it. Left open
+    to more, a model that does not stop on its own repeats the call until
+    max_tokens (instructor's TOOLS mode then fails on "length")."""
+    from types import SimpleNamespace
+
+    from transport.tools import ToolSetup
+
+    tools = [check_tool("now", None, None, "t"), check_tool("later", None, None, "t")]
+    markup = SimpleNamespace(start="<tool_call>", end="</tool_call>", json_form=True)
+    named = ToolSetup.of(tools, ToolChoice(mode="named", name="now"), None, "tool_choice").constraint(markup)
+    required = ToolSetup.of(tools, ToolChoice(mode="required"), None, "tool_choice").constraint(markup)
+    assert named is not None and required is not None
+    assert named.source.splitlines()[0] == "start: call"
+    assert named.source.splitlines()[1] == "call: call0"  # only the named tool
+    assert required.source.splitlines()[0] == 'start: call ("\\n" call)*'  # parallel calls stay open
