@@ -97,6 +97,9 @@ class ModelInfo:
     # The backend applies SamplingParams' logits processing (constraint,
     # penalties, logit_bias, logprobs); the Gateway refuses them otherwise.
     logits_processing: bool = False
+    # The backend enforces SamplingParams.constraint (a grammar) even without the
+    # rest of logits processing (the scripted test model masks its script by it).
+    constraints: bool = False
 
 
 @dataclass(slots=True)

@@ -102,7 +102,7 @@ def check_logits_params(p: SamplingParams, info: ModelInfo) -> None:
         raise InvalidRequest(f"logprobs (top alternatives) must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
     if p.constraint is not None and p.ignore_eos:
         raise InvalidRequest("ignore_eos cannot be combined with a constraint: the grammar ends with EOS", "ignore_eos")
-    used = active_fields(p)
+    used = [f for f in active_fields(p) if not (f == "constraint" and info.constraints)]
     if used and not info.logits_processing:
         raise InvalidRequest(
             f"{used[0]} is not supported by this backend (the fake GPU has no logits processing; use backend='mlx')",

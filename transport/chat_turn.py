@@ -27,8 +27,8 @@ from transport.tools import ToolSetup
 
 def engine_enforces_constraints(engine: Any) -> bool:
     """Whether this engine masks logits by ``SamplingParams.constraint`` (the MLX
-    backend with llguidance does; the fake GPU does not)."""
-    return bool(getattr(engine.info, "logits_processing", False))
+    backend with llguidance and the scripted model do; the fake GPU does not)."""
+    return bool(getattr(engine.info, "constraints", False))
 
 
 class Prompt(list):

@@ -48,7 +48,13 @@ Where a reply starts: after the last ``<|im_start|>assistant\\n`` (the
 template's generation prompt) in the row's tokens, so the backend keeps no
 per-request state and a row restored from the prompt cache continues the
 same reply. A prompt without that marker (a plain completion) gets EOS at once.
-Sampling settings are ignored: the script is the model.
+Sampling settings are ignored: the script is the model, a distribution with
+all its mass on the script's next token. A grammar (``SamplingParams.constraint``:
+a forced tool call, a JSON schema, ``json_object``) masks it as it masks any
+model, with the same llguidance matchers the MLX backend uses: the script's
+token where the grammar allows it, else EOS where the grammar may end, else
+the lowest token it allows. A script written to its grammar is answered as
+written; one that is not comes out as the grammar bends it, never outside it.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ import msgspec
 import numpy as np
 
 from engine.fake.gpu import FakeBackend, FakeGPUConfig, _Row
+from engine.mlx.grammar import Grammars
 from engine.ports import ModelInfo
 
 DEFAULT_CONTEXT = 262_144
@@ -227,7 +234,11 @@ class ScriptedBackend(FakeBackend):
             config_fingerprint=f"scripted-{fp}",
             tokenizer_hash=f"scripted-{self.script.tokenizer}",
             num_layers=self.cfg.num_layers,
+            constraints=True,
         )
+        # the HF tokenizer under mlx-lm's wrapper, as the MLX backend builds its Grammars
+        wrapper = getattr(tok, "_tok", tok)
+        self.grammars = Grammars(getattr(wrapper, "_tokenizer", wrapper), len(tok), sorted(tok.eos_token_ids))
         # reply tokens by (prompt length, prefix hash there): decoding a 50k-token
         # prompt per generated token would cost more than the whole engine step
         self._replies: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
@@ -249,7 +260,28 @@ class ScriptedBackend(FakeBackend):
         else:
             self._replies.move_to_end(key)
         k = len(tokens) - start
-        return reply[k] if k < len(reply) else self._eos
+        token = reply[k] if k < len(reply) else self._eos
+        constraint = row.sampling.constraint
+        return token if constraint is None else self._masked(constraint, tokens[start:].tolist(), token)
+
+    def _masked(self, constraint: Any, generated: list[int], token: int) -> int:
+        """``token`` under the grammar, after ``generated``. Stateless (the matcher is
+        replayed over the reply so far), so a trimmed verify window or a row restored
+        from the prompt cache needs no matcher state of its own."""
+        import llguidance.numpy as llnp
+
+        matcher = self.grammars.matcher(constraint)
+        if matcher.consume_tokens(generated) is False or matcher.is_stopped():
+            return self._eos
+        if matcher.validate_tokens([token]) == 1:
+            return token
+        if matcher.is_accepting():
+            return self._eos
+        mask = llnp.allocate_token_bitmask(1, self.grammars.vocab_size)
+        llnp.fill_next_token_bitmask(matcher, mask)
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.grammars.vocab_size]
+        allowed = np.flatnonzero(bits)
+        return int(allowed[0]) if len(allowed) else self._eos
 
     def _reply_start(self, tokens: np.ndarray) -> int | None:
         """The position after the last generation prompt in ``tokens``."""

@@ -197,6 +197,7 @@ class MLXBackend:
             tokenizer_hash=tokenizer_hash,
             num_layers=len(getattr(model, "layers", probe)),
             logits_processing=True,
+            constraints=True,
         )
         self._rows: dict[int, _Row] = {}
         self._batch = DecodeBatch()

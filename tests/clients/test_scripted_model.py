@@ -86,3 +86,27 @@ def test_served_tool_round_trip_hits_the_cache(tmp_path):
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= r1.json()["usage"]["prompt_tokens"] - 1
         models = httpx.get(f"{url}/v1/models").json()["data"]
         assert models[0]["id"] == "scripted"
+
+
+def test_a_grammar_masks_the_script_as_it_masks_any_model(tmp_path):
+    """A script that fits the grammar comes out as written; one that does not is
+    bent into it (EOS where the grammar may end), never outside it."""
+    from engine.fake.scripted import ScriptedBackend
+    from engine.types import Constraint
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"rules": [], "default": "x"}))
+    b = ScriptedBackend(path)
+    assert b.info.constraints and not b.info.logits_processing  # grammars only, no penalties/logprobs
+    schema = Constraint(
+        kind="json_schema", source=json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    )
+    fits = b.tokenizer.encode_rendered('{"a":12}')
+    assert [b._masked(schema, fits[:i], t) for i, t in enumerate(fits)] == fits
+    assert b._masked(schema, fits, b._eos) == b._eos
+    # the script wants to go on after the object closes: the grammar ends it
+    assert b._masked(schema, fits, fits[0]) == b._eos
+    # the script writes prose where JSON must start: a token the grammar allows instead
+    prose = b.tokenizer.encode_rendered("Sure")[0]
+    bent = b._masked(schema, [], prose)
+    assert bent != prose and b.tokenizer.decode([bent]).startswith("{")
