@@ -45,6 +45,7 @@ def _admitted(url: str) -> int:
 
 
 @pytest.mark.cluster
+@pytest.mark.heavy  # two replicas and a gateway (~7 s): .ci/run's `pytest -m cluster` stage, not plain pytest
 @pytest.mark.skipif(not router_available(), reason='needs sglang-router: pip install -e ".[cluster]"')
 def test_the_gateway_keeps_a_routing_key_on_one_replica():
     """Two replicas behind the real gateway, ``--policy manual``: every request
