@@ -62,9 +62,9 @@ class RowDelta(msgspec.Struct, frozen=True, kw_only=True):
 class PrefixCache(Protocol):
     """The RAM prompt-cache tier as the Scheduler uses it (see engine.kv.prompt_cache)."""
 
-    def take(self, tokens: list[int], ns: str, min_len: int = 1) -> tuple[Any, int]: ...
+    def take(self, tokens: list[int], ns: str, min_len: int = 1, session: str | None = None) -> tuple[Any, int]: ...
 
-    def put(self, tokens: list[int], ns: str, cache: Any) -> None: ...
+    def put(self, tokens: list[int], ns: str, cache: Any, session: str | None = None) -> None: ...
 
     def demote_idle(self, idle_s: float) -> tuple[int, float | None]: ...
 
@@ -245,7 +245,9 @@ class SchedulerCore:
         if row.prepared is not None:
             (cache, cached), row.prepared = row.prepared, None
         elif self.prefix_cache is not None:
-            cache, cached = self.prefix_cache.take(row.prompt, row.ns, min_len=self.cfg.min_cached_prefix)
+            cache, cached = self.prefix_cache.take(
+                row.prompt, row.ns, min_len=self.cfg.min_cached_prefix, session=row.params.cache_session
+            )
             cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
             if self._wait_for_cold(row, cache, cached):
                 return
@@ -368,12 +370,12 @@ class SchedulerCore:
             at = self._checkpoint_at.pop(rid, None)
             row = self.rows.get(rid)
             if at is not None and row is not None and self.prefix_cache is not None:
-                self.prefix_cache.put(row.prompt[:at], row.ns, cache)
+                self.prefix_cache.put(row.prompt[:at], row.ns, cache, session=row.params.cache_session)
                 self.counters["checkpoints"] += 1
         for rid, cache in result.closed.items():
             row = self.rows.pop(rid, None)
             if row is not None and self.prefix_cache is not None:
-                self.prefix_cache.put(row.cached_tokens(), row.ns, cache)
+                self.prefix_cache.put(row.cached_tokens(), row.ns, cache, session=row.params.cache_session)
         for rid in plan.close:
             self.rows.pop(rid, None)
         for rid, why in result.cache_faults.items():

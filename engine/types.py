@@ -56,6 +56,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Speculation overrides (None = the engine default).
     num_draft_tokens: int | None = None
     speculate: bool | None = None
+    # The client's session key for the prompt cache (``prompt_cache_key``,
+    # Anthropic's ``metadata.user_id``): the RAM tier evicts a live session's
+    # recent entries last (engine.kv.prompt_cache). Never changes the output.
+    cache_session: str | None = None
 
 
 class SpecUsage(msgspec.Struct, kw_only=True):

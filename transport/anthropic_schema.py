@@ -11,10 +11,12 @@ counted no-op (``note_envelope``; the table is docs/agent-api.md):
   (a JSON schema the grammar engine holds the answer to), ``tools[].strict``
   (the schema must compile), ``tools[].defer_loading`` (callable, not
   rendered), ``max_tokens`` (clamped to the context left), ``thinking``
-  (``thinking_choice()``, for the template's thinking switch);
+  (``thinking_choice()``, for the template's thinking switch),
+  ``metadata.user_id`` (the prompt cache's session key, as ``prompt_cache_key``
+  is on OpenAI's routes: Claude Code puts its session id in it);
 * counted no-ops: ``cache_control`` (on any block, tool or the request: Ember's
   prompt cache needs no breakpoints, every prefix it has computed is reusable,
-  and ``usage`` reports what it served), ``metadata``, ``service_tier``,
+  and ``usage`` reports what it served), ``service_tier``,
   ``context_management``, ``output_config.effort``, ``container``,
   ``inference_geo``, ``speed``, ``diagnostics``, ``user_profile_id``,
   ``workspace_id``, and earlier ``thinking`` blocks (left out of the prompt);
@@ -150,7 +152,6 @@ class Metadata(_Strict, kw_only=True):
 
 # Top-level fields accepted as counted no-ops when set (docs/agent-api.md).
 _IGNORED = (
-    "metadata",
     "service_tier",
     "context_management",
     "cache_control",
@@ -192,8 +193,9 @@ class _Prompt(_Strict, kw_only=True):
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     mcp_servers: list[Any] | None = None
-    # counted no-ops (_IGNORED)
+    # the prompt cache's session key: ``metadata.user_id`` (``cache_session``)
     metadata: Metadata | None = None
+    # counted no-ops (_IGNORED)
     service_tier: str | None = None
     context_management: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None
@@ -258,6 +260,11 @@ class _Prompt(_Strict, kw_only=True):
         for name in _IGNORED:
             if getattr(self, name) is not None:
                 note(name, "ignored")
+        if self.metadata is not None:
+            note(
+                "metadata.user_id" if self.cache_session() else "metadata",
+                "honoured" if self.cache_session() else "ignored",
+            )
         if self.mcp_servers is not None:
             note("mcp_servers", "ignored")  # only an empty list gets here
         if self.output_config is not None:
@@ -421,6 +428,13 @@ class _Prompt(_Strict, kw_only=True):
                 out.append({"role": "user", "content": text})
         return out
 
+    def cache_session(self) -> str | None:
+        """The prompt cache's session key: ``metadata.user_id``, Anthropic's one
+        per-request identifier. Claude Code's (a JSON string holding its
+        ``session_id``) changes with each session, and a plain user id keeps
+        that user's recent prefixes: either way what comes back soon is kept."""
+        return self.metadata.user_id if self.metadata is not None and self.metadata.user_id else None
+
     def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         """``max_tokens``: the output limit resolved against the context (transport.limits)."""
         d = SamplingParams()
@@ -433,6 +447,7 @@ class _Prompt(_Strict, kw_only=True):
             top_k=0 if top_k >= vocab_size else top_k,
             stop=list(self.stop_sequences or []),
             constraint=self.constraint(),
+            cache_session=self.cache_session(),
         )
 
     def param_names(self) -> dict[str, str]:

@@ -19,6 +19,12 @@ status; a server it started stops with it.
 - **OpenCode**: an ``OPENCODE_CONFIG`` file with an ``ember`` provider
   (OpenAI-compatible) and the model's limits.
 
+Each launch is one session with one routing key, sent as the header
+``X-SMG-Routing-Key`` (Claude Code's ``ANTHROPIC_CUSTOM_HEADERS``, Codex's
+provider ``http_headers``, OpenCode's provider ``headers``): behind the SGLang
+Model Gateway with ``--policy manual`` every request of the session goes to the
+replica that holds its prefix (docs/distributed.md); a single server ignores it.
+
 The server it starts has the SSD prompt-cache tier on (``--ssd-cache`` under
 ``$XDG_CACHE_HOME/ember/ssd``, default ``~/.cache/ember/ssd``), so a session
 resumed after a restart still starts warm.
@@ -35,11 +41,19 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 CLIENTS = ("claude", "codex", "opencode")
 DUMMY_KEY = "ember"
+# the header sglang-router's ``manual`` policy routes by: one key, one replica
+ROUTING_HEADER = "X-SMG-Routing-Key"
+
+
+def routing_key() -> str:
+    """A fresh session's routing key."""
+    return f"ember-launch-{uuid.uuid4().hex}"
 
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> pathlib.Path:
@@ -65,11 +79,19 @@ def output_limit(context: int) -> int:
 
 
 def client_env(
-    client: str, url: str, model: str, context: int, environ: Mapping[str, str], home: pathlib.Path
+    client: str,
+    url: str,
+    model: str,
+    context: int,
+    environ: Mapping[str, str],
+    home: pathlib.Path,
+    session: str | None = None,
 ) -> dict[str, str]:
-    """The client's environment: the caller's, with everything Ember needs set."""
+    """The client's environment: the caller's, with everything Ember needs set;
+    ``session``: the routing key its requests carry (``ROUTING_HEADER``)."""
     env = dict(environ)
     out = output_limit(context)
+    session = session or routing_key()
     if client == "claude":
         env.update(
             ANTHROPIC_BASE_URL=url,
@@ -86,17 +108,20 @@ def client_env(
             CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(out),
             CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
         )
+        headers = [h for h in env.get("ANTHROPIC_CUSTOM_HEADERS", "").splitlines() if h.strip()]
+        headers = [h for h in headers if h.split(":", 1)[0].strip().lower() != ROUTING_HEADER.lower()]
+        env["ANTHROPIC_CUSTOM_HEADERS"] = "\n".join([*headers, f"{ROUTING_HEADER}: {session}"])
         env.pop("ANTHROPIC_AUTH_TOKEN", None)  # it would be sent instead of the key
     elif client == "codex":
         codex_home = home / "codex"
         codex_home.mkdir(parents=True, exist_ok=True)
-        (codex_home / "config.toml").write_text(codex_config(url, model, context))
+        (codex_home / "config.toml").write_text(codex_config(url, model, context, session))
         env["CODEX_HOME"] = str(codex_home)
         env.setdefault("EMBER_API_KEY", DUMMY_KEY)
     elif client == "opencode":
         path = home / "opencode.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(opencode_config(url, model, context), indent=2))
+        path.write_text(json.dumps(opencode_config(url, model, context, session), indent=2))
         env["OPENCODE_CONFIG"] = str(path)
     else:
         raise ValueError(f"unknown client {client!r} ({', '.join(CLIENTS)})")
@@ -107,7 +132,8 @@ def _toml_str(s: str) -> str:
     return json.dumps(s)  # a JSON string is a TOML basic string
 
 
-def codex_config(url: str, model: str, context: int) -> str:
+def codex_config(url: str, model: str, context: int, session: str | None = None) -> str:
+    headers = f"http_headers = {{ {_toml_str(ROUTING_HEADER)} = {_toml_str(session)} }}\n" if session else ""
     return (
         f"model = {_toml_str(model)}\n"
         'model_provider = "ember"\n'
@@ -119,10 +145,14 @@ def codex_config(url: str, model: str, context: int) -> str:
         f"base_url = {_toml_str(url + '/v1')}\n"
         'wire_api = "responses"\n'
         'env_key = "EMBER_API_KEY"\n'
+        f"{headers}"
     )
 
 
-def opencode_config(url: str, model: str, context: int) -> dict[str, Any]:
+def opencode_config(url: str, model: str, context: int, session: str | None = None) -> dict[str, Any]:
+    options: dict[str, Any] = {"baseURL": f"{url}/v1", "apiKey": DUMMY_KEY}
+    if session:
+        options["headers"] = {ROUTING_HEADER: session}
     return {
         "$schema": "https://opencode.ai/config.json",
         "model": f"ember/{model}",
@@ -131,7 +161,7 @@ def opencode_config(url: str, model: str, context: int) -> dict[str, Any]:
             "ember": {
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "Ember",
-                "options": {"baseURL": f"{url}/v1", "apiKey": DUMMY_KEY},
+                "options": options,
                 "models": {model: {"name": model, "limit": {"context": context, "output": output_limit(context)}}},
             }
         },

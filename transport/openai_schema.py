@@ -6,6 +6,8 @@ fields are accepted is a deliberate list (docs/http.md):
 
 * accepted and ignored, because they do not change the output: ``user``,
   ``metadata``, ``store``, ``service_tier``;
+* chat's ``prompt_cache_key``: the prompt cache's session key (the RAM tier
+  keeps a live session's prefix longest, ``engine.kv.prompt_cache``);
 * chat tools: ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
   ``tool_calls`` and ``tool`` messages (checked here and in transport/tools.py);
 * accepted only at their neutral value (anything else is a 400 saying it is
@@ -236,6 +238,10 @@ class _Common(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def cache_session(self) -> str | None:
+        """The prompt cache's session key (chat's ``prompt_cache_key``)."""
+        return None
+
     def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         """The engine's settings; unset fields take the engine defaults (greedy).
         ``max_tokens`` is the output limit resolved against the context
@@ -262,6 +268,7 @@ class _Common(_Strict):
             logit_bias=bias,
             logprobs=self.logprobs_k(),
             constraint=self.constraint(),
+            cache_session=self.cache_session(),
         )
 
     def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
@@ -286,6 +293,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None  # OpenAI's chat takes it as Responses does: a session key
+
+    def cache_session(self) -> str | None:
+        return self.prompt_cache_key
 
     def check(self) -> ChatCompletionRequest:
         self._check_common()

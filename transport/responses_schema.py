@@ -226,8 +226,9 @@ class ResponsesRequest(_Strict, kw_only=True, dict=True):
     background: bool | None = None
     truncation: Literal["disabled", "auto"] | None = None
     top_logprobs: int | None = None
-    # counted no-ops: nothing a local server does changes with them (docs/agent-api.md)
+    # the prompt cache's session key (SamplingParams.cache_session; engine.kv.prompt_cache)
     prompt_cache_key: str | None = None
+    # counted no-ops: nothing a local server does changes with them (docs/agent-api.md)
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     client_metadata: dict[str, Any] | None = None
@@ -391,8 +392,9 @@ class ResponsesRequest(_Strict, kw_only=True, dict=True):
         """(field, action) for docs/agent-api.md's counter: every accepted no-op,
         honoured envelope field and dropped hosted tool in this request."""
         notes: list[tuple[str, str]] = []
+        if self.prompt_cache_key is not None:
+            notes.append(("prompt_cache_key", "honoured"))
         for name in (
-            "prompt_cache_key",
             "prompt_cache_retention",
             "prompt_cache_options",
             "client_metadata",
@@ -496,4 +498,5 @@ class ResponsesRequest(_Strict, kw_only=True, dict=True):
             max_tokens=default_max_tokens if self.max_output_tokens is None else self.max_output_tokens,
             temperature=d.temperature if self.temperature is None else self.temperature,
             top_p=d.top_p if self.top_p is None else self.top_p,
+            cache_session=self.prompt_cache_key,
         )

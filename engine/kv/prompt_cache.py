@@ -26,6 +26,17 @@ MLX are mlx-lm's ``trim_prompt_cache``/``can_trim_prompt_cache``); the lookup
 goes through ``PrefixIndex`` (a bisect over the entries' sorted token bytes,
 shared with the cold tier's index), not a scan of every entry: a 10,000-request
 simulation holds hundreds of entries per tier.
+
+Sessions (``session``: a client's ``prompt_cache_key``, docs/agent-api.md): an
+agent's next turn extends the prompt of its last one, but between the two the
+agent runs a tool, and meanwhile other traffic can push the session's entry
+out of a plain LRU. An entry a live session used last (one of its ``keep``
+most recent, a session being live until ``idle_s`` after its last request) is
+therefore evicted only after every other entry: entries of idle sessions and
+of requests without a key go first, oldest first; when only live sessions'
+entries are left, plain LRU again. The key never changes what a lookup finds
+(entries are shared across sessions, a system prompt serves everyone): only
+the order of eviction.
 """
 
 from __future__ import annotations
@@ -228,6 +239,55 @@ class _Entry:
     trimmable: bool
     last_used: float
     order: int = 0  # position in recency (higher: more recent); ties in ``best`` go to it
+    session: str | None = None  # the live session this entry is one of the recent entries of (``Sessions``)
+
+
+class Sessions:
+    """The entries each session used last: at most ``keep`` per session, and
+    when it last sent a request. Sync, owned by the ``PromptCache``; its size
+    is bounded by the entries (a session with none left is forgotten)."""
+
+    __slots__ = ("keep", "idle_s", "_recent", "_seen")
+
+    def __init__(self, keep: int, idle_s: float):
+        self.keep = keep
+        self.idle_s = idle_s
+        self._recent: dict[str, OrderedDict[int, _Entry]] = {}  # session -> id(entry) -> entry, oldest first
+        self._seen: dict[str, float] = {}  # session -> its last take or put
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def touch(self, session: str, entry: _Entry, now: float) -> None:
+        """``session`` used ``entry`` at ``now`` (it becomes that session's most recent)."""
+        if entry.session != session:
+            self.forget(entry)
+        recent = self._recent.setdefault(session, OrderedDict())
+        recent[id(entry)] = entry
+        recent.move_to_end(id(entry))
+        entry.session = session
+        self._seen[session] = now
+        while len(recent) > self.keep:
+            _, old = recent.popitem(last=False)
+            old.session = None
+
+    def forget(self, entry: _Entry) -> None:
+        """``entry`` left the tier (or another session took it over)."""
+        s, entry.session = entry.session, None
+        if s is None or (recent := self._recent.get(s)) is None:
+            return
+        recent.pop(id(entry), None)
+        if not recent:
+            del self._recent[s], self._seen[s]
+
+    def live(self, entry: _Entry, now: float) -> bool:
+        """True if ``entry`` is a recent entry of a session seen within ``idle_s``."""
+        s = entry.session
+        return s is not None and now - self._seen[s] < self.idle_s
+
+    def clear(self) -> None:
+        self._recent.clear()
+        self._seen.clear()
 
 
 class PromptCache:
@@ -239,6 +299,8 @@ class PromptCache:
         now: Callable[[], float] = lambda: 0.0,
         on_spill: SpillHook | None = None,
         on_put: Callable[[list[int], str], None] | None = None,
+        session_idle_s: float = 300.0,
+        session_keep: int = 4,
     ):
         if max_bytes <= 0:
             raise ValueError("max_bytes must be > 0 (a disabled tier is no PromptCache at all)")
@@ -249,6 +311,10 @@ class PromptCache:
         self.on_put = on_put
         self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()  # oldest use first
         self._index = PrefixIndex()
+        # 300 s: the prompt-cache lifetime OpenAI and Anthropic give a session
+        # between requests; 4 entries: an agent's main turn plus the side and
+        # subagent requests that carry the same key (Claude Code's session id)
+        self.sessions = Sessions(session_keep, session_idle_s)
         self._order = 0
         # ``_entries`` is in order of last use and ``last_used`` is the clock at
         # that use, so while the clock never went back (the loop's never does)
@@ -265,6 +331,7 @@ class PromptCache:
             "spills": 0,
             "demotions": 0,
             "superseded": 0,
+            "session_kept": 0,  # evictions that passed over a live session's entry for another one
         }
 
     def __len__(self) -> int:
@@ -297,16 +364,17 @@ class PromptCache:
         e = self._entries.pop(key, None)
         if e is not None:
             self._index.remove(e.ns, key[1], e, e.trimmable)
+            self.sessions.forget(e)
         return e
 
     def peek(self, tokens: Sequence[int], ns: str) -> int:
         """Length ``take`` would serve now, without copying or touching recency."""
         return self.best(tokens, ns)[1]
 
-    def take(self, tokens: Sequence[int], ns: str, min_len: int = 1) -> tuple[Any, int]:
+    def take(self, tokens: Sequence[int], ns: str, min_len: int = 1, session: str | None = None) -> tuple[Any, int]:
         """A private cache of the longest usable prefix, and its length;
         ``(None, 0)`` on a miss or a prefix shorter than ``min_len``. The
-        stored entry stays and becomes most recent. The private cache is the
+        stored entry stays and becomes most recent (and ``session``'s). The private cache is the
         backend's ``prefix_view``: on MLX lazy slices that the row's first
         forward copies on the MLX thread, not a copy made here on the loop."""
         entry, p = self.best(tokens, ns)
@@ -323,6 +391,8 @@ class PromptCache:
         self._order += 1
         entry.order = self._order
         entry.last_used = self._stamp()
+        if session is not None:
+            self.sessions.touch(session, entry, entry.last_used)
         self.counters["hits"] += 1
         return view, p
 
@@ -337,8 +407,9 @@ class PromptCache:
         return None if e is None else e.cache
 
     # ---- insertion and eviction -------------------------------------------
-    def put(self, tokens: Sequence[int], ns: str, cache: Any) -> None:
-        """Store a finished row's cache (ownership passes to the tier)."""
+    def put(self, tokens: Sequence[int], ns: str, cache: Any, session: str | None = None) -> None:
+        """Store a finished row's cache (ownership passes to the tier); with
+        ``session``, it becomes that session's most recent entry."""
         toks = as_tokens(tokens)
         if toks.size == 0 or cache is None:
             return
@@ -362,9 +433,11 @@ class PromptCache:
             self._evict(entry, "evictions")
         else:
             self._insert(key, entry)
+            if session is not None:
+                self.sessions.touch(session, entry, entry.last_used)
             self.bytes += nbytes
             while self.bytes > self.max_bytes:
-                victim = self._drop(next(iter(self._entries)))  # never the fresh insert: it fits alone
+                victim = self._drop(self._victim())  # the fresh insert only if all the rest is kept for sessions
                 self.bytes -= victim.nbytes  # type: ignore[union-attr]
                 self._evict(victim, "evictions")  # type: ignore[arg-type]
         if self.on_put is not None:
@@ -372,6 +445,20 @@ class PromptCache:
                 self.on_put(toks.tolist(), ns)
             except Exception as exc:  # a durability hook must not break serving
                 _log_hook_failure("on_put hook failed", exc)
+
+    def _victim(self) -> tuple[str, bytes]:
+        """The key to evict: the least recently used entry no live session
+        holds; the least recently used of all when every entry is so held."""
+        oldest = next(iter(self._entries))
+        if not len(self.sessions):  # no session anywhere: plain LRU, no scan
+            return oldest
+        now = self.now()
+        for key, e in self._entries.items():
+            if not self.sessions.live(e, now):
+                if key != oldest:
+                    self.counters["session_kept"] += 1
+                return key
+        return oldest
 
     def _evict(self, entry: _Entry, counter: str) -> None:
         self.counters[counter] += 1
@@ -427,7 +514,14 @@ class PromptCache:
         """Drop everything. Never spills: shutdown must not rewrite the cold tier."""
         self._entries.clear()
         self._index.clear()
+        self.sessions.clear()
         self.bytes = 0
 
     def stats(self) -> dict[str, Any]:
-        return {"entries": len(self._entries), "bytes": self.bytes, "max_bytes": self.max_bytes, **self.counters}
+        return {
+            "entries": len(self._entries),
+            "bytes": self.bytes,
+            "max_bytes": self.max_bytes,
+            "sessions": len(self.sessions),
+            **self.counters,
+        }

@@ -152,3 +152,62 @@ def test_ember_launch_runs_the_real_client(tmp_path, client):
     res = run_client(argv, env, work)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     assert SECRET in res.stdout
+
+
+# Codex offers apply_patch (a ``custom`` freeform tool with a Lark grammar) to
+# a model whose metadata says ``apply_patch_tool_type: freeform``; for a model
+# it has no metadata for (any local one) that comes from the user's model
+# catalog, the documented way to describe a custom model (``model_catalog_json``).
+_CODEX_CATALOG_ENTRY = {
+    "display_name": "scripted",
+    "supported_reasoning_levels": [{"effort": "none", "description": "no reasoning"}],
+    "shell_type": "shell_command",
+    "visibility": "list",
+    "supported_in_api": True,
+    "priority": 0,
+    "base_instructions": "You are Codex, a coding agent running in the Codex CLI on the user's computer.",
+    "supports_reasoning_summaries": False,
+    "support_verbosity": False,
+    "truncation_policy": {"mode": "tokens", "limit": 10000},
+    "supports_parallel_tool_calls": False,
+    "experimental_supported_tools": [],
+    "apply_patch_tool_type": "freeform",
+}
+
+
+def test_codex_applies_a_patch_through_the_custom_tool(tmp_path):
+    """The model answers with a custom tool call ``apply_patch`` carrying a real
+    patch (Codex's ``*** Begin Patch`` format): Codex applies it to the files,
+    sends the ``custom_tool_call_output`` back, and the model's answer (quoting
+    that output) ends the session with exit 0."""
+    import json
+
+    codex = _need("codex")
+    work = _workdir(tmp_path)
+    patch = (
+        "*** Begin Patch\n"
+        "*** Add File: hello.txt\n"
+        "+Hello from the patch.\n"
+        "*** Update File: note.txt\n"
+        "@@\n"
+        f"-The secret word is {SECRET}.\n"
+        "+The secret word is MANGO-2048.\n"
+        "*** End Patch\n"
+    )
+    script = write_script(tmp_path / "script.json", "apply_patch", {"input": patch})
+    with ember_serve("--model", f"scripted:{script}") as (proc, url):
+        home = _codex_home(tmp_path, url, "scripted")
+        catalog = tmp_path / "catalog.json"
+        catalog.write_text(json.dumps({"models": [{"slug": "scripted", **_CODEX_CATALOG_ENTRY}]}))
+        config = home / "config.toml"
+        config.write_text(f"model_catalog_json = {json.dumps(str(catalog))}\n" + config.read_text())
+        env = {**base_env(tmp_path / "home"), "CODEX_HOME": str(home), "EMBER_API_KEY": "dummy"}
+        # workspace-write: `codex exec` is read-only unless told it may edit (no approvals to ask in exec)
+        res = run_client([codex, "exec", "-s", "workspace-write", "Add hello.txt and change the word."], env, work)
+        assert res.returncode == 0, _report(res, proc)
+    assert (work / "hello.txt").read_text() == "Hello from the patch.\n", _report(res, proc)
+    assert (work / "note.txt").read_text() == "The secret word is MANGO-2048.\n", _report(res, proc)
+    # the answer quotes the tool's result: Codex sent the custom_tool_call_output back
+    assert "The tool said:" in res.stdout and "hello.txt" in res.stdout.split("The tool said:", 1)[1], _report(
+        res, proc
+    )

@@ -138,10 +138,10 @@ class RecordingPrefixCache:
     def __init__(self) -> None:
         self.puts: list[tuple[list[int], object]] = []
 
-    def take(self, tokens, ns, min_len=1):
+    def take(self, tokens, ns, min_len=1, session=None):
         return None, 0
 
-    def put(self, tokens, ns, cache):
+    def put(self, tokens, ns, cache, session=None):
         self.puts.append((list(tokens), cache))
 
 

@@ -97,7 +97,7 @@ async def test_a_recorded_claude_code_request_is_accepted_by_messages_and_count_
             "thinking:ignored",
             "context_management:ignored",
             "output_config.effort:ignored",
-            "metadata:ignored",
+            "metadata.user_id:honoured",  # Claude Code's session id: the prompt cache's session key
             "messages[].role=system:honoured",
             "x-anthropic-billing-header:canonicalised",
             "tools[].defer_loading:honoured",
@@ -348,6 +348,7 @@ async def test_every_envelope_field_is_accepted_and_counted():
         "inference_geo:ignored",
         "speed:ignored",
         "mcp_servers:ignored",
+        "metadata.user_id:honoured",
     ):
         assert seen.get(key, 0) == 2, (key, seen)
     req = request(body)

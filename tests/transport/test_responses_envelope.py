@@ -36,7 +36,7 @@ async def test_codex_bodies_are_answered_and_counted(name):
         assert r.status_code == 200, r.text[:500]
         assert '"type":"response.incomplete"' in r.text  # 4 tokens: cut short, as asked
         env = (await client.get("/stats")).json()["envelope"]["responses"]
-    for key in ("include:ignored", "prompt_cache_key:ignored", "client_metadata:ignored"):
+    for key in ("include:ignored", "prompt_cache_key:honoured", "client_metadata:ignored"):
         assert env[key] == 1, key
     assert any(k.startswith("reasoning:") for k in env)  # counted by transport/reasoning.py
     assert env["tools.web_search:dropped"] == 1 and env["tools.namespace:honoured"] == 1
