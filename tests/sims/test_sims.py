@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
+from engine.fake.disk import FaultyDisk
 from engine.fake.gpu import FakeBackend, FakeGPUConfig, expected_tokens
-from engine.kv.disk import FaultyDisk
 from engine.types import SamplingParams
 from sims import gen, sweep
 from sims import invariants as inv
