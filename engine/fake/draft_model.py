@@ -69,6 +69,9 @@ class FakeDraftModel:
                 self.feed(cache, [tok])
         return out
 
+    def generate_many(self, items: list[tuple[list[int], list[int], int]]) -> list[list[int]]:
+        return [self.generate(cache, feed, k) for cache, feed, k in items]
+
     def cost_s(self, fed: int, drafted: int) -> float:
         return self.token_cost_s * drafted + self.feed_cost_s * fed
 

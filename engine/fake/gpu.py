@@ -30,7 +30,7 @@ from engine.fake.kv_cache import FakeKVCache
 from engine.fake.logits import _advance, _initial_hash, advance_all, fake_logits, greedy_token, running_hashes
 from engine.fake.sampling import sample_token
 from engine.fake.tokenizer import ByteTokenizer
-from engine.ports import ModelInfo, StepPlan, StepResult
+from engine.ports import BackendDefaults, ModelInfo, StepPlan, StepResult
 from engine.types import GREEDY_TEMPERATURE, SamplingParams
 
 
@@ -71,7 +71,7 @@ class _Row:
         return self._rng
 
 
-class FakeBackend:
+class FakeBackend(BackendDefaults):
     """Implements ``engine.ports.Backend`` on numpy."""
 
     def __init__(self, cfg: FakeGPUConfig = FakeGPUConfig()):

@@ -139,7 +139,8 @@ def _encode_quantized(layer: Any) -> tuple[Layer, list[TensorSource]]:
 def _encode_arrays(layer: Any) -> tuple[Layer, list[TensorSource]]:
     if layer.left_padding is not None or layer.lengths is not None:
         raise UnsupportedCache("ArraysCache with batch padding state (a batched cache, not a prompt entry)")
-    src, slots = [], []
+    src: list[TensorSource] = []
+    slots: list[int] = []
     for a in layer.cache:
         slots.append(-1 if a is None else len(src))
         if a is not None:

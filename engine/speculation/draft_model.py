@@ -41,6 +41,11 @@ class DraftModel(Protocol):
 
     def generate(self, cache: Any, feed: list[int], k: int) -> list[int]: ...
 
+    def generate_many(self, items: list[tuple[Any, list[int], int]]) -> list[list[int]]:
+        """``generate`` for several rows' ``(cache, feed, k)`` at once, in order
+        (the MLX drafter: one graph and one evaluation for all of them)."""
+        ...
+
     def cost_s(self, fed: int, drafted: int) -> float:
         """Virtual-time cost for the fake GPU's device; 0 for real hardware."""
         ...
