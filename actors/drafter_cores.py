@@ -202,11 +202,7 @@ class ModelDrafterCore:
                     row.cache, row.cached = self.model.new_cache(), []
                 feed = row.context[len(row.cached) :]
             work.append((d, row, feed))
-        many = getattr(self.model, "generate_many", None)
-        if many is not None:
-            results = many([(row.cache, feed, d.gamma) for d, row, feed in work])
-        else:
-            results = [self.model.generate(row.cache, feed, d.gamma) for d, row, feed in work]
+        results = self.model.generate_many([(row.cache, feed, d.gamma) for d, row, feed in work])
         got: dict[int, list[int]] = {}
         for (d, row, _), tokens in zip(work, results):
             row.cached = row.context + tokens[:-1]

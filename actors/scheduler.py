@@ -119,8 +119,8 @@ class Scheduler(Actor[Inbox]):
         self.verifier = verifier
         self.is_busy = False
         self._settle_waiters: list[Envelope[Inbox]] = []  # Settle asks held until the closes are put
-        exact = bool(getattr(device, "exact_cost", False))  # the fake GPU's runs take exactly their cost
-        self.watchdog = Watchdog(step_timeout_s, core.clock, what="GPU step", exact_cost=exact)
+        # the fake GPU's runs take exactly their cost
+        self.watchdog = Watchdog(step_timeout_s, core.clock, what="GPU step", exact_cost=device.exact_cost)
 
     async def stopping(self, reason: BaseException | None) -> None:
         for env in self._settle_waiters:  # their closes will never be put

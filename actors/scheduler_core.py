@@ -173,7 +173,7 @@ class SchedulerCore:
             "prefilled_tokens": 0,  # prompt tokens run through prefill (not cached)
             "cache_faults": 0,  # prefix caches the backend could not open: prefilled whole instead (a miss)
         }
-        self.checkpointing = prefix_cache is not None and bool(getattr(backend, "needs_checkpoints", False))
+        self.checkpointing = prefix_cache is not None and backend.needs_checkpoints
         self._checkpoint_at: dict[int, int] = {}  # rid -> position, for the step planned last
         if self.checkpointing:
             self.counters["checkpoints"] = 0

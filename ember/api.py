@@ -277,7 +277,7 @@ class Engine:
         if params is not None and params.constraint is not None:
             await self.compile_constraint(params.constraint)
         if params is not None and params.logprobs is not None and not self._token_bytes:
-            grammars = getattr(self.backend, "grammars", None)
+            grammars = self.backend.grammars
             if grammars is not None:  # token_bytes' tokenizer (~1 s for a large vocabulary): built off the loop
                 await anyio.to_thread.run_sync(grammars.tokenizer)
         tokens = self.encode(prompt)
@@ -290,7 +290,7 @@ class Engine:
         """Compile (or find cached) a request's grammar on a worker thread, so the
         event loop never waits for it; an invalid or unsupported grammar raises
         ``InvalidRequest`` (param ``constraint``) before the request is admitted."""
-        grammars = getattr(self.backend, "grammars", None)
+        grammars = self.backend.grammars
         if grammars is None:
             raise InvalidRequest(
                 "constrained decoding is not supported by this backend (the fake GPU has no logits processing)",
@@ -316,7 +316,7 @@ class Engine:
         cache = self._token_bytes
         missing = [i for i in ids if i not in cache]
         if missing:
-            grammars = getattr(self.backend, "grammars", None)
+            grammars = self.backend.grammars
             lltok = grammars.tokenizer() if grammars is not None else None
             for i in missing:
                 cache[i] = lltok.decode_bytes([i]) if lltok is not None else self.tokenizer.decode([i]).encode()
@@ -355,7 +355,7 @@ class Engine:
             **({"speculation": self.speculation.stats()} if self.speculation is not None else {}),
             **({"distributed": self.backend.stats()} if self.config.distributed else {}),  # type: ignore[attr-defined]  # the distributed backend wraps MLXBackend and adds stats()
             # paths a cache kind ruled out, and how often (engine.mlx.backend)
-            **({"fallbacks": dict(fb)} if (fb := getattr(self.backend, "fallbacks", None)) is not None else {}),
+            **({"fallbacks": dict(fb)} if (fb := self.backend.fallbacks) is not None else {}),
         }
 
     def _ssd_stats(self) -> dict[str, Any]:

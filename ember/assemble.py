@@ -370,10 +370,14 @@ class _TimedDevice:
         finally:
             self._observer.phase("step", t, time.perf_counter() - t)
 
+    @property
+    def exact_cost(self) -> bool:
+        return self._inner.exact_cost
+
     def close(self) -> None:
         self._inner.close()
 
-    def __getattr__(self, name: str) -> Any:  # exact_cost, call…: the device's own
+    def __getattr__(self, name: str) -> Any:  # call…: the device's own
         return getattr(self._inner, name)
 
 

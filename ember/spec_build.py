@@ -86,7 +86,7 @@ def _ngram_core(name: str) -> DrafterCore:
 
 
 def _fake_core(name: str, fake_cfg: Any) -> DrafterCore:
-    from engine.speculation.draft_model import FakeDraftModel
+    from engine.fake.draft_model import FakeDraftModel
 
     _, _, agree = name.partition(":")
     try:
@@ -121,8 +121,8 @@ def _shares_tokenizer(target_tok: Any, model: Any) -> bool:
 
 
 def _mlx_core(config: Any, backend: Any, device: Any) -> DrafterCore:
+    from engine.mlx.draft_model import MlxDraftModel
     from engine.models import resolve_model
-    from engine.speculation.draft_model import MlxDraftModel
 
     path = resolve_model(config.draft_model).resolve()
     try:

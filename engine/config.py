@@ -4,7 +4,28 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.fake.gpu import FakeGPUConfig
+
+# The fake GPU's settings (engine.fake.gpu), here beside the rest of the engine's:
+# a config names its backend's knobs without importing the backend.
+class FakeGPUConfig(msgspec.Struct, frozen=True, kw_only=True):
+    seed: int = 0
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 4
+    context_length: int = 32_768
+    eos_bias: float = 0.0  # added to the EOS logit; >0 makes EOS appear
+    # cost model, seconds
+    prefill_a: float = 0.004
+    prefill_b: float = 0.00005
+    decode_c: float = 0.010
+    decode_d: float = 0.0005
+    verify_b: float = 0.0006
+    # faults
+    fault_seed: int = 0
+    slow_step_prob: float = 0.0
+    slow_step_factor: float = 20.0
+    hang_step_prob: float = 0.0
+    oom_step_prob: float = 0.0
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

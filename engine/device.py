@@ -18,6 +18,8 @@ T = TypeVar("T")
 
 
 class ThreadDevice:
+    exact_cost = False  # real time: a run takes what the hardware takes (engine.ports.Device)
+
     def __init__(self, name: str = "ember-mlx", init: Callable[[], None] | None = None):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
         self.thread_ident: int | None = None

@@ -28,6 +28,8 @@ from engine.types import SamplingParams, TokenLogprob
 if TYPE_CHECKING:
     from engine.eventlog import EventLog
     from engine.kv.disk import Disk
+    from engine.tool_markup import ReasoningMarkup, ToolMarkup
+    from engine.types import Constraint
 
 T = TypeVar("T")
 
@@ -73,6 +75,16 @@ class Tokenizer(Protocol):
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]: ...
+
+    @property
+    def tool_markup(self) -> ToolMarkup | None:
+        """How the chat template writes tool calls; None: it has no tools."""
+        ...
+
+    @property
+    def reasoning_markup(self) -> ReasoningMarkup | None:
+        """How the model marks its reasoning; None: it does not think."""
+        ...
 
 
 class Detokenizer(Protocol):
@@ -178,13 +190,47 @@ class StepResult:
     cache_faults: dict[int, str] = field(default_factory=dict)  # rid -> why its prefix cache could not open (a miss)
 
 
+class GrammarCompiler(Protocol):
+    """A backend's grammars for constrained decoding (``engine.mlx.grammar.Grammars``)."""
+
+    def compile(self, c: Constraint) -> Any:
+        """Compile (or find cached) a constraint's grammar; raises ``InvalidRequest``
+        for one that is invalid or unsupported. Safe on a worker thread."""
+        ...
+
+    def tokenizer(self) -> Any:
+        """llguidance's tokenizer of the model (``decode_bytes``: a token's own bytes)."""
+        ...
+
+
 class Backend(Protocol):
-    """The GPU/model port. Every method runs on the ``Device``, never on the loop."""
+    """The GPU/model port. Every method runs on the ``Device``, never on the loop.
+
+    Its capabilities are read as attributes (properties here, so a backend may
+    hold plain fields of narrower types); ``BackendDefaults`` gives a backend
+    the values of one that has none of them."""
 
     info: ModelInfo
 
     @property  # read-only, so a backend may hold a more specific tokenizer
     def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        """Its caches may become impossible to trim back to a prompt's end (SSM
+        state, a wrapped sliding window): the Scheduler asks for checkpoints
+        (``StepPlan.checkpoint``)."""
+        ...
+
+    @property
+    def grammars(self) -> GrammarCompiler | None:
+        """Compiles ``SamplingParams.constraint``; None: no constrained decoding."""
+        ...
+
+    @property
+    def fallbacks(self) -> dict[str, int] | None:
+        """Paths a cache kind ruled out, and how often (/stats); None: it counts none."""
+        ...
 
     def step(self, plan: StepPlan) -> StepResult: ...
 
@@ -204,9 +250,24 @@ class Backend(Protocol):
 class Device(Protocol):
     """Where backend calls run."""
 
+    @property
+    def exact_cost(self) -> bool:
+        """A run takes exactly its ``cost_s`` of clock time (virtual time): a step
+        whose cost ends before its deadline cannot hang (the step watchdog)."""
+        ...
+
     async def run(self, fn: Callable[..., T], *args: Any, cost_s: float = 0.0) -> T: ...
 
     def close(self) -> None: ...
+
+
+class BackendDefaults:
+    """The capabilities of a backend that has none (the fake GPU): no checkpoints,
+    no grammars, no fallbacks counted. A backend inherits it, or sets all three."""
+
+    needs_checkpoints = False
+    grammars: GrammarCompiler | None = None
+    fallbacks: dict[str, int] | None = None
 
 
 class InlineDevice:

@@ -1,6 +1,7 @@
-"""How a model's template writes tool calls (``ToolMarkup``): a neutral type
-that the MLX tokenizer, the fake one and the transport's tool-call parsers
-share, so none of them reaches into another wing of ``engine/`` for it."""
+"""How a model's template writes tool calls (``ToolMarkup``) and marks its
+reasoning (``ReasoningMarkup``): neutral types that the MLX tokenizer, the fake
+one and the transport's parsers share, so none of them reaches into another
+wing of ``engine/`` for them."""
 
 from __future__ import annotations
 
@@ -17,3 +18,11 @@ class ToolMarkup:
     end: str
     parser: Callable[[str, Any], Any]
     json_form: bool  # mlx-lm's `json_tools` form, for which a forced call's grammar is written
+
+
+@dataclass(frozen=True)
+class ReasoningMarkup:
+    """How a model marks its reasoning: mlx-lm's ``think_start`` / ``think_end``."""
+
+    start: str
+    end: str

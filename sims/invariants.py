@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engine.fake.gpu import FakeGPUConfig
+from engine.config import FakeGPUConfig
 from engine.fake.logits import _advance, _initial_hash, advance_all, fake_logits, greedy_token
 from engine.fake.sampling import sample_token
 from engine.fake.tokenizer import ByteTokenizer

@@ -40,7 +40,7 @@ from ember import Engine, FakeGPUConfig, Ports, fake_backend
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
 from engine.eventlog import EventLog
-from engine.kv.disk import FaultyDisk
+from engine.fake.disk import FaultyDisk
 from engine.ports import Backend, IoRunner, run_inline
 from engine.types import SamplingParams
 from sims import invariants as inv

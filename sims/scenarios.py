@@ -34,7 +34,7 @@ class GpuFaults:
 
 @dataclass(frozen=True)
 class DiskFaults:
-    """``engine.kv.disk.FaultyDisk`` knobs plus what the simulator does to it.
+    """``engine.fake.disk.FaultyDisk`` knobs plus what the simulator does to it.
 
     ``power_loss_rate_per_s``: random crashes (unsynced writes dropped or torn)
     besides the trace's own restarts; ``rot_per_crash``: how many stored bytes

@@ -94,7 +94,7 @@ class PowerLoss(EngineDead):
 
 
 class RecordingDisk:
-    """Delegates to ``engine.kv.disk.FaultyDisk`` and records each mutation, so
+    """Delegates to ``engine.fake.disk.FaultyDisk`` and records each mutation, so
     checkers see disk writes in the same order as GPU steps.
 
     Consecutive mutations with no other record between them are one ``disk``

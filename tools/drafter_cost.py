@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     blas_threads().use(1)
     tmp = Path(tempfile.mkdtemp(prefix="drafter-cost-"))
     rows = []
-    from engine.speculation.draft_model import MlxDraftModel
+    from engine.mlx.draft_model import MlxDraftModel
 
     items = args.drafters.split(",") if args.drafters else args.shapes.split(",")
     for shape in items:

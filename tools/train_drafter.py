@@ -395,7 +395,7 @@ def stage_train(args: argparse.Namespace) -> dict:
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
-    from engine.speculation.draft_model import small_head_drafter
+    from engine.mlx.draft_model import small_head_drafter
 
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -505,7 +505,7 @@ def stage_export(args: argparse.Namespace, train_log: dict) -> dict:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from engine.speculation.draft_model import small_head_drafter
+    from engine.mlx.draft_model import small_head_drafter
 
     cfg = json.loads((args.work / "drafter_config.json").read_text())
     model = small_head_drafter(cfg)
@@ -554,7 +554,7 @@ def stage_export_full(args: argparse.Namespace) -> dict:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from engine.speculation.draft_model import small_head_drafter
+    from engine.mlx.draft_model import small_head_drafter
 
     t0 = time.time()
     cfg = json.loads((args.work / "drafter_config.json").read_text())

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from ember.api import Engine
 from engine.errors import InvalidRequest
 from engine.types import Constraint, SamplingParams
 from transport import generic_tools, reasoning
@@ -25,10 +26,10 @@ from transport.tool_calls import CallSplitter, markup_of
 from transport.tools import ToolSetup
 
 
-def engine_enforces_constraints(engine: Any) -> bool:
+def engine_enforces_constraints(engine: Engine) -> bool:
     """Whether this engine masks logits by ``SamplingParams.constraint`` (the MLX
     backend with llguidance and the scripted model do; the fake GPU does not)."""
-    return bool(getattr(engine.info, "constraints", False))
+    return engine.info.constraints
 
 
 class Prompt(list):
@@ -41,7 +42,7 @@ class Prompt(list):
 _MEMORIES: weakref.WeakKeyDictionary[Any, OutputMemory] = weakref.WeakKeyDictionary()
 
 
-def output_memory(engine: Any) -> OutputMemory:
+def output_memory(engine: Engine) -> OutputMemory:
     """The engine's memory of generated ids (transport/output_memory.py)."""
     memory = _MEMORIES.get(engine)
     if memory is None:
@@ -51,13 +52,13 @@ def output_memory(engine: Any) -> OutputMemory:
     return memory
 
 
-def tool_markup(engine: Any) -> Any:
+def tool_markup(engine: Engine) -> Any:
     """The markers calls are written in: the template's own, else the generic
     format's (transport/generic_tools.py)."""
     return markup_of(engine.tokenizer) or generic_tools.MARKUP
 
 
-def thinking_kwargs(host: Any, engine: Any, route: str, field: str, choice: bool | None) -> dict[str, Any] | None:
+def thinking_kwargs(host: Any, engine: Engine, route: str, field: str, choice: bool | None) -> dict[str, Any] | None:
     """A request's thinking choice as template variables, counted: ``honoured``
     on a model that reasons, ``ignored`` on one that does not (its template has no switch)."""
     if choice is None:
@@ -70,7 +71,7 @@ def thinking_kwargs(host: Any, engine: Any, route: str, field: str, choice: bool
 
 
 def chat_prompt(
-    engine: Any,
+    engine: Engine,
     messages: list[dict[str, Any]],
     setup: ToolSetup,
     param: str = "messages",
@@ -99,7 +100,7 @@ def chat_prompt(
     return prompt
 
 
-def remember(engine: Any, prompt: Prompt, text: str, token_ids: list[int]) -> None:
+def remember(engine: Engine, prompt: Prompt, text: str, token_ids: list[int]) -> None:
     """Keep a finished answer's ids for the next turn, if they spell its text exactly."""
     if prompt.text is None or not token_ids or engine.tokenizer.decode(token_ids) != text:
         return
@@ -126,7 +127,9 @@ class Recording:
         return self._renderer.delta(d)
 
 
-def with_constraint(engine: Any, params: SamplingParams, constraint: Constraint | None, param: str) -> SamplingParams:
+def with_constraint(
+    engine: Engine, params: SamplingParams, constraint: Constraint | None, param: str
+) -> SamplingParams:
     """``params`` constrained to ``constraint``; refused (400 on ``param``) when the
     engine cannot enforce it or another constraint is already set, never ignored."""
     if constraint is None:
@@ -140,11 +143,11 @@ def with_constraint(engine: Any, params: SamplingParams, constraint: Constraint 
     return msgspec.structs.replace(params, constraint=constraint)
 
 
-def tool_params(engine: Any, params: SamplingParams, setup: ToolSetup) -> SamplingParams:
+def tool_params(engine: Engine, params: SamplingParams, setup: ToolSetup) -> SamplingParams:
     return with_constraint(engine, params, setup.constraint(tool_markup(engine)), setup.param_choice)
 
 
-def splitter(engine: Any, setup: ToolSetup, id_prefix: str = "call_", prompt: Prompt | None = None) -> Any:
+def splitter(engine: Engine, setup: ToolSetup, id_prefix: str = "call_", prompt: Prompt | None = None) -> Any:
     """What cuts the output into answer text, tool calls and (for a reasoning
     model, transport/reasoning.py) reasoning; None when there is nothing to cut:
     the text is the answer, verbatim. ``prompt`` says whether the output starts
@@ -160,7 +163,7 @@ def splitter(engine: Any, setup: ToolSetup, id_prefix: str = "call_", prompt: Pr
     return reasoning.OutputSplitter(thinking, calls, inside=inside)
 
 
-async def submit(engine: Any, prompt: list[int], params: SamplingParams, param_names: dict[str, str]) -> Any:
+async def submit(engine: Engine, prompt: list[int], params: SamplingParams, param_names: dict[str, str]) -> Any:
     """``engine.asubmit``; an engine error is reported on the request's own
     parameter (``param_names``: ``constraint`` -> ``tool_choice``,
     ``max_tokens`` -> ``max_output_tokens``…), not on the engine's name."""
@@ -173,7 +176,7 @@ async def submit(engine: Any, prompt: list[int], params: SamplingParams, param_n
 
 
 async def respond(
-    request: Any, host: Any, engine: Any, prompt: Prompt, stream: Any, renderer: Any, streaming: bool, timer: Any
+    request: Any, host: Any, engine: Engine, prompt: Prompt, stream: Any, renderer: Any, streaming: bool, timer: Any
 ) -> Any:
     """Send the answer — SSE or one body — and remember its ids for the next turn."""
     from starlette.responses import Response

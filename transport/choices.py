@@ -14,13 +14,15 @@ from typing import Any
 
 import anyio
 
-from ember.api import RequestStream
+from ember.api import Engine, RequestStream
 from engine.errors import EngineError, InvalidRequest
 from engine.types import Delta, SamplingParams, Usage
 from transport.openai_schema import rename_param
 
 
-async def submit_choices(engine: Any, prompt: list[int], params: list[SamplingParams], rename: dict[str, str]) -> Any:
+async def submit_choices(
+    engine: Engine, prompt: list[int], params: list[SamplingParams], rename: dict[str, str]
+) -> Any:
     """Admit one row per choice; a single ``RequestStream`` when n == 1.
     ``rename``: engine parameter names reported under the request's own
     (``constraint`` -> ``response_format``)."""

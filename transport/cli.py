@@ -432,7 +432,7 @@ def _exit_now(rc: int) -> None:
     thread or a C++ static still held one), which turned a clean shutdown
     into exit -6 for supervisors. Not reproduced here in 62 runs, so its
     root is not pinned down: EMBER_FINALIZE=1 keeps the normal exit for
-    debugging it (sims/shutdowns.py --gdb prints every thread's stack)."""
+    debugging it (sims/live/shutdowns.py --gdb prints every thread's stack)."""
     if os.environ.get("EMBER_FINALIZE") == "1":
         return
     import threading

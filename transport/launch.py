@@ -105,9 +105,13 @@ def client_env(
             CLAUDE_CODE_SUBAGENT_MODEL=model,
             CLAUDE_CODE_AUTO_COMPACT_WINDOW=str(context),
             CLAUDE_CODE_MAX_CONTEXT_TOKENS=str(context),
-            CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(out),
             CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
         )
+        # a reply budget the user set is theirs (a CPU machine wants short turns);
+        # above what the context allows it is lowered to that
+        user_out = env.get("CLAUDE_CODE_MAX_OUTPUT_TOKENS", "")
+        keep = user_out.isdigit() and 0 < int(user_out) <= out
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = user_out if keep else str(out)
         headers = [h for h in env.get("ANTHROPIC_CUSTOM_HEADERS", "").splitlines() if h.strip()]
         headers = [h for h in headers if h.split(":", 1)[0].strip().lower() != ROUTING_HEADER.lower()]
         env["ANTHROPIC_CUSTOM_HEADERS"] = "\n".join([*headers, f"{ROUTING_HEADER}: {session}"])

@@ -24,14 +24,14 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from engine.mlx.tokenizer import ReasoningMarkup
+from engine.tool_markup import ReasoningMarkup
 from transport.tool_calls import CallSplitter, Event, Reasoning, Text, _held_prefix
 
 __all__ = ["OutputSplitter", "Reasoning", "ReasoningMarkup", "markup_of", "signature", "starts_inside"]
 
 
 def markup_of(tokenizer: Any) -> ReasoningMarkup | None:
-    return getattr(tokenizer, "reasoning_markup", None)
+    return tokenizer.reasoning_markup
 
 
 def starts_inside(prompt_text: str | None, markup: ReasoningMarkup) -> bool:

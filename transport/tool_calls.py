@@ -229,4 +229,4 @@ class CallSplitter:
 
 def markup_of(tokenizer: Any) -> ToolMarkup | None:
     """The tool-call markup of an engine tokenizer, None when its template has none."""
-    return getattr(tokenizer, "tool_markup", None)
+    return tokenizer.tool_markup

@@ -8,7 +8,7 @@ Each session opens with its own long prefix (``--prefix-bytes`` of distinct
 text: a repository's files, say) and then appends a tool result per turn, so a
 turn's prompt is the previous turn's prompt and output plus a few hundred
 bytes: exactly what a replica's prompt cache serves if the turn lands where
-the previous one ran. The same seeded trace is replayed (``sims.replay``,
+the previous one ran. The same seeded trace is replayed (``sims.live.replay``,
 streaming /v1/completions, arrival times honoured, a turn waits for the one it
 continues) against each setup in turn, in one run; the table gives aggregate
 output tokens/s, TTFT p50/p99 and the fraction of prompt tokens served from
@@ -31,9 +31,9 @@ import anyio
 import httpx
 
 from sims.gen import Text, _finish
-from sims.replay import Replayer
-from sims.replay_report import summarize
-from sims.replicas import Cluster
+from sims.live.replay import Replayer
+from sims.live.replay_report import summarize
+from sims.live.replicas import Cluster
 from sims.trace import Header, Request, Trace
 
 

@@ -25,33 +25,13 @@ import math
 import msgspec
 import numpy as np
 
+from engine.config import FakeGPUConfig
 from engine.fake.kv_cache import FakeKVCache
 from engine.fake.logits import _advance, _initial_hash, advance_all, fake_logits, greedy_token, running_hashes
 from engine.fake.sampling import sample_token
 from engine.fake.tokenizer import ByteTokenizer
-from engine.ports import ModelInfo, StepPlan, StepResult
+from engine.ports import BackendDefaults, ModelInfo, StepPlan, StepResult
 from engine.types import GREEDY_TEMPERATURE, SamplingParams
-
-
-class FakeGPUConfig(msgspec.Struct, frozen=True, kw_only=True):
-    seed: int = 0
-    num_layers: int = 2
-    num_kv_heads: int = 2
-    head_dim: int = 4
-    context_length: int = 32_768
-    eos_bias: float = 0.0  # added to the EOS logit; >0 makes EOS appear
-    # cost model, seconds
-    prefill_a: float = 0.004
-    prefill_b: float = 0.00005
-    decode_c: float = 0.010
-    decode_d: float = 0.0005
-    verify_b: float = 0.0006
-    # faults
-    fault_seed: int = 0
-    slow_step_prob: float = 0.0
-    slow_step_factor: float = 20.0
-    hang_step_prob: float = 0.0
-    oom_step_prob: float = 0.0
 
 
 def expected_tokens(
@@ -91,7 +71,7 @@ class _Row:
         return self._rng
 
 
-class FakeBackend:
+class FakeBackend(BackendDefaults):
     """Implements ``engine.ports.Backend`` on numpy."""
 
     def __init__(self, cfg: FakeGPUConfig = FakeGPUConfig()):

@@ -8,6 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.kv.kvfile_codecs import LayerCodec, TensorSource, capacity, np_source, np_tensor, register_codec, slots_of
+from engine.kv.kvfile_format import FakeKVLayer, Layer
+
 
 class FakeKVCache:
     step = 256
@@ -73,3 +76,38 @@ class FakeKVCache:
             c.values = self.values[..., : self.offset, :].copy()
         c.offset = self.offset
         return c
+
+
+# ---------------------------------------------------------------------------
+# Its KV-file codec (``engine.kv.kvfile_codecs``), registered here so the
+# neutral file format imports no backend: the cold tier persists and restores
+# a fake cache like an MLX one, in numpy.
+
+
+def _encode(layer: FakeKVCache) -> tuple[Layer, list[TensorSource]]:
+    src = (
+        []
+        if layer.keys is None
+        else [np_source(layer.keys[..., : layer.offset, :]), np_source(layer.values[..., : layer.offset, :])]
+    )
+    return FakeKVLayer(offset=layer.offset, tensors=slots_of(src)), src
+
+
+def _decode(header: FakeKVLayer, bufs: list[Any]) -> FakeKVCache:
+    layer = FakeKVCache()
+    layer.offset = header.offset
+    if header.tensors:
+        arrays = []
+        for buf, slot in zip(bufs, header.tensors):
+            src = np_tensor(buf, slot)
+            shape = list(src.shape)
+            shape[-2] = capacity(header.offset)
+            dst = np.zeros(shape, src.dtype)
+            dst[..., : header.offset, :] = src
+            arrays.append(dst)
+        layer.keys, layer.values = arrays
+    bufs.clear()
+    return layer
+
+
+register_codec(LayerCodec(FakeKVCache, FakeKVLayer, _encode, _decode, lambda layer: layer.nbytes))

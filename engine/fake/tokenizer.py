@@ -7,7 +7,7 @@ import codecs
 import json
 from typing import Any
 
-from engine.tool_markup import ToolMarkup
+from engine.tool_markup import ReasoningMarkup, ToolMarkup
 
 
 class ByteDetokenizer:
@@ -48,6 +48,7 @@ def _parse_json_call(text: str, tools: Any = None) -> Any:
 class ByteTokenizer:
     EOS = 256
     vocab_size = 260
+    reasoning_markup: ReasoningMarkup | None = None  # it does not think (a script may say it does)
 
     def __init__(self) -> None:
         self.eos_token_ids = {self.EOS}

@@ -6,11 +6,10 @@ Nothing here touches MLX arrays, so these methods are safe on the event loop
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequest
-from engine.tool_markup import ToolMarkup  # re-exported: it lived here
+from engine.tool_markup import ReasoningMarkup, ToolMarkup  # re-exported: they lived here
 
 
 class MLXTokenizer:
@@ -73,14 +72,6 @@ class MLXTokenizer:
         if isinstance(out, dict) or hasattr(out, "input_ids"):  # a BatchEncoding from some templates
             out = out["input_ids"]
         return [int(t) for t in out]
-
-
-@dataclass(frozen=True)
-class ReasoningMarkup:
-    """How a model marks its reasoning: mlx-lm's ``think_start`` / ``think_end``."""
-
-    start: str
-    end: str
 
 
 def _reasoning_markup(wrapper: Any) -> ReasoningMarkup | None:

@@ -24,12 +24,13 @@ from actors.events import EngineBusy, EngineIdle
 from actors.runtime import ActorRef, inbox
 from actors.scheduler import Demote, Restored
 from engine.errors import EngineDead
+from engine.fake.disk import FaultyDisk
 from engine.fake.gpu import FakeBackend
 from engine.fake.kv_cache import FakeKVCache
 from engine.kv import kvfile
 from engine.kv.cold_io import ungated
 from engine.kv.cold_store import ColdEntry, ColdStore, entry_id, ns_folder
-from engine.kv.disk import FaultyDisk, RealDisk
+from engine.kv.disk import RealDisk
 from engine.ports import InlineDevice, LoopClock, ModelInfo, run_inline
 
 BE = FakeBackend()

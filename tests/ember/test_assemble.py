@@ -12,7 +12,7 @@ import pytest
 
 from actors.events import EngineBusy, EngineIdle
 from ember import Engine, EngineConfig, EngineDead, Ports, SamplingParams, settings_from
-from engine.kv.disk import FaultyDisk
+from engine.fake.disk import FaultyDisk
 from engine.kv.kvfile import read_header
 from engine.units import GIB
 

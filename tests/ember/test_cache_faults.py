@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import engine.mlx.backend as mlx_backend
+import engine.mlx.cache_ops as cache_ops
 from ember.api import Engine
 from engine.config import EngineConfig
 from engine.mlx.cache_views import prefix_view
@@ -52,7 +52,7 @@ async def test_a_ram_tier_fault_prefills_the_whole_prompt(monkeypatch, fault, ex
     async with Engine.open(cfg(prompt_cache_gib=0.5)) as engine:
         a2 = await engine.acomplete(tokens, SamplingParams(max_tokens=8, ignore_eos=True))
         assert a2.token_ids == a.token_ids
-        monkeypatch.setattr(mlx_backend, "prefix_view", fault)
+        monkeypatch.setattr(cache_ops, "prefix_view", fault)  # where _open_cache calls it
         b = await engine.acomplete(b_prompt, GREEDY)
         stats = engine.stats()
     assert b.finish_reason == "length"

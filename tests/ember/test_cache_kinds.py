@@ -452,7 +452,7 @@ async def test_a_failing_batch_cache_or_checkpoint_is_a_counted_fallback(models,
     serves the next request with mlx-lm's tokens."""
     from mlx_lm.models.cache import ArraysCache
 
-    import engine.mlx.backend as backend_mod
+    import engine.mlx.row_phases as row_phases
 
     path = models.path("lfm2")
 
@@ -463,7 +463,7 @@ async def test_a_failing_batch_cache_or_checkpoint_is_a_counted_fallback(models,
         prompts = [engine.encode(p) for p in PROMPTS]
         want = [models.reference(path, p, SP.max_tokens) for p in prompts]
         monkeypatch.setattr(ArraysCache, "merge", classmethod(lambda cls, caches: broken()))
-        monkeypatch.setattr(backend_mod, "snapshot_cache", broken)
+        monkeypatch.setattr(row_phases, "snapshot_cache", broken)  # where _checkpoint calls it
         # prefill fallback: the three prompts open together (merge raises), prefill alone
         got = await asyncio.gather(*[engine.acomplete(p, SP) for p in prompts], return_exceptions=True)
         stats = engine.stats()

@@ -297,7 +297,7 @@ async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypa
 @pytest.mark.slow
 def test_sigterm_on_an_idle_server_with_a_snapshot_debouncing_keeps_the_prefix(tmp_path):
     from engine.fake.tokenizer import ByteTokenizer
-    from sims.crashtest import start_server
+    from sims.live.crashtest import start_server
 
     prompt = [ord(c) for c in "an idle server gets SIGTERM right after this request. " * 8]
     server = start_server(tmp_path / "ssd", tmp_path / "first.log")
@@ -324,7 +324,7 @@ def test_sigterm_on_an_idle_server_with_a_snapshot_debouncing_keeps_the_prefix(t
 def test_serve_exits_1_when_the_shutdown_deadline_passes(tmp_path):
     import threading
 
-    from sims.crashtest import start_server
+    from sims.live.crashtest import start_server
 
     server = start_server(tmp_path / "ssd", tmp_path / "serve.log", env={"EMBER_SHUTDOWN_TIMEOUT_S": "1"})
     # a request far longer than the deadline keeps the drain from finishing
@@ -348,7 +348,7 @@ def test_serve_exits_1_when_the_shutdown_deadline_passes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.heavy  # five SIGKILLed servers in a row
 def test_crashtest_reduced_five_kills(tmp_path):
-    from sims.crashtest import run
+    from sims.live.crashtest import run
 
     res = run(kills=5, seed=11, workdir=tmp_path, verbose=False)
     assert res.failures == []

@@ -25,11 +25,11 @@ from actors.spec_rounds import SpecRounds
 from actors.verifier import VerifierCore, Verify, Window, accept_window
 from ember import Engine, EngineConfig, InvalidRequest, SamplingParams
 from engine.eventlog import EventLog
+from engine.fake.draft_model import FakeDraftModel
 from engine.fake.gpu import FakeBackend, FakeGPUConfig, expected_tokens
 from engine.fake.kv_cache import FakeKVCache
 from engine.fake.tokenizer import ByteTokenizer
 from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
-from engine.speculation.draft_model import FakeDraftModel
 from engine.speculation.policy import GammaPolicy
 
 EOS = ByteTokenizer.EOS

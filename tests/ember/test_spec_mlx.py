@@ -192,7 +192,8 @@ async def test_a_small_head_drafter_proposes_target_ids(tmp_path):
     from mlx.utils import tree_flatten
 
     from ember.spec_build import _vocab
-    from engine.speculation.draft_model import small_head_drafter, vocab_digest
+    from engine.mlx.draft_model import small_head_drafter
+    from engine.speculation.draft_model import vocab_digest
 
     model, _ = _paths()
     cfg = json.loads((model / "config.json").read_text())

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from engine.fake.disk import FaultyDisk
 from engine.fake.gpu import FakeBackend
 from engine.fake.kv_cache import FakeKVCache
 from engine.kv import kvfile
-from engine.kv.disk import FaultyDisk, RealDisk
+from engine.kv.disk import RealDisk
 
 META = kvfile.KvMeta(model_id="m", config_fingerprint="fp", tokenizer_hash="tok")
 TOKENS = list(range(100, 140))

@@ -3,7 +3,7 @@
 A module counts as declared only by what its own command installs (README,
 CONTRIBUTING.md): ``ember serve`` the core ``dependencies``; ``python -m
 bench.X`` / ``python -m sims.X`` the ``bench`` extra; the gateway commands
-(``sims.replicas``, ``bench.serve.affinity``) the ``cluster`` extra; ``python -m
+(``sims.live.replicas``, ``bench.serve.affinity``) the ``cluster`` extra; ``python -m
 tools.X`` the ``train`` extra; ``pytest`` the ``test`` extra. So ``pip install
 -e ".[bench]" && python -m bench.serve.vs_mlx_lm`` cannot fail on a module only the
 test extra brings.
@@ -35,7 +35,7 @@ COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "transport": (),
     "sims": ("bench",),
     "bench": ("bench",),
-    "sims.replicas": ("cluster",),  # pip install -e ".[cluster]" (README, docs/distributed.md)
+    "sims.live.replicas": ("cluster",),  # pip install -e ".[cluster]" (README, docs/distributed.md)
     "bench.serve.affinity": ("cluster",),
     "tools": ("train",),
     "tests": ("test",),
@@ -50,7 +50,7 @@ IMPORT_NAMES = {"openai-agents": "agents", "pyyaml": "yaml"}
 KEPT_FALLBACKS: dict[tuple[str, str], str] = {
     # tests ask it whether to skip the gateway tests (`pytest -m cluster` installs the extra)
     (
-        "sims.replicas",
+        "sims.live.replicas",
         "sglang_router",
     ): "router_available() is the skip condition of tests/sims/test_cluster_gateway.py",
     # `ember serve --model FILE.gguf` without the models extra: a clear message names it

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from sims.replicas import Cluster, router_available
+from sims.live.replicas import Cluster, router_available
 
 pytestmark = [
     pytest.mark.cluster,

@@ -29,7 +29,7 @@ import pytest
 from mlx_lm import load, stream_generate  # noqa: E402
 
 from engine.models import resolve_model  # noqa: E402
-from sims.replay import free_port  # noqa: E402
+from sims.live.replay import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # two mx.distributed ranks per test, launched and torn down
 

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
+from engine.fake.disk import FaultyDisk
 from engine.fake.gpu import FakeBackend, FakeGPUConfig, expected_tokens
-from engine.kv.disk import FaultyDisk
 from engine.types import SamplingParams
 from sims import gen, sweep
 from sims import invariants as inv
@@ -370,7 +370,7 @@ def test_sweep_seed_ranges_and_one_run(capsys):
 
 @pytest.mark.slow  # a live server, restarted
 def test_replay_against_ember_serve_with_a_crash_and_a_flush(tmp_path, capsys):
-    from sims import replay
+    from sims.live import replay
     from sims.trace import Flush, Header, Request, Restart, Trace
 
     turn = "<|system|>" + "You are a coding agent. " * 20
@@ -401,8 +401,8 @@ def test_replay_against_ember_serve_with_a_crash_and_a_flush(tmp_path, capsys):
 
 
 def test_replay_report_math():
-    from sims.replay import Mark, Sample
-    from sims.replay_report import pct, report_markdown, summarize
+    from sims.live.replay import Mark, Sample
+    from sims.live.replay_report import pct, report_markdown, summarize
     from sims.trace import Header, Trace
 
     assert pct([], 50) is None and pct([3.0, 1.0, 2.0], 50) == 2.0 and pct([1.0, 2.0, 3.0, 4.0], 99) == 4.0

@@ -1,7 +1,7 @@
 """Every graceful SIGTERM of `ember serve` on the bundled model exits 0
 (issue #23 item 6: 4 of 71 ended in SIGABRT, "terminate called without an
 active exception"). 25 shutdowns, 2 at a time, each after serving a request
-with the SSD tier on (`sims.shutdowns`, which also runs them under gdb)."""
+with the SSD tier on (`sims.live.shutdowns`, which also runs them under gdb)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import concurrent.futures
 
 import pytest
 
-from sims.shutdowns import one
+from sims.live.shutdowns import one
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from anthropic.lib.streaming._messages import accumulate_event
 from openai.lib.streaming.responses._responses import ResponseStreamState
 
 from ember import EngineConfig
-from engine.mlx.tokenizer import ReasoningMarkup
+from engine.tool_markup import ReasoningMarkup
 from tests.transport.test_agent_render import (
     ARGS_1,
     MARKUP,

@@ -1,7 +1,7 @@
 """Replay a trace against a live OpenAI-compatible server, in wall time.
 
-    python -m sims.replay --url http://127.0.0.1:8000 --trace sims/traces/agent-small.ndjson
-    python -m sims.replay --server-cmd "ember serve --fake-gpu --port {port}" --trace restart-small --time-scale 0.2
+    python -m sims.live.replay --url http://127.0.0.1:8000 --trace sims/traces/agent-small.ndjson
+    python -m sims.live.replay --server-cmd "ember serve --fake-gpu --port {port}" --trace restart-small --time-scale 0.2
 
 Requests go to ``/v1/completions`` with ``stream: true`` (text or token-id
 prompts), honoring each request's arrival time (``--time-scale 0.1`` runs ten
@@ -11,7 +11,7 @@ starts the server itself and carries out the trace's restarts (SIGKILL for a
 crash, SIGTERM for a graceful one) and flushes (``POST /admin/cache/flush``);
 without it they are only marked on the plot.
 
-Writes a Markdown report (``sims.replay_report``: TTFT p50/p95/p99,
+Writes a Markdown report (``sims.live.replay_report``: TTFT p50/p95/p99,
 inter-token latency, throughput, cached-token ratio, errors) and a PNG of TTFT over the run with restarts
 marked, to ``--out`` (default ``replay-out/``), and prints the report. The PNG
 needs matplotlib (``pip install -e ".[bench]"``; the test extra has it too);
@@ -37,7 +37,7 @@ import anyio
 import httpx
 
 from sims import trace as tr
-from sims.replay_report import Mark, Sample, plot, report_markdown
+from sims.live.replay_report import Mark, Sample, plot, report_markdown
 from sims.trace import Flush, Request, Restart, Sessions, Trace
 
 RETRY_STATUS = {429, 502, 503, 504}
@@ -339,7 +339,7 @@ def _tokenizer(spec: str | None) -> Callable[[str], list[int]] | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m sims.replay", description="Replay a trace against a live OpenAI-compatible server."
+        prog="python -m sims.live.replay", description="Replay a trace against a live OpenAI-compatible server."
     )
     ap.add_argument("--url", help="the server, e.g. http://127.0.0.1:8000 (default with --server-cmd: a free port)")
     ap.add_argument("--trace", required=True, help="an NDJSON trace file, or a bundled trace name (agent-small, ...)")

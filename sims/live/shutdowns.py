@@ -1,7 +1,7 @@
 """Count exit codes of graceful shutdowns: start `ember serve` on the bundled
 model, serve a request or two, SIGTERM, wait; N times, P at a time.
 
-    python -m sims.shutdowns --runs 25 --parallel 2 [--ssd]
+    python -m sims.live.shutdowns --runs 25 --parallel 2 [--ssd]
 
 Prints one line per run and a summary; exits 1 if any run did not exit 0
 (the stderr tail of each such run is printed). Issue #23 item 6: 4 of 71
@@ -15,7 +15,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -23,19 +22,7 @@ import tempfile
 import time
 import urllib.request
 
-
-def _read_url(proc: subprocess.Popen, timeout_s: float) -> str | None:
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and sel.select(timeout=deadline - time.monotonic()):
-        line = proc.stdout.readline()
-        if not line:
-            return None
-        if line.startswith("ember: serving"):
-            return line.split(" at ", 1)[1].split()[0]
-    return None
+from sims.live.server import read_url, serve_command
 
 
 def _tail(path: str, n: int) -> str:
@@ -51,18 +38,7 @@ def _post(url: str, body: dict) -> None:
 
 def one(i: int, args: argparse.Namespace) -> tuple[int, int | None, str]:
     with tempfile.TemporaryDirectory(prefix="ember-shutdown-") as d:
-        cmd = [
-            sys.executable,
-            "-m",
-            "transport.cli",
-            "serve",
-            "--model",
-            args.model,
-            "--port",
-            "0",
-            "--log-level",
-            "info",
-        ]
+        cmd = serve_command("--model", args.model, log_level="info")
         if args.ssd:
             cmd += ["--ssd-cache", d]
         if args.gdb:  # a backtrace of every thread if the process aborts
@@ -96,7 +72,7 @@ def one(i: int, args: argparse.Namespace) -> tuple[int, int | None, str]:
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **env_extra},
             )
             try:
-                url = _read_url(proc, args.start_timeout)
+                url = read_url(proc, args.start_timeout)
                 if url is None:
                     proc.kill()
                     proc.wait()

@@ -1,6 +1,6 @@
 """Memory soak: mixed traffic against `ember serve` with its RSS sampled.
 
-    python -m sims.soak --minutes 3 [--model tiny] [--clients 4] [--prompt-cache-gib 0.25]
+    python -m sims.live.soak --minutes 3 [--model tiny] [--clients 4] [--prompt-cache-gib 0.25]
 
 Starts `ember serve` with the RAM prompt cache capped (``--prompt-cache``), the
 SSD tier on (a temporary folder, ``--ssd-cache-max``) and idle demotion after
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import selectors
 import signal
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ import urllib.request
 import httpx
 
 from engine.units import MIB
+from sims.live.server import read_url, serve_command
 
 
 def rss_bytes(pid: int) -> int:
@@ -51,18 +51,11 @@ def rss_bytes(pid: int) -> int:
     return int(out) * 1024 if out else 0
 
 
-def _read_url(proc: subprocess.Popen, timeout_s: float = 300) -> str:
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and sel.select(timeout=deadline - time.monotonic()):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("ember: serving"):
-            return line.split(" at ", 1)[1].split()[0]
-    raise RuntimeError("ember serve did not start")
+def _read_url(proc: subprocess.Popen[str], timeout_s: float = 300) -> str:
+    url = read_url(proc, timeout_s)
+    if url is None:
+        raise RuntimeError("ember serve did not start")
+    return url
 
 
 def _server_pid(proc: subprocess.Popen) -> int:
@@ -136,17 +129,9 @@ def main() -> int:
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="ember-soak-") as d:
-        cmd = [
-            sys.executable,
-            "-m",
-            "transport.cli",
-            "serve",
+        cmd = serve_command(
             "--model",
             args.model,
-            "--port",
-            "0",
-            "--log-level",
-            "warning",
             "--batch",
             str(args.batch),
             "--prompt-cache",
@@ -159,7 +144,7 @@ def main() -> int:
             "2",
             "--spill-queue",
             str(args.spill_queue_gib),
-        ]
+        )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         try:
@@ -210,7 +195,7 @@ def main() -> int:
     plateau = growth <= max(0.10 * statistics.mean(mid), 64 * MIB)
 
     cmdline = (
-        f"python -m sims.soak --minutes {args.minutes:g} --model {args.model} --clients {args.clients} "
+        f"python -m sims.live.soak --minutes {args.minutes:g} --model {args.model} --clients {args.clients} "
         f"--prompt-cache-gib {args.prompt_cache_gib:g} --spill-queue-gib {args.spill_queue_gib:g}"
     )
     print(f"# {cmdline}")

@@ -1,6 +1,6 @@
 """The replay's report: latency percentiles, throughput and the cached-token
 ratio of a run's samples as Markdown, and the TTFT-over-time plot with the
-restarts and flushes marked (``sims.replay`` runs the trace)."""
+restarts and flushes marked (``sims.live.replay`` runs the trace)."""
 
 from __future__ import annotations
 

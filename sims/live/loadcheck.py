@@ -1,8 +1,8 @@
 """Load check: many concurrent streaming clients against a live ``ember serve``.
 
-    python -m sims.loadcheck                          # 32 clients, 60 s, bundled tiny model
-    python -m sims.loadcheck --record docs/bench/loadcheck.md
-    python -m sims.loadcheck --fake-gpu --duration 10 # the harness itself, no model
+    python -m sims.live.loadcheck                          # 32 clients, 60 s, bundled tiny model
+    python -m sims.live.loadcheck --record docs/bench/loadcheck.md
+    python -m sims.live.loadcheck --fake-gpu --duration 10 # the harness itself, no model
 
 Starts ``ember serve`` on 127.0.0.1 (a free port), warms it up with one
 request, then runs ``--clients`` streaming chat clients in a closed loop for
@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import random
-import selectors
 import signal
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from sims.live.server import read_url, serve_command
 
 HOST = "127.0.0.1"  # only ever the local machine
 TOPICS = [
@@ -89,21 +90,13 @@ def rss_mib(pid: int) -> float | None:
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "transport.cli", "serve", "--host", HOST, "--port", "0", "--log-level", "warning"]
-    cmd += ["--fake-gpu"] if args.fake_gpu else ["--model", args.model]
+    flags = ["--host", HOST, *(["--fake-gpu"] if args.fake_gpu else ["--model", args.model])]
     if args.batch is not None:
-        cmd += ["--batch", str(args.batch)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and sel.select(timeout=deadline - time.monotonic()):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("ember: serving"):
-            return proc, line.split(" at ", 1)[1].split()[0]
+        flags += ["--batch", str(args.batch)]
+    proc = subprocess.Popen(serve_command(*flags), stdout=subprocess.PIPE, text=True)
+    url = read_url(proc, 300)
+    if url is not None:
+        return proc, url
     proc.kill()
     raise SystemExit(f"loadcheck: ember serve did not start (rc={proc.wait()})")
 
@@ -245,7 +238,7 @@ def report(
     args: argparse.Namespace, res: Results, rss: dict[str, float], rss_ok: bool, stats: dict, elapsed: float, rc: int
 ) -> str:
     passed = not res.errors and rss_ok and rc == 0
-    cmd = "python -m sims.loadcheck " + " ".join(sys.argv[1:])
+    cmd = "python -m sims.live.loadcheck " + " ".join(sys.argv[1:])
     ms = lambda s: f"{s * 1000:.1f} ms"  # noqa: E731
     sched = stats.get("scheduler", {})
     lines = [
@@ -279,7 +272,7 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sims.loadcheck", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m sims.live.loadcheck", description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--max-requests", type=int, default=20_000, help="stop after this many requests in all")
@@ -319,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
 HEADER = """# Load check
 
-`python -m sims.loadcheck` starts `ember serve` on 127.0.0.1, then runs
+`python -m sims.live.loadcheck` starts `ember serve` on 127.0.0.1, then runs
 concurrent streaming chat clients (OpenAI SSE, `stream_options.include_usage`)
 in a closed loop for a fixed time. It passes only with zero errors (every
 stream 200, ending in `data: [DONE]`, with usage matching the tokens asked

@@ -2,8 +2,8 @@
 random moments around write-behind, restart it, and check the durability
 contract each time.
 
-    python -m sims.crashtest                    # 50 kills on the fake GPU
-    python -m sims.crashtest --kills 10 --model tiny --seed 3
+    python -m sims.live.crashtest                    # 50 kills on the fake GPU
+    python -m sims.live.crashtest --kills 10 --model tiny --seed 3
 
 Each life: start the server on the same SSD folder; check that it came back,
 that no ``*.tmp`` survived its startup scan, and that prompts a flush had
@@ -35,6 +35,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sims.live.server import serve_command, serving_url
 
 # ---------------------------------------------------------------------------
 # A server process.
@@ -82,7 +84,7 @@ def start_server(
     timeout_s: float = 120.0,
 ) -> Server:
     """Start ``ember serve`` on a free port and wait until it says it serves."""
-    args = [sys.executable, "-m", "transport.cli", "serve", "--port", "0", "--log-level", "info"]
+    args = serve_command(log_level="info")
     args += ["--ssd-cache", str(ssd_dir)] if ssd_dir is not None else []
     args += ["--fake-gpu"] if model == "fake" else ["--model", model]
     args += extra or []
@@ -95,8 +97,8 @@ def start_server(
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace")
         for line in text.splitlines():
-            if line.startswith("ember: serving ") and " at http://" in line:
-                url = line.split(" at ", 1)[1].split(" ", 1)[0]
+            url = serving_url(line)
+            if url is not None:
                 return Server(proc, url, log)
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before serving:\n{text[-3000:]}")
@@ -290,7 +292,7 @@ def _quiet_flush(server: Server) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sims.crashtest", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m sims.live.crashtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="fake", help="fake (the fake GPU) or a model for ember serve --model (e.g. tiny)")
@@ -316,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in res.failures[:20]:
         print(f"[crashtest] FAIL {f}")
     print(
-        f"[crashtest] {'OK' if res.ok else 'FAILED'}: reproduce with python -m sims.crashtest --kills {args.kills} --seed {args.seed} --model {args.model}"
+        f"[crashtest] {'OK' if res.ok else 'FAILED'}: reproduce with python -m sims.live.crashtest --kills {args.kills} --seed {args.seed} --model {args.model}"
     )
     return 0 if res.ok else 1
 

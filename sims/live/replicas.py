@@ -1,7 +1,7 @@
 """N Ember replicas behind the SGLang Model Gateway, on one machine.
 
-    python -m sims.replicas --n 2 --router cache_aware                # fake GPU replicas, gateway on :30000
-    python -m sims.replicas --n 2 --router round_robin --port 8000 -- --model tiny --batch 4
+    python -m sims.live.replicas --n 2 --router cache_aware                # fake GPU replicas, gateway on :30000
+    python -m sims.live.replicas --n 2 --router round_robin --port 8000 -- --model tiny --batch 4
 
 Starts ``ember serve --port P [replica args]`` N times on free
 ports (``--fake-gpu`` unless replica args are given), waits for each
@@ -27,7 +27,8 @@ from types import TracebackType
 
 import httpx
 
-from sims.replay import free_port
+from sims.live.replay import free_port
+from sims.live.server import serve_command
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
@@ -38,12 +39,6 @@ def router_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _ember_argv() -> list[str]:
-    # The module, not the console script: the script may not be on PATH in a
-    # venv that was never activated (tests run .venv/bin/pytest).
-    return [sys.executable, "-m", "transport.cli"]
 
 
 class Cluster:
@@ -84,7 +79,7 @@ class Cluster:
         try:
             for i in range(self.n):
                 port = free_port()
-                argv = [*_ember_argv(), "serve", "--port", str(port), *self.replica_args]
+                argv = serve_command(*self.replica_args, port=port, log_level=None)
                 self.replicas.append(self._spawn(argv, f"replica-{i}.log"))
                 self.replica_urls.append(f"http://127.0.0.1:{port}")
             for proc, url in zip(self.replicas, self.replica_urls):
@@ -168,7 +163,7 @@ class Cluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sims.replicas", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sims.live.replicas", description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2, help="replicas")
     ap.add_argument("--router", default="cache_aware", choices=[*POLICIES, "none"], help="the gateway's policy")
     ap.add_argument("--port", type=int, default=30000, help="the gateway's port")
