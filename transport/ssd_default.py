@@ -61,7 +61,7 @@ class SsdDefault:
     free_gib: float
 
     def describe(self) -> str:
-        return f"SSD prompt cache {self.dir}, cap {self.cap_gib:.1f} GiB (free {self.free_gib:.0f} GiB; --no-ssd-cache turns it off)"
+        return f"SSD prompt cache {self.dir}, cap {self.cap_gib:.1f} GiB across every model served (free {self.free_gib:.0f} GiB; --no-ssd-cache turns it off)"
 
 
 def default_ssd(
