@@ -529,6 +529,7 @@ class Registry:
             "memory_bytes": sum(sum(e.memory.values()) for e in self.loaded()),
             "evictions": dict(self.evictions),
             **({"ssd": self.ssd_budget.stats()} if self.ssd_budget is not None else {}),
+            "process": process_memory(),
             "aliases": dict(self.aliases),
             "models": {
                 name: {**e.card(), **({"stats": e.engine.stats()} if e.engine is not None else {})}
@@ -572,6 +573,24 @@ def weight_bytes(backend: Any) -> int:
 
     leaves: list[Any] = list(tree_flatten(model.parameters()))
     return int(sum(pair[1].nbytes for pair in leaves))
+
+
+def process_memory() -> dict[str, int | None]:
+    """What the whole process holds, measured: resident set size (Linux
+    ``/proc/self/statm``; None elsewhere) and MLX's active and cached buffer
+    bytes (None until MLX is imported). An unload is checked against these."""
+    import sys
+
+    rss = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/statm") as fh:
+            rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    mx = sys.modules.get("mlx.core")
+    active = cache = None
+    if mx is not None:
+        with contextlib.suppress(Exception):
+            active, cache = int(mx.get_active_memory()), int(mx.get_cache_memory())
+    return {"rss_bytes": rss, "mlx_active_bytes": active, "mlx_cache_bytes": cache}
 
 
 def _release_memory() -> None:
