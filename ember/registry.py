@@ -582,9 +582,8 @@ def process_memory() -> dict[str, int | None]:
     import sys
 
     rss = None
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/self/statm") as fh:
-            rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/statm") as fh:
+        rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     mx = sys.modules.get("mlx.core")
     active = cache = None
     if mx is not None:
