@@ -71,7 +71,16 @@ TABLES: tuple[Table, ...] = (
         name="models",
         doc="docs/bench/models.md",
         module="bench.models",
-        args=("--models", "tiny,smollm2-135m", "--switch", "smollm2-135m,tiny", "--rounds", "3"),
+        args=(
+            "--models",
+            "tiny,smollm2-135m",
+            "--switch",
+            "smollm2-135m,tiny",
+            "--rounds",
+            "3",
+            "--embed-rounds",
+            "10",
+        ),
         quick=(
             "--models",
             "tiny",
