@@ -15,9 +15,10 @@ Three tables, Markdown on stdout (``bench.docs`` puts them in docs/bench/models.
    cache serves any of them; the SSD tier is off, so a cold request loads
    weights and nothing else. The registry's own ``load_s`` is beside it, and
    the process' first load of each model apart (it pays one-time imports).
-2. **Switching.** Requests one after another: all to model A (one model), then
-   alternating A, B (both loaded: each its own engine). TTFT and request time of
-   A's requests in each arm, and the ratio.
+2. **Switching.** Triples A, B, A, one request at a time (both loaded: each its
+   own engine): A's TTFT and request time right after one of its own requests
+   (no switch) against right after one of B's (a switch), interleaved so both
+   arms see the same load; the ratio.
 3. **Embeddings per second** at each batch size: Ember's ``/v1/embeddings`` (HTTP,
    ``encoding_format: base64`` as the OpenAI SDK sends it, the MLX encoder) against sentence-transformers on the same weights, in this
    process on CPU torch, interleaved call by call (never at once, so a change of
@@ -135,22 +136,28 @@ async def load_table(client: httpx.AsyncClient, models: list[tuple[str, str]], r
 
 
 async def switch_table(client: httpx.AsyncClient, a: str, b: str, n: int, tokens: int) -> None:
-    for m in (a, b):  # both loaded, warm
+    """A's requests right after one of A's (no switch) against right after one of B's
+    (a switch), interleaved: triples A, B, A, so both arms see the same load."""
+    for m in (b, a):  # both loaded and warm; A last, so the first triple's first A follows an A
         await request_once(client, m, "chat", "warmup", tokens)
-    one = [await completion_ttft(client, a, f"{i}-one: a short note about rivers.", tokens) for i in range(n)]
-    alt: list[tuple[float, float]] = []
+    after_a: list[tuple[float, float]] = []
+    after_b: list[tuple[float, float]] = []
     for i in range(n):
-        alt.append(await completion_ttft(client, a, f"{i}-alt: a short note about rivers.", tokens))
-        await completion_ttft(client, b, f"{i}-alt-b: a short note about rivers.", tokens)
-    print(f"### Switching: `{a}`'s requests alone vs alternating with `{b}` (both loaded)\n")
-    print(f"Load average at end: {load()}. {n} requests of `{a}` per arm, {tokens} tokens each, one at a time.\n")
+        after_a.append(await completion_ttft(client, a, f"{i}-a: a short note about rivers.", tokens))
+        await completion_ttft(client, b, f"{i}-b: a short note about rivers.", tokens)
+        after_b.append(await completion_ttft(client, a, f"{i}-ab: a short note about rivers.", tokens))
+    print(f"### Switching: `{a}`'s requests right after its own vs right after `{b}`'s (both loaded)\n")
+    print(
+        f"Load average at end: {load()}. {n} triples `{a}`, `{b}`, `{a}`, {tokens} tokens each, one request "
+        f"at a time: the first `{a}` of a triple follows an `{a}` request, the last follows a `{b}` one.\n"
+    )
     print("| arm | median TTFT ms | median request ms |")
     print("|---|---|---|")
-    t1, e1 = statistics.median(x[0] for x in one), statistics.median(x[1] for x in one)
-    t2, e2 = statistics.median(x[0] for x in alt), statistics.median(x[1] for x in alt)
-    print(f"| one model (`{a}` only) | {ms(t1)} | {ms(e1)} |")
-    print(f"| alternating `{a}`, `{b}` | {ms(t2)} | {ms(e2)} |")
-    print(f"| alternating / one | {t2 / t1:.2f}x | {e2 / e1:.2f}x |")
+    t1, e1 = statistics.median(x[0] for x in after_a), statistics.median(x[1] for x in after_a)
+    t2, e2 = statistics.median(x[0] for x in after_b), statistics.median(x[1] for x in after_b)
+    print(f"| no switch (after `{a}`) | {ms(t1)} | {ms(e1)} |")
+    print(f"| switched (after `{b}`) | {ms(t2)} | {ms(e2)} |")
+    print(f"| switched / no switch | {t2 / t1:.2f}x | {e2 / e1:.2f}x |")
     print()
 
 
@@ -231,7 +238,8 @@ async def run(args: argparse.Namespace) -> None:
                     f"One `ember serve --model {DEFAULT}` (started in {start_s:.1f} s), every model below loaded "
                     f"on demand beside it; {os.cpu_count()} CPUs.\n"
                 )
-                await load_table(client, models, args.rounds, args.tokens)
+                if models:
+                    await load_table(client, models, args.rounds, args.tokens)
                 if args.switch:
                     a, b = args.switch.split(",")
                     await switch_table(client, a, b, args.switch_requests, args.tokens)
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch", default="smollm2-135m,tiny", help="A,B for the switching table ('' for none)")
     ap.add_argument("--rounds", type=int, default=3, help="unload/cold/warm rounds per model")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per completion")
-    ap.add_argument("--switch-requests", type=int, default=12, help="requests of A per switching arm")
+    ap.add_argument("--switch-requests", type=int, default=12, help="A, B, A triples in the switching table")
     ap.add_argument("--batches", default="1,8,32", help="embedding batch sizes ('' for none)")
     ap.add_argument("--embed-rounds", type=int, default=5, help="requests per batch size")
     args = ap.parse_args(argv)
