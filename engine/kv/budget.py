@@ -12,7 +12,9 @@ that serves N models keeps at most the cap on disk, not N times it (issue #30).
   its file: the stores share one ``Disk`` (the registry hands every engine the
   same disk port), and a restore already reading a file whose entry went meanwhile
   either reads it whole (an unlinked file stays readable to an open handle) or
-  fails and answers a miss (``ColdIO.restore``): never a wrong token.
+  fails and answers a miss (``ColdIO.restore``): never a wrong token. If the
+  other model writes the very same key again before the deletion lands, its new
+  file goes with it; its restore then fails its read and answers a miss too.
 * Files no loaded model indexes (``add_offline``: the folders of the models the
   server can load but has not, left by an earlier run) count against the cap and
   go first, oldest file first; a store adopts its own folder's files when its

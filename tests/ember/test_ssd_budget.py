@@ -158,3 +158,25 @@ async def test_the_registry_gives_each_model_its_own_folder_under_one_cap(tmp_pa
     assert config_key(kv8) != config_key(other)  # another KV layout, another folder
     # no SSD tier, or no RAM tier under it: no budget
     assert Registry(msgspec.structs.replace(base, ssd_cache_dir=None), default="tiny").ssd_budget is None
+
+
+async def test_a_server_of_two_models_holds_one_cap_and_reports_it():
+    from tests.transport.test_http import serving
+
+    size = await entry_bytes()
+    disk = FaultyDisk(5)
+    a = msgspec.structs.replace(cfg("/kv/tiny-x"), ssd_cache_max_gib=2.5 * size / GIB)
+    b = msgspec.structs.replace(a, fake=FakeGPUConfig(seed=7))
+    async with serving(a, more_models={"b": b}, disk=disk) as (app, client):
+        reg = app.state.ember.registry
+        for model, tag in (("b", "b-0"), ("fake-gpu-0", "a-1"), ("fake-gpu-0", "a-2")):
+            r = await client.post("/v1/completions", json={"model": model, "prompt": prompt(tag), "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert (await reg.entries[model].engine.aflush()).durable
+        stats = (await client.get("/stats")).json()
+        ssd = stats["registry"]["ssd"]
+        assert ssd["stores"] == 2 and ssd["evicted_across"] == 1 and ssd["bytes"] <= ssd["max_bytes"]
+        assert stats["models"]["b"]["ssd_cache"]["evicted_by_others"] == 1
+        b_dir = reg.entries["b"].config.ssd_cache_dir
+        assert b_dir == f"/kv/tiny-x/{config_key(b)}"  # its own folder
+        assert kv_files(disk, b_dir) == [] and len(kv_files(disk, "/kv/tiny-x")) == 2
