@@ -290,6 +290,7 @@ def _cold_tier(config: EngineConfig, ports: Ports, scheduler: Scheduler) -> Cold
         max_bytes=int(config.ssd_cache_max_gib * GIB),
         verify=config.ssd_cache_verify,
         max_tokens=info.context_length,
+        budget=None if config.distributed else ports.ssd_budget,  # a rank's shard keeps its own cap
     )
     cold = tier_class(
         store,

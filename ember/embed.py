@@ -68,6 +68,7 @@ class EmbeddingEngine:
                     while engine._in_flight:  # an unload waits for the running requests
                         await anyio.sleep(0.005)
                 await send.aclose()
+        encoder.release()  # the unload frees the weights now, not when a cycle is collected
 
     @property
     def status(self) -> str:

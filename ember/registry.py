@@ -13,6 +13,12 @@ the embedding short names (``all-minilm-l6-v2``); aliases (``--alias NAME=MODEL`
 glob patterns allowed) map a client's fixed names onto them. Memory is measured
 once loaded (the weights' array bytes, KV and RAM-tier bytes from the engine's
 stats); before a load, the weights' size on disk stands in for it.
+
+The SSD tier: each chat model has its own folder (``ember/ssd_folders.py``)
+and all of them share the one byte cap of ``--ssd-cache-max``
+(``engine.kv.budget.SsdBudget``, handed to every engine as ``Ports.ssd_budget``):
+a write of one model may evict another's least recently used entries, and the
+files earlier runs left in the folders of models not loaded yet count too.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import fnmatch
 import functools
 import logging
 import math
+import os
 import pathlib
 import time
 from collections.abc import Callable
@@ -35,10 +42,14 @@ import msgspec
 from ember.api import Engine
 from ember.assemble import load_ports
 from ember.embed import EmbeddingEngine
+from ember.ssd_folders import model_ssd_dir
 from engine.config import EngineConfig
-from engine.ports import Ports
+from engine.kv.budget import SsdBudget, scan_offline
+from engine.ports import Ports, run_in_thread, run_inline
 
 log = logging.getLogger("ember.registry")
+
+GIB = 1 << 30
 
 DEFAULT_KEEP_ALIVE_S = 600.0
 LOAD_TIMEOUT_S = 300.0
@@ -182,6 +193,10 @@ class Registry:
     ):
         self.base = base
         self.base_ports = ports or Ports()
+        if base.ssd_cache_dir and base.prompt_cache_gib > 0 and self.base_ports.ssd_budget is None:
+            budget = SsdBudget(int(base.ssd_cache_max_gib * GIB))
+            self.base_ports = dataclasses.replace(self.base_ports, ssd_budget=budget)
+        self.ssd_budget = self.base_ports.ssd_budget
         self.keep_alive_s = keep_alive_s
         self.max_memory = max_memory
         self.load_timeout_s = load_timeout_s
@@ -221,6 +236,9 @@ class Registry:
 
     def add_chat(self, name: str, config: EngineConfig, **kw: Any) -> ModelEntry:
         kw.setdefault("keep_alive_s", self.keep_alive_s)
+        if config.ssd_cache_dir and config.ssd_cache_dir == self.base.ssd_cache_dir:
+            # its own folder beside --model's (ember/ssd_folders.py), under the one cap
+            config = msgspec.structs.replace(config, ssd_cache_dir=model_ssd_dir(self.base, config))
         return self.add(self._entry(name, kw.pop("source", "config"), config, **kw))
 
     def add_embedding(self, name: str, target: str, source: str = "embedding") -> ModelEntry:
@@ -285,6 +303,7 @@ class Registry:
         """The registry's task group (every loaded model's engine runs in it)
         and the keep-alive reaper. Cancel it to stop: every model unloads."""
         self._changed = anyio.Event()
+        await self._count_offline_ssd()
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -293,6 +312,29 @@ class Registry:
                 await anyio.sleep_forever()
         finally:
             self._tg = None
+
+    async def _count_offline_ssd(self) -> None:
+        """The shared SSD cap counts the files earlier runs left in the folders
+        of the models this server can load (not loaded yet, so no store indexes
+        them): a header-free listing, off the loop."""
+        if self.ssd_budget is None:
+            return
+        dirs = sorted(
+            {e.config.ssd_cache_dir for e in self.entries.values() if e.config is not None and e.config.ssd_cache_dir}
+        )
+        disk = self.base_ports.disk
+        if disk is None:
+            from engine.kv.disk import RealDisk
+
+            disk = RealDisk()
+        io = self.base_ports.io or (run_inline if self.base.backend in ("fake", "scripted") else run_in_thread)
+        try:
+            files = await io(scan_offline, disk, [os.path.abspath(os.path.expanduser(d)) for d in dirs])
+        except Exception as exc:  # noqa: BLE001 - a folder it cannot list holds nothing it could count
+            log.warning("[registry] cannot list the SSD folders: %r", exc)
+            return
+        self.ssd_budget.add_offline(files)
+        log.info("[registry] ssd cap=%d files_from_earlier_runs=%d", self.ssd_budget.max_bytes, len(files))
 
     async def shutdown(self) -> None:
         """Unload every model (each drains and flushes)."""
@@ -416,6 +458,8 @@ class Registry:
         config = entry.config.validate()
         if entry.ports is not None:
             base = entry.ports()
+            if base.ssd_budget is None:
+                base = dataclasses.replace(base, ssd_budget=self.ssd_budget)
         elif entry.name == self.default:
             base = dataclasses.replace(self.base_ports)
         else:  # its own backend, device and event log, from its config; the clock and disk are shared
@@ -484,6 +528,8 @@ class Registry:
             "max_memory_bytes": self.max_memory,
             "memory_bytes": sum(sum(e.memory.values()) for e in self.loaded()),
             "evictions": dict(self.evictions),
+            **({"ssd": self.ssd_budget.stats()} if self.ssd_budget is not None else {}),
+            "process": process_memory(),
             "aliases": dict(self.aliases),
             "models": {
                 name: {**e.card(), **({"stats": e.engine.stats()} if e.engine is not None else {})}
@@ -527,6 +573,23 @@ def weight_bytes(backend: Any) -> int:
 
     leaves: list[Any] = list(tree_flatten(model.parameters()))
     return int(sum(pair[1].nbytes for pair in leaves))
+
+
+def process_memory() -> dict[str, int | None]:
+    """What the whole process holds, measured: resident set size (Linux
+    ``/proc/self/statm``; None elsewhere) and MLX's active and cached buffer
+    bytes (None until MLX is imported). An unload is checked against these."""
+    import sys
+
+    rss = None
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/statm") as fh:
+        rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    mx = sys.modules.get("mlx.core")
+    active = cache = None
+    if mx is not None:
+        with contextlib.suppress(Exception):
+            active, cache = int(mx.get_active_memory()), int(mx.get_cache_memory())
+    return {"rss_bytes": rss, "mlx_active_bytes": active, "mlx_cache_bytes": cache}
 
 
 def _release_memory() -> None:

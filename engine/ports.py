@@ -27,6 +27,7 @@ from engine.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.eventlog import EventLog
+    from engine.kv.budget import SsdBudget
     from engine.kv.disk import Disk
     from engine.tool_markup import ReasoningMarkup, ToolMarkup
     from engine.types import Constraint
@@ -340,3 +341,6 @@ class Ports:
     # (bench/writebehind.py's "ungated" arm, and a sim test proving the gate matters)
     gated_writes: bool = True
     observer: PhaseObserver | None = None
+    # one SSD byte cap across the engines that share this object (ember/registry.py:
+    # every model a server holds); None: the engine's own ``ssd_cache_max_gib``
+    ssd_budget: SsdBudget | None = None

@@ -101,7 +101,7 @@ class ServerState:
         self.phase = "starting"  # starting → ready → draining → stopped, or starting → failed
         self.error: BaseException | None = None
         self.created = int(time.time())
-        self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.metrics = Metrics(self.loaded_stats)  # every loaded model's series, labelled by name
         self.metrics.registry.register(self.extensions)
         # envelope fields the clients send, accepted or rewritten (transport/envelope.py)
         self.envelope = EnvelopeCounter()
@@ -154,6 +154,11 @@ class ServerState:
         """The default model's engine (gateway_compat, /health, older callers)."""
         entry = self.registry.entries.get(self.registry.default or "")
         return entry.engine if entry is not None and entry.state == "loaded" else None
+
+    def loaded_stats(self) -> dict[str, dict[str, Any]]:
+        """Each loaded model's ``engine.stats()`` by its served name, the default first (/metrics)."""
+        entries = sorted(self.registry.loaded(), key=lambda e: e.name != self.registry.default)
+        return {e.name: e.engine.stats() for e in entries}
 
     def default_name(self) -> str:
         """The default model's served name, known before it loads (see ``model_name``)."""

@@ -6,6 +6,11 @@ counts (requests admitted/finished/aborted, tokens, queue depth, the cache
 tiers, speculation) is read from ``engine.stats()`` at scrape time, so the
 numbers cannot drift from ``/stats`` and a new section of the stats (a cache
 tier, the drafter) shows up without touching this module.
+
+Many models (``ember/registry.py``): every engine series and the latency
+histograms carry a ``model`` label, the served name; a model that is not loaded
+has no engine series (its counters restart at its next load, as a restarted
+process's would: Prometheus' ``rate`` reads that as a counter reset).
 """
 
 from __future__ import annotations
@@ -52,63 +57,72 @@ _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
 class EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, Any] | None]):
-        self._stats = stats
+    """Every loaded model's ``engine.stats()`` as metric families with a ``model``
+    label (the served name), one family per metric name, so two models a
+    server holds are told apart and sum up in PromQL (``sum by (model)``)."""
+
+    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]):
+        self._stats = stats  # served name -> engine.stats(), the loaded models only
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        if stats is None:
-            return
-        sched = stats.get("scheduler", {})
-        for key, doc in SCHEDULER_COUNTERS.items():
-            if key in sched:
-                yield CounterMetricFamily(f"ember_scheduler_{key}", doc, value=sched[key])
-        for key, doc in SCHEDULER_GAUGES.items():
-            if key in sched:
-                yield GaugeMetricFamily(f"ember_scheduler_{key}", doc, value=sched[key])
-        gw = stats.get("gateway", {})
-        if "in_flight" in gw:
-            yield GaugeMetricFamily(
-                "ember_requests_in_flight", "requests admitted and not finished", value=gw["in_flight"]
-            )
-        if "rejected" in gw:
-            rejected = CounterMetricFamily(
-                "ember_requests_rejected", "requests refused at admission", labels=["reason"]
-            )
-            for reason, n in gw["rejected"].items():
-                rejected.add_metric([reason], n)
-            yield rejected
-        ready = 1 if stats.get("ready") and not stats.get("dead") else 0
-        yield GaugeMetricFamily("ember_ready", "1 when the engine accepts requests", value=ready)
-        for section, value in stats.items():
-            if section not in CORE_SECTIONS and isinstance(value, dict):
-                yield from _numeric_leaves(f"ember_{section}", value)
+        families: dict[str, Metric] = {}
+
+        def family(kind: Callable[..., Any], name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            fam = families.get(name)
+            if fam is None:
+                fam = families[name] = kind(name, doc, labels=["model", *labels])
+            return fam
+
+        for model, stats in self._stats().items():
+            sched = stats.get("scheduler", {})
+            for key, doc in SCHEDULER_COUNTERS.items():
+                if key in sched:
+                    family(CounterMetricFamily, f"ember_scheduler_{key}", doc).add_metric([model], sched[key])
+            for key, doc in SCHEDULER_GAUGES.items():
+                if key in sched:
+                    family(GaugeMetricFamily, f"ember_scheduler_{key}", doc).add_metric([model], sched[key])
+            gw = stats.get("gateway", {})
+            if "in_flight" in gw:
+                doc = "requests admitted and not finished"
+                family(GaugeMetricFamily, "ember_requests_in_flight", doc).add_metric([model], gw["in_flight"])
+            if "rejected" in gw:
+                rejected = family(
+                    CounterMetricFamily, "ember_requests_rejected", "requests refused at admission", ("reason",)
+                )
+                for reason, n in gw["rejected"].items():
+                    rejected.add_metric([model, reason], n)
+            ready = 1 if stats.get("ready") and not stats.get("dead") else 0
+            family(GaugeMetricFamily, "ember_ready", "1 when the engine accepts requests").add_metric([model], ready)
+            for section, value in stats.items():
+                if section not in CORE_SECTIONS and isinstance(value, dict):
+                    _numeric_leaves(family, model, f"ember_{section}", value)
+        yield from families.values()
 
 
-def _numeric_leaves(prefix: str, d: dict[str, Any]) -> Iterator[Metric]:
+def _numeric_leaves(family: Callable[..., Any], model: str, prefix: str, d: dict[str, Any]) -> None:
     """Each number in a stats section as a gauge named by its path."""
     for key, value in d.items():
         name = _NAME.sub("_", f"{prefix}_{key}")
         if isinstance(value, bool):
-            yield GaugeMetricFamily(name, f"engine.stats() {prefix}.{key}", value=int(value))
+            family(GaugeMetricFamily, name, f"engine.stats() {prefix}.{key}").add_metric([model], int(value))
         elif isinstance(value, (int, float)):
-            yield GaugeMetricFamily(name, f"engine.stats() {prefix}.{key}", value=value)
+            family(GaugeMetricFamily, name, f"engine.stats() {prefix}.{key}").add_metric([model], value)
         elif isinstance(value, dict):
-            yield from _numeric_leaves(name, value)
+            _numeric_leaves(family, model, name, value)
         elif (
             isinstance(value, list)
             and value
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
         ):
             # per-position series (e.g. accepted draft tokens by position) as one labelled gauge
-            family = GaugeMetricFamily(name, f"engine.stats() {prefix}.{key} by position", labels=["pos"])
+            fam = family(GaugeMetricFamily, name, f"engine.stats() {prefix}.{key} by position", ("pos",))
             for i, v in enumerate(value):
-                family.add_metric([str(i)], v)
-            yield family
+                fam.add_metric([model, str(i)], v)
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], dict[str, Any] | None]):
+    def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]):
+        """``stats``: each loaded model's ``engine.stats()`` by its served name."""
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
             "ember_http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
@@ -116,18 +130,21 @@ class Metrics:
         self.ttft = Histogram(
             "ember_time_to_first_token_seconds",
             "from the request arriving to its first token",
+            ["model"],
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
         self.itl = Histogram(
             "ember_inter_token_latency_seconds",
             "time between a request's tokens",
+            ["model"],
             buckets=ITL_BUCKETS,
             registry=self.registry,
         )
         self.e2e = Histogram(
             "ember_request_duration_seconds",
             "from the request arriving to its last token",
+            ["model"],
             buckets=E2E_BUCKETS,
             registry=self.registry,
         )
@@ -145,6 +162,8 @@ class TokenTimer:
         self.metrics = metrics
         self.now = now
         self.model = model  # the served name, so the dashboard shows each model its own requests
+        label = model or ""
+        self._ttft, self._itl, self._e2e = (h.labels(model=label) for h in (metrics.ttft, metrics.itl, metrics.e2e))
         self.start = now()
         self.last: float | None = None
         self.ttft: float | None = None
@@ -159,14 +178,14 @@ class TokenTimer:
         t = self.now()
         if self.last is None:
             self.ttft = t - self.start
-            self.metrics.ttft.observe(self.ttft)
+            self._ttft.observe(self.ttft)
         else:
             # a speculative step can bring several tokens at once: spread the gap
             gap = (t - self.last) / n
             for _ in range(n):
-                self.metrics.itl.observe(gap)
+                self._itl.observe(gap)
         self.last = t
 
     def done(self) -> None:
-        self.metrics.e2e.observe(self.now() - self.start)
+        self._e2e.observe(self.now() - self.start)
         self.metrics.recent.add(self.ttft, self.usage, self.model)

@@ -23,39 +23,28 @@ filesystem that will hold the folder, measured once at start and stated in the
 ``ember: serving ...`` line; ``--ssd-cache-max`` overrides it. The embedded
 ``Engine``/``EngineConfig`` default stays off: a library does not write to disk
 unasked.
+
+Many models (``ember/registry.py``): each model loaded beside ``--model`` gets
+its own ``<kv root>/<model-key>`` folder (``ember/ssd_folders.py``), and the one
+cap stated here covers all of them (``engine/kv/budget.py``): a second model
+does not bring a second cap.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from ember.ssd_folders import cache_root, kv_root, model_key
+
+__all__ = ["SsdDefault", "cache_root", "default_ssd", "kv_root", "model_key"]
 
 GIB = 1024**3
 DEFAULT_CAP_GIB = 32.0  # EngineConfig.ssd_cache_max_gib, the cap an explicit --ssd-cache gets
 FREE_FRACTION = 0.10  # never take more than a tenth of the free space
 MIN_CAP_GIB = 0.25  # below this the tier is not worth its writes: it stays off
-
-
-def cache_root(environ: Mapping[str, str] | None = None) -> str:
-    """Ember's cache root (the rule of engine/mlx/gguf_convert.py and calibration_cache.py)."""
-    env = os.environ if environ is None else environ
-    return env.get("EMBER_CACHE_DIR") or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember"
-    )
-
-
-def model_key(
-    model: str, *, kv_bits: int | None = None, kv_group_size: int | None = None, window: int | None = None
-) -> str:
-    """A folder name for one model and KV layout: readable, and distinct per layout."""
-    spec = os.path.abspath(os.path.expanduser(model)) if os.sep in model or model.startswith(".") else model
-    tail = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(spec.rstrip(os.sep)) or "model")[:48]
-    digest = hashlib.sha256(repr((spec, kv_bits, kv_group_size, window)).encode()).hexdigest()[:10]
-    return f"{tail}-{digest}"
 
 
 def _free_bytes(path: str, disk_usage: Callable[[str], object]) -> int:
@@ -72,12 +61,7 @@ class SsdDefault:
     free_gib: float
 
     def describe(self) -> str:
-        return f"SSD prompt cache {self.dir}, cap {self.cap_gib:.1f} GiB (free {self.free_gib:.0f} GiB; --no-ssd-cache turns it off)"
-
-
-def kv_root(environ: Mapping[str, str] | None = None) -> str:
-    env = os.environ if environ is None else environ
-    return env.get("EMBER_KV_CACHE_DIR") or os.path.join(cache_root(env), "kv")
+        return f"SSD prompt cache {self.dir}, cap {self.cap_gib:.1f} GiB across every model served (free {self.free_gib:.0f} GiB; --no-ssd-cache turns it off)"
 
 
 def default_ssd(

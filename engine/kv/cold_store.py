@@ -11,7 +11,9 @@ and its file.
 
 The byte cap counts every file under our fingerprint folder and is enforced
 at write time by evicting the least recently used entries first (``reserve``;
-``evict_bytes`` frees room when the disk fills below the cap).
+``evict_bytes`` frees room when the disk fills below the cap). With an
+``engine.kv.budget.SsdBudget`` the cap is one across every model's store, and
+the entries evicted may be another model's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import msgspec
 import numpy as np
 
 from engine.kv import kvfile
+from engine.kv.budget import OfflineFile, SsdBudget
 from engine.kv.disk import Disk, FileStat, NotRegularFile
 from engine.kv.kvfile import KvHeader, KvMeta, KvReader
 from engine.kv.prompt_cache import PrefixIndex, as_tokens, token_bytes, usable_prefix
@@ -54,6 +57,11 @@ class ScanResult:
     corrupt_deleted: int = 0
     mismatch_deleted: int = 0
     skipped: int = 0  # names that are neither a regular file nor a folder (symlinks, FIFOs, devices)
+
+
+# What an eviction hands back to have its file deleted: an entry, or (shared
+# budget) a file another run left in a folder no loaded model indexes.
+Victim = ColdEntry | OfflineFile
 
 
 def ns_folder(ns: str) -> str:
@@ -87,6 +95,7 @@ class ColdStore:
         max_bytes: int,
         verify: bool = True,
         max_tokens: int | None = None,
+        budget: SsdBudget | None = None,
     ):
         self.disk = disk
         self.root = root
@@ -124,6 +133,10 @@ class ColdStore:
             "misses": 0,
         }
         self.restore_ms_last: float | None = None
+        self.budget = budget  # one cap across models' stores (None: this store's own max_bytes)
+        if budget is not None:
+            self.counters["evicted_by_others"] = 0  # entries another model's write (or scan) pushed out
+            budget.attach(self)
 
     # ---- naming ------------------------------------------------------------
     def meta_for(self, ns: str) -> KvMeta:
@@ -235,7 +248,7 @@ class ColdStore:
             log.warning("[cold_tier] cannot delete %s: %r", path, exc)
 
     # ---- the index (no I/O) --------------------------------------------------
-    def load_index(self, scan: ScanResult) -> list[ColdEntry]:
+    def load_index(self, scan: ScanResult) -> list[Victim]:
         """Rebuild the index from a scan; returns the least recently used
         entries evicted to fit the cap (their files are to be deleted). A
         crash can bring back unlinks that were never made durable, so the
@@ -251,7 +264,11 @@ class ColdStore:
         self.counters["skipped"] += scan.skipped
         for path, header, size, _ in sorted(scan.found, key=lambda f: (f[3], f[0])):  # oldest use first
             self._add(ColdEntry(path, header.ns, as_tokens(header.tokens), size, header.trimmable(), self._next_seq()))
-        victims: list[ColdEntry] = []
+        if self.budget is not None:  # the shared cap: over it, the oldest files of any model go
+            self.budget.attach(self)
+            over = self.budget.bytes - self.budget.max_bytes
+            return self.budget.victims(over, asker=self) if over > 0 else []
+        victims: list[Victim] = []
         for e in self.entries():
             if self.bytes <= self.max_bytes:
                 break
@@ -265,6 +282,9 @@ class ColdStore:
         self.delete_files([v.path for v in self.load_index(self.scan_files())])
 
     def _next_seq(self) -> int:
+        if self.budget is not None:  # one recency order across the models sharing the cap
+            self._seq = self.budget.next_seq()
+            return self._seq
         self._seq += 1
         return self._seq
 
@@ -351,16 +371,18 @@ class ColdStore:
         if self._paths.get(entry.path) is entry:
             self._paths[entry.path] = self._paths.pop(entry.path)  # to the end: most recently used
 
-    def reserve(self, path: str, nbytes: int) -> list[ColdEntry] | None:
+    def reserve(self, path: str, nbytes: int) -> list[Victim] | None:
         """Make room for a file of ``nbytes`` at ``path``: the least recently
         used entries to evict (already out of the index), or None when it
         cannot fit even in an empty tier (the write is refused)."""
         replaced = self._paths.get(path)
+        if self.budget is not None:
+            return self._reserve_shared(self.budget, path, nbytes, replaced.nbytes if replaced else 0)
         base = self.bytes - (replaced.nbytes if replaced else 0)  # a rename replaces the same-key file
         if nbytes > self.max_bytes - self.other_bytes - self.reserved:
             self.counters["refused"] += 1
             return None
-        victims: list[ColdEntry] = []
+        victims: list[Victim] = []
         for e in self._paths.values():  # least recently used first; removed after the walk
             if base + nbytes <= self.max_bytes:
                 break
@@ -368,17 +390,32 @@ class ColdStore:
                 continue
             victims.append(e)
             base -= e.nbytes
-        for e in victims:
-            self._remove_path(e.path)
+        for v in victims:
+            self._remove_path(v.path)
         self.counters["evictions"] += len(victims)
         self.reserved += nbytes
         return victims
 
-    def evict_bytes(self, nbytes: int, *, keep: str = "") -> list[ColdEntry]:
+    def _reserve_shared(self, budget: SsdBudget, path: str, nbytes: int, replaced: int) -> list[Victim] | None:
+        """``reserve`` under the shared cap: the same rule, over every store's files."""
+        if nbytes > budget.max_bytes - budget.pinned_bytes():
+            self.counters["refused"] += 1
+            return None
+        over = budget.bytes - replaced + nbytes - budget.max_bytes
+        victims = budget.victims(over, asker=self, keep=path) if over > 0 else []
+        self.reserved += nbytes
+        return victims
+
+    def evict_bytes(self, nbytes: int, *, keep: str = "") -> list[Victim]:
         """The least recently used entries holding at least ``nbytes`` (all of
         them if fewer), out of the index; their files are to be deleted. For a
-        disk that filled below the cap (ENOSPC)."""
-        victims: list[ColdEntry] = []
+        disk that filled below the cap (ENOSPC). Under a shared budget, any
+        model's."""
+        if self.budget is not None:
+            shared = self.budget.victims(nbytes, asker=self, keep=keep)
+            self.counters["enospc_evictions"] += len(shared)
+            return shared
+        victims: list[Victim] = []
         freed = 0
         for e in self._paths.values():  # least recently used first
             if freed >= nbytes:
@@ -386,8 +423,8 @@ class ColdStore:
             if e.path != keep:
                 victims.append(e)
                 freed += e.nbytes
-        for e in victims:
-            self._remove_path(e.path)
+        for v in victims:
+            self._remove_path(v.path)
         self.counters["evictions"] += len(victims)
         self.counters["enospc_evictions"] += len(victims)
         return victims
@@ -426,7 +463,8 @@ class ColdStore:
             "dir": self.dir,
             "entries": len(self._paths),
             "bytes": self.bytes,
-            "max_bytes": self.max_bytes,
+            "max_bytes": self.max_bytes if self.budget is None else self.budget.max_bytes,
             "restore_ms_last": self.restore_ms_last,
             **self.counters,
+            **({"shared": self.budget.stats()} if self.budget is not None else {}),
         }

@@ -179,6 +179,15 @@ class Encoder:
             out = out / mx.maximum(mx.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
         return out
 
+    def release(self) -> None:
+        """Drop the weights and the compiled forward, now. ``mx.compile`` of the
+        bound ``_encode`` makes a cycle (encoder → compiled function → bound
+        method → encoder) that the collector did not always break at an unload
+        (1 run in 3 kept all 90 MB), and the compile cache holds the traced
+        weights while the compiled function lives."""
+        self._forward = _released
+        self.w = {}
+
     def embed(self, batch: list[list[int]]) -> np.ndarray:
         """One forward over a padded batch of token lists: (len(batch), dim) float32."""
         if not batch:
@@ -194,6 +203,10 @@ class Encoder:
         out = self._forward(mx.array(ids), mx.array(mask))
         mx.eval(out)
         return np.array(out, copy=True)
+
+
+def _released(ids: mx.array, mask: mx.array) -> mx.array:
+    raise RuntimeError("this encoder was released (its model was unloaded)")
 
 
 def load_encoder(name_or_path: str) -> Encoder:

@@ -205,7 +205,7 @@ async def test_speculation_usage_over_http_when_a_drafter_runs():
         r = await client.post("/v1/completions", json={"prompt": "abcabcabcabc", "max_tokens": 12, "speculate": False})
         assert "speculation" not in r.json()["usage"]
         metrics = (await client.get("/metrics")).text
-        assert "ember_speculation_spec_decode_num_drafts " in metrics
+        assert 'ember_speculation_spec_decode_num_drafts{model="fake-gpu-0"} ' in metrics
 
 
 def test_speculation_usage_is_rendered_when_present():
@@ -255,13 +255,14 @@ async def test_health_stats_and_metrics():
         }
         assert samples[("ember_http_requests_total", (("route", "chat"), ("status", "200")))] == 2
         assert samples[("ember_http_requests_total", (("route", "completions"), ("status", "400")))] == 1
-        assert samples[("ember_time_to_first_token_seconds_count", ())] == 2
-        assert samples[("ember_inter_token_latency_seconds_count", ())] == 2 * 3
-        assert samples[("ember_scheduler_generated_tokens_total", ())] == 8
-        assert samples[("ember_scheduler_queued", ())] == 0
-        assert samples[("ember_requests_rejected_total", (("reason", "invalid"),))] == 1
+        m = (("model", "fake-gpu-0"),)  # every engine series and latency names its model (the served name)
+        assert samples[("ember_time_to_first_token_seconds_count", m)] == 2
+        assert samples[("ember_inter_token_latency_seconds_count", m)] == 2 * 3
+        assert samples[("ember_scheduler_generated_tokens_total", m)] == 8
+        assert samples[("ember_scheduler_queued", m)] == 0
+        assert samples[("ember_requests_rejected_total", (*m, ("reason", "invalid")))] == 1
         # TTFT in virtual time: one prefill step plus one decode step of the cost model
-        ttft_sum = samples[("ember_time_to_first_token_seconds_sum", ())]
+        ttft_sum = samples[("ember_time_to_first_token_seconds_sum", m)]
         assert 0 < ttft_sum < 1
 
 

@@ -213,3 +213,35 @@ async def test_the_dashboards_recent_requests_name_their_model():
         assert (await _complete(client, "claude-haiku-4-5", "hi", 4, False))[0] == 200
         recent = (await client.get("/stats")).json()["recent_requests"]["requests"]
     assert [r["model"] for r in recent] == ["b", "fake-gpu-0", "b"]
+
+
+async def test_metrics_carry_a_model_label_per_loaded_model():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+
+    async with serving(A, more_models={"b": B}) as (_, client):
+        assert (await _complete(client, None, "hello", 5, False))[0] == 200
+        got = samples((await client.get("/metrics")).text)
+        assert got[("ember_scheduler_generated_tokens_total", (("model", "fake-gpu-0"),))] == 5
+        assert not any(dict(labels).get("model") == "b" for _, labels in got)  # not loaded: no series
+        for n in (3, 4):
+            assert (await _complete(client, "b", "hi", n, True))[0] == 200
+        got = samples((await client.get("/metrics")).text)
+        a, b = (("model", "fake-gpu-0"),), (("model", "b"),)
+        assert got[("ember_scheduler_generated_tokens_total", a)] == 5  # each model its own counters
+        assert got[("ember_scheduler_generated_tokens_total", b)] == 3 + 4
+        assert got[("ember_scheduler_admitted_total", b)] == 2 and got[("ember_scheduler_admitted_total", a)] == 1
+        assert got[("ember_time_to_first_token_seconds_count", a)] == 1
+        assert got[("ember_time_to_first_token_seconds_count", b)] == 2
+        assert got[("ember_ready", a)] == got[("ember_ready", b)] == 1
+        assert got[("ember_prompt_cache_puts", b)] >= 1  # the sections' gauges too
+        await client.post("/admin/models/b/unload", json={})
+        got = samples((await client.get("/metrics")).text)
+        assert ("ember_ready", b) not in got and got[("ember_ready", a)] == 1
+        assert got[("ember_time_to_first_token_seconds_count", b)] == 2  # the HTTP histograms outlive the engine
