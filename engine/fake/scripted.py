@@ -238,7 +238,8 @@ class ScriptedBackend(FakeBackend):
         )
         # the HF tokenizer under mlx-lm's wrapper, as the MLX backend builds its Grammars
         wrapper = getattr(tok, "_tok", tok)
-        self.grammars = Grammars(getattr(wrapper, "_tokenizer", wrapper), len(tok), sorted(tok.eos_token_ids))
+        self._grammars = Grammars(getattr(wrapper, "_tokenizer", wrapper), len(tok), sorted(tok.eos_token_ids))
+        self.grammars = self._grammars  # what ember.api compiles a request's constraint with
         # reply tokens by (prompt length, prefix hash there): decoding a 50k-token
         # prompt per generated token would cost more than the whole engine step
         self._replies: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
@@ -270,16 +271,16 @@ class ScriptedBackend(FakeBackend):
         from the prompt cache needs no matcher state of its own."""
         import llguidance.numpy as llnp
 
-        matcher = self.grammars.matcher(constraint)
+        matcher = self._grammars.matcher(constraint)
         if matcher.consume_tokens(generated) is False or matcher.is_stopped():
             return self._eos
         if matcher.validate_tokens([token]) == 1:
             return token
         if matcher.is_accepting():
             return self._eos
-        mask = llnp.allocate_token_bitmask(1, self.grammars.vocab_size)
+        mask = llnp.allocate_token_bitmask(1, self._grammars.vocab_size)
         llnp.fill_next_token_bitmask(matcher, mask)
-        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.grammars.vocab_size]
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[: self._grammars.vocab_size]
         allowed = np.flatnonzero(bits)
         return int(allowed[0]) if len(allowed) else self._eos
 

@@ -108,3 +108,17 @@ def test_opencode_gets_a_provider_with_the_limits(tmp_path):
     prov = cfg["provider"]["ember"]
     assert prov["options"]["baseURL"] == f"{url}/v1"
     assert prov["models"]["scripted"]["limit"]["context"] == 100000
+
+
+def test_a_reply_budget_the_user_set_is_kept_up_to_what_the_context_allows(tmp_path):
+    from transport.launch import client_env, output_limit
+
+    def budget(user: str | None) -> str:
+        environ = {} if user is None else {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": user}
+        return client_env("claude", "http://x", "m", 8192, environ, tmp_path)["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]
+
+    assert output_limit(8192) == 2048
+    assert budget(None) == "2048"
+    assert budget("256") == "256"  # shorter turns on a CPU machine: the user's call
+    assert budget("32000") == "2048"  # more than the context leaves: lowered
+    assert budget("lots") == budget("0") == "2048"
