@@ -8,9 +8,11 @@ status; a server it started stops with it.
   served model for every slot it uses (``ANTHROPIC_MODEL``, the small/fast
   model of its side requests, the haiku/sonnet/opus/fable defaults and the
   subagent model), the model's real context window (it assumes 200K and
-  compacts by it: ``CLAUDE_CODE_AUTO_COMPACT_WINDOW``; and
+  compacts by it: ``CLAUDE_CODE_AUTO_COMPACT_WINDOW`` from 100k tokens up;
+  below that, where it cannot compact in time, ``DISABLE_AUTO_COMPACT=1``; and
   ``CLAUDE_CODE_MAX_CONTEXT_TOKENS``, which 2.1.332 reads when compaction is
-  off), its output limit (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``) and its
+  off), its output limit (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``, the user's own
+  value kept where the context allows it) and its
   nonessential traffic off (a local server has no telemetry endpoint).
 - **Codex CLI**: its own ``CODEX_HOME`` (under the user's cache directory,
   so the user's ``~/.codex`` is left alone) with a ``config.toml`` naming an
@@ -73,6 +75,17 @@ def served_model(url: str, timeout_s: float = 2.0) -> tuple[str, int | None] | N
     return str(card["id"]), int(ctx) if ctx else None
 
 
+# Claude Code (2.1.332) reads CLAUDE_CODE_AUTO_COMPACT_WINDOW as at least 100k
+# ("treats it as the 100k minimum") and reserves its reply budget plus a buffer
+# under the window, so below 100k tokens of context it cannot compact in time:
+# on an 8k model every turn began by compacting (a "compacting" status, a
+# failed compaction, the session past 600 s, measured on SmolLM2). There
+# auto-compaction is off and the window is not set; the context is still told
+# (CLAUDE_CODE_MAX_CONTEXT_TOKENS), a turn that outgrows it is refused by
+# Ember's limit check, and /compact stays at hand.
+AUTO_COMPACT_MIN_CONTEXT = 100_000
+
+
 def output_limit(context: int) -> int:
     """The reply budget the client is told: a quarter of the context, at most 32k."""
     return max(256, min(32_000, context // 4))
@@ -103,10 +116,13 @@ def client_env(
             ANTHROPIC_DEFAULT_OPUS_MODEL=model,
             ANTHROPIC_DEFAULT_FABLE_MODEL=model,
             CLAUDE_CODE_SUBAGENT_MODEL=model,
-            CLAUDE_CODE_AUTO_COMPACT_WINDOW=str(context),
             CLAUDE_CODE_MAX_CONTEXT_TOKENS=str(context),
             CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
         )
+        if context < AUTO_COMPACT_MIN_CONTEXT:
+            env.setdefault("DISABLE_AUTO_COMPACT", "1")
+        else:
+            env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(context)
         # a reply budget the user set is theirs (a CPU machine wants short turns);
         # above what the context allows it is lowered to that
         user_out = env.get("CLAUDE_CODE_MAX_OUTPUT_TOKENS", "")

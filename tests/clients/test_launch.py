@@ -122,3 +122,17 @@ def test_a_reply_budget_the_user_set_is_kept_up_to_what_the_context_allows(tmp_p
     assert budget("256") == "256"  # shorter turns on a CPU machine: the user's call
     assert budget("32000") == "2048"  # more than the context leaves: lowered
     assert budget("lots") == budget("0") == "2048"
+
+
+def test_auto_compaction_is_off_where_the_context_cannot_hold_claude_codes_reserve(tmp_path):
+    from transport.launch import AUTO_COMPACT_MIN_CONTEXT, client_env
+
+    small = client_env("claude", "http://x", "m", 8192, {}, tmp_path)
+    large = client_env("claude", "http://x", "m", AUTO_COMPACT_MIN_CONTEXT, {}, tmp_path)
+    assert small["DISABLE_AUTO_COMPACT"] == "1" and "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in small
+    assert small["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "8192"
+    assert "DISABLE_AUTO_COMPACT" not in large and large["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == str(
+        AUTO_COMPACT_MIN_CONTEXT
+    )
+    # the user's own choice stands
+    assert client_env("claude", "u", "m", 8192, {"DISABLE_AUTO_COMPACT": "0"}, tmp_path)["DISABLE_AUTO_COMPACT"] == "0"
