@@ -14,7 +14,7 @@ import tomllib
 import httpx
 import pytest
 
-from sims.replicas import Cluster, router_available
+from sims.live.replicas import Cluster, router_available
 from transport.launch import ROUTING_HEADER, client_env
 
 
