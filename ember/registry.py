@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -597,8 +598,21 @@ def _release_memory() -> None:
 
     gc.collect()
     with contextlib.suppress(Exception):
-        import sys
-
         mx = sys.modules.get("mlx.core")
         if mx is not None:
             mx.clear_cache()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``).
+    MLX's CPU buffers come from malloc; after a free, glibc raises its mmap
+    threshold, so the next large buffers sit in the heap and an unload that
+    frees every one of them left RSS where it was (measured in CI's long-lived
+    pytest process: MLX active memory fell by the weights, RSS by 113 MB of 538)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
