@@ -14,9 +14,9 @@ import pytest
 from ember import Engine, EngineConfig, FakeGPUConfig, Ports, SamplingParams
 from ember.registry import Registry
 from ember.ssd_folders import config_key, model_ssd_dir
+from engine.fake.disk import FaultyDisk
 from engine.fake.gpu import expected_tokens
 from engine.kv.budget import SsdBudget, scan_offline
-from engine.fake.disk import FaultyDisk
 
 pytestmark = pytest.mark.anyio
 
