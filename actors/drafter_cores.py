@@ -36,6 +36,9 @@ class Draft(msgspec.Struct, frozen=True, kw_only=True):
     start: int
     tail: list[int]
     gamma: int
+    # Prompt lookup proposes only on a match agreeing with the context for this
+    # many tokens (the Verifier's ``Verdict.min_match``); a draft model ignores it.
+    min_match: int = 0
 
 
 class Drafted(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +81,7 @@ class NgramDrafterCore:
         self.min_n = min_n
         self.max_n = max_n
         self.rows: dict[int, NgramIndex] = {}
+        self.gated = 0  # proposals the Verifier's min_match withheld, over all rows
 
     def extend(self, drafts: list[Draft]) -> None:
         for d in drafts:
@@ -97,7 +101,13 @@ class NgramDrafterCore:
         return 0.0
 
     def draft(self, drafts: list[Draft]) -> list[Drafted]:
-        return [Drafted(rid=d.rid, tokens=self.rows[d.rid].propose(d.gamma)) for d in drafts]
+        out = []
+        for d in drafts:
+            idx = self.rows[d.rid]
+            before = idx.gated
+            out.append(Drafted(rid=d.rid, tokens=idx.propose(d.gamma, d.min_match)))
+            self.gated += idx.gated - before
+        return out
 
     def cost_s(self, drafts: list[Draft]) -> float:
         return 0.0

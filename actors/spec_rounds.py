@@ -40,6 +40,7 @@ class RowSpec:
     fixed: int | None  # the request's num_draft_tokens (None = the engine's policy)
     gamma: int = 0  # drafts to ask for next round
     hold: int = 0  # with gamma 0: plain rounds left before the Verifier is asked again
+    min_match: int = 0  # the Verifier's gate on prompt lookup's agreement (Verdict.min_match)
     consult: bool = True  # send the next round to the Verifier even without drafts
     synced: int = 0  # context tokens the Drafter has
     drafts: list[int] = field(default_factory=list)
@@ -113,7 +114,15 @@ class SpecRounds:
             if gamma <= 0:
                 continue
             context = row.prompt + row.generated if row.generated else row.prompt
-            out.append(Draft(rid=row.rid, start=spec.synced, tail=context[spec.synced :], gamma=gamma))
+            out.append(
+                Draft(
+                    rid=row.rid,
+                    start=spec.synced,
+                    tail=context[spec.synced :],
+                    gamma=gamma,
+                    min_match=spec.min_match,
+                )
+            )
             spec.synced = len(context)
         return out
 
@@ -228,7 +237,7 @@ class SpecRounds:
             spec.drafted += drafted
             spec.accepted += v.accepted
             spec.draft_rounds += 1 if drafted else 0
-            spec.gamma, spec.hold = v.gamma_next, v.hold
+            spec.gamma, spec.hold, spec.min_match = v.gamma_next, v.hold, v.min_match
             spec.consult, spec.empty = False, 0
             spec.off = spec.off or v.fallback
             if row is None:

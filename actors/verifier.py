@@ -100,6 +100,9 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     tokens: list[int]  # accepted drafts + the correction or bonus token
     gamma_next: int  # drafts to propose next round (0 = plain decode)
     hold: int = 0  # with gamma_next 0: rounds to decode plainly before the next Verify
+    # Draft only on a prompt-lookup match agreeing with the context for this many
+    # tokens: the request's own evidence that it copies (GammaPolicy.min_match).
+    min_match: int = 0
     fallback: bool = False  # the backend refused the window: plain decode from now on
 
 
@@ -177,7 +180,9 @@ class VerifierCore:
             gamma, hold = self.policy.choose(row)  # the row's first round
         row.gamma, row.consulted = gamma, True
         self.counters.gamma_chosen[gamma] = self.counters.gamma_chosen.get(gamma, 0) + 1
-        return Verdict(rid=w.rid, accepted=k, tokens=tokens, gamma_next=gamma, hold=hold)
+        return Verdict(
+            rid=w.rid, accepted=k, tokens=tokens, gamma_next=gamma, hold=hold, min_match=self.policy.min_match(row)
+        )
 
     def forget(self, rids: list[int]) -> None:
         for rid in rids:

@@ -45,7 +45,9 @@ class Speculation:
 
     def stats(self) -> dict[str, Any]:
         core = self.drafter.core
-        extra = {"draft_cache_rebuilds": core.rebuilds} if isinstance(core, ModelDrafterCore) else {}
+        extra: dict[str, Any] = {"draft_cache_rebuilds": core.rebuilds} if isinstance(core, ModelDrafterCore) else {}
+        if isinstance(core, NgramDrafterCore):
+            extra["gated_proposals"] = core.gated  # withheld until a request's own draft is accepted
         return {
             "drafter": self.name,
             "kind": core.kind,

@@ -35,6 +35,15 @@ are tried first (a longer match is a better predictor); below ``min_n`` it
 proposes nothing, so it never guesses from one shared token. A match that
 ends near the context's end is read as a repetition with that period (the
 loops small models fall into), so it can still propose ``k`` tokens.
+
+Agreement: how many of the context's last tokens equal the tokens before the
+source position (``agreement``; the ``n`` of the match, and more where the
+text goes on agreeing). It is the request's own evidence that it is copying:
+a chance 2-gram in free text agrees for 2–3 tokens, a line being quoted or a
+file being returned for as long as the copy has run. ``propose(k, min_match=m)``
+proposes only on an agreement of at least ``m`` (adaptive γ asks for it while
+none of a request's drafts was accepted: docs/speculation.md, "Isolated verify
+rounds").
 """
 
 from __future__ import annotations
@@ -71,6 +80,8 @@ class NgramIndex:
         # draft (and fail) every round.
         self._run = 0
         self.realign_after = 8
+        self.agreement_cap = 32  # tokens of agreement counted, at most (the gate needs a handful)
+        self.gated = 0  # proposals withheld: a match that agreed for fewer than min_match tokens
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -88,9 +99,11 @@ class NgramIndex:
             if j >= self.min_n:
                 self._all.setdefault(tuple(toks[j - self.min_n : j]), []).append(j)
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, min_match: int = 0) -> list[int]:
         """Up to ``k`` tokens: the copy pointer's continuation, else what
-        followed the longest recent match of the suffix."""
+        followed the longest recent match of the suffix; none when the
+        source agrees with the context for fewer than ``min_match`` tokens
+        (the pointer still moves: the copy is tracked while it is gated)."""
         if k <= 0:
             return []
         toks = self.tokens
@@ -107,10 +120,22 @@ class NgramIndex:
         if j is None:  # keep the pointer: the copy may resume after the change
             return []
         self._ptr = (j, L)
+        if min_match > 0 and self.agreement(j) < min_match:
+            self.gated += 1
+            return []
         # A match close to the end means the text repeats with period L - j;
         # continue that repetition instead of stopping short.
         period = L - j
         return [toks[j + i % period] for i in range(k)]
+
+    def agreement(self, j: int) -> int:
+        """Context tokens, counted back from the end, equal to those before
+        source position ``j`` (at most ``agreement_cap``)."""
+        toks, L = self.tokens, len(self.tokens)
+        m, cap = 0, min(self.agreement_cap, j)
+        while m < cap and toks[j - 1 - m] == toks[L - 1 - m]:
+            m += 1
+        return m
 
     def lookup(self, k: int) -> list[int]:
         """The index alone, no copy pointer: what followed the longest recent

@@ -107,6 +107,7 @@ class RowPolicy:
     retired: bool = False  # probing cannot pay for itself here: plain decode from now on
     depth_seed: int = 0  # positions the engine's latest judged round reached when this row began
     woken: bool = False  # another row chose to draft on condition that all do: choose, do not probe
+    accepted_any: bool = False  # has any of its own drafts been accepted?
 
 
 class GammaPolicy:
@@ -126,6 +127,7 @@ class GammaPolicy:
         probe_cap: int = 512,
         margin: float = 0.05,
         explore_rounds: int = 3,
+        first_match: int = 4,
     ):
         if fixed is not None and not 0 <= fixed <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {fixed}")
@@ -144,6 +146,10 @@ class GammaPolicy:
         # verify rounds' prices (engine.speculation.costs): a median of three is not
         # thrown by one slow round.
         self.explore_rounds = explore_rounds
+        # Until one of its own drafts is accepted, a request drafts only on a
+        # prompt-lookup match that agrees with its context for this many tokens
+        # (min_match): see there.
+        self.first_match = first_match
         self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
         # Engine-wide too: the probe spacing the latest probe verdict left, so a
         # new request starts with it instead of re-learning it (on a drafter the
@@ -193,6 +199,7 @@ class GammaPolicy:
         never learned that its text accepts six in a row), and it forgets at
         ``accept_alpha`` per round like the moving average it replaces."""
         evaluated = min(drafted, accepted + 1)  # positions past the first mismatch were never judged
+        row.accepted_any = row.accepted_any or accepted > 0
         if accepted < drafted:  # a rejection says how deep the text goes now
             self.depth_seed = evaluated
         else:  # all accepted: at least this deep (a request's last rounds draft fewer, cut by max_tokens)
@@ -386,6 +393,26 @@ class GammaPolicy:
         if best > 0 and nxt < len(rates) and not self.measured(shape[nxt]):
             return nxt  # measure the next γ; it may be cheaper than estimated
         return best
+
+    def min_match(self, row: RowPolicy) -> int:
+        """The agreement prompt lookup's match must have before this row drafts.
+
+        A request none of whose own drafts was accepted yet chooses γ on other
+        requests' acceptance and prices: after a copy, a chat answer's first
+        window went 6 deep and was rejected, and its probe after that was a
+        second isolated verify round (each ~2.4 plain rounds on CPU, where the
+        backend ran the plain step ahead): 0.935× plain decode on chat. Only
+        its own text can say whether it copies, and prompt lookup's agreement
+        says it before any draft is judged: a chance 2-gram in free text
+        agrees for 2–3 tokens, a quoted line or a returned file for as long as
+        the copy has run. So until a draft of its own is accepted a row drafts
+        only on ``first_match`` tokens of agreement; a copy then starts a few
+        tokens later, and chat rarely verifies at all. A fixed γ is the
+        request's or the operator's choice and is not gated; a draft model
+        ignores the gate (its drafts do not come from the context)."""
+        if row.fixed is not None or row.accepted_any:
+            return 0
+        return self.first_match
 
     def _explore_plain(self, row: RowPolicy) -> bool:
         """Rows that speculate from their first round never show what a plain

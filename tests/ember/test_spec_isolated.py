@@ -48,22 +48,33 @@ class IsolatedMachine(FakeMachine):
         return s * self.load()
 
 
-def pattern(kind: str, n: int, seed: int) -> list[tuple[bool, bool]]:
-    """(proposes, matches) per output position for a workload."""
+def pattern(kind: str, n: int, seed: int) -> list[tuple[bool, bool, int]]:
+    """(proposes, matches, agreement) per output position for a workload.
+
+    ``agreement``: how many context tokens prompt lookup's match agrees with
+    (``NgramIndex.agreement``). Copied text agrees for as long as the copy has
+    run (2 + the positions copied in a row before this one); chat's chance
+    matches agree for 2–3 tokens. Measured on SmolLM2-135M's greedy outputs
+    (4 prompts per workload, 64 tokens, γ = 6 proposals): chat's 39 proposals
+    agreed for 2 (25), 3 (13) and 4 (1) tokens; copy's, edit's and agent's
+    were mostly 8+ and accepted their first draft 97–98% of the time there."""
     rng = random.Random(seed)
-    out: list[tuple[bool, bool]] = []
+    out: list[tuple[bool, bool, int]] = []
     if kind == "chat":  # prompt lookup finds a match in ~30% of positions; the text rarely copies
         while len(out) < n:
-            out.append((rng.random() < 0.3, rng.random() < 0.15))
+            u = rng.random()
+            out.append((rng.random() < 0.3, rng.random() < 0.15, 2 if u < 0.64 else 3 if u < 0.97 else 4))
         return out
     run, gap = {"copy": (40.0, 1.0), "edit": (10.0, 1.6), "agent": (6.0, 2.0)}[kind]
     while len(out) < n:
-        out += [(True, True)] * max(1, round(rng.expovariate(1 / run)))
-        out += [(True, False)] * max(1, round(rng.expovariate(1 / gap)))
+        out += [(True, True, 2 + i) for i in range(max(1, round(rng.expovariate(1 / run))))]
+        out += [(True, False, 2)] * max(1, round(rng.expovariate(1 / gap)))
     return out[:n]
 
 
-def session(kind: str, fixed: int | None, requests: int = 24, tokens: int = 48, seed: int = 0) -> float:
+def session(
+    kind: str, fixed: int | None, requests: int = 24, tokens: int = 48, seed: int = 0, first_match: int | None = None
+) -> float:
     """Tokens per second of the ``kind`` requests in a session where they
     alternate with copy requests (``kind`` alone when it is copy): lone
     requests one after another on one engine, each round timed by the machine
@@ -71,16 +82,16 @@ def session(kind: str, fixed: int | None, requests: int = 24, tokens: int = 48, 
     acceptance is high, which is how chat met its deep first windows."""
     kinds = [kind] * requests if kind == "copy" else [kind if i % 2 else "copy" for i in range(2 * requests)]
     m = IsolatedMachine()
-    core = VerifierCore(GammaPolicy())
+    core = VerifierCore(GammaPolicy() if first_match is None else GammaPolicy(first_match=first_match))
     made_all, seconds, mine = 0, 0.0, 0.0
     pending: list[StepCost] = []
     for rid, this in enumerate(kinds):
         pos = pattern(this, tokens + 8, seed * 1000 + rid)
         made, t0 = 1, seconds
-        gamma, hold, consult, empty = 0, 0, True, 0
+        gamma, hold, consult, empty, min_match = 0, 0, True, 0, 0
         while made < tokens:
             g = min(gamma, tokens - made - 1)
-            proposes = g > 0 and pos[made][0]
+            proposes = g > 0 and pos[made][0] and pos[made][2] >= min_match
             d = g if proposes else 0
             step = m.round(1, d)
             seconds += step
@@ -101,24 +112,28 @@ def session(kind: str, fixed: int | None, requests: int = 24, tokens: int = 48, 
             v = core.verify(Verify(windows=[w], costs=pending)).verdicts[0]
             pending, empty = [], 0
             made += len(v.tokens)
-            gamma, hold, consult = v.gamma_next, v.hold, False
+            gamma, hold, consult, min_match = v.gamma_next, v.hold, False, v.min_match
         core.forget([rid])
         if this == kind:
             made_all, mine = made_all + made, mine + seconds - t0
     return made_all / mine
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #32, not met: adaptive 0.935-0.938x plain on chat after copy here (the engine-wide acceptance "
-    "of the copy sends each chat request's first window 6 deep at the isolated price, then a leaving probe). "
-    "Pricing isolated rounds apart (branch session-iso-experiment) gave 0.939-0.986x and cost edit/agent 5-6%.",
-)
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_adaptive_never_loses_to_plain_on_chat(seed):
+    """0.984-0.999x over seeds 0-4 with the agreement gate (GammaPolicy.min_match);
+    0.928-0.964x without it (first_match=0): each chat request's first window
+    drafted 6 deep on the copy's acceptance."""
     plain = session("chat", 0, seed=seed)
     adaptive = session("chat", None, seed=seed)
     assert adaptive >= 0.98 * plain, round(adaptive / plain, 3)
+
+
+def test_without_the_gate_chat_loses():
+    """The machine is one on which the gate matters: without it the same
+    sessions lose more than 2% on chat (so the test above can fail)."""
+    ratios = [session("chat", None, seed=s, first_match=0) / session("chat", 0, seed=s) for s in (0, 1, 2)]
+    assert min(ratios) < 0.98, ratios
 
 
 @pytest.mark.parametrize("kind, floor", [("copy", 2.0), ("edit", 1.5), ("agent", 1.15)])

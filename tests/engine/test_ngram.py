@@ -112,3 +112,21 @@ def test_replay_counts_target_calls_of_greedy_prompt_lookup():
     assert tokens_per_call(prompt, [1, 2, 3, 4, 5, 6, 7, 8], 1) == 8 / 5  # 1, 1, then 2 + 2 + 2
     # nothing to copy: one token per call
     assert tokens_per_call([1, 2, 3], [9, 10, 11, 12], 4) == 1.0
+
+
+def test_agreement_counts_the_context_tokens_the_source_agrees_with():
+    idx = NgramIndex()
+    idx.extend([1, 2, 3, 4, 5, 6, 9, 9, 3, 4, 5])  # the suffix 3 4 5 agrees with positions 2..4
+    assert idx.propose(2) == [6, 9]
+    assert idx.agreement(5) == 3
+    idx.extend([6])  # the copy goes on: four tokens of agreement now
+    assert idx.agreement(6) == 4
+
+
+def test_min_match_gates_a_short_match_and_keeps_tracking_the_copy():
+    idx = NgramIndex()
+    idx.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4])
+    assert idx.propose(3, min_match=4) == []  # a 2-token match: nothing proposed
+    assert idx.propose(3) == [5, 6, 7]  # ungated, the same match proposes
+    idx.extend([5, 6])  # the text copied on: 3 4 5 6 agrees with the source now
+    assert idx.propose(3, min_match=4) == [7, 8, 9]
