@@ -51,6 +51,7 @@ import asyncio
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -189,18 +190,21 @@ async def one_round(client, srv: Server, name: str, rnd: int, args, text: LongTe
         tokens_per_chunk=sum(s.tokens for s in under) / chunks if chunks else None,
     )
     progress(
-        f"{name} round {rnd + 1}: alone p99 {1000 * (res.p99_alone or 0):.1f} ms, under p99 "
-        f"{1000 * (res.p99_under or 0):.1f} ms ({len(res.under)} ITLs), ratio {res.ratio or 0:.2f}, "
+        f"{name} round {rnd + 1}: alone p50/p99 {1000 * (res.p50_alone or 0):.1f}/{1000 * (res.p99_alone or 0):.1f} ms, "
+        f"under p50/p99 {1000 * (res.p50_under or 0):.1f}/{1000 * (res.p99_under or 0):.1f} ms "
+        f"({len(res.under)} ITLs), ratio {res.ratio or 0:.2f}, "
         f"window {res.window_s:.2f} s ({long_tokens} tokens), covering {res.covering}/{res.streams}, "
         f"finish {[s.finish for s in under]}, load {load:.2f}"
     )
     return res
 
 
-async def run_server(srv: Server, name: str, args, text: LongText, model: str, eos: list[int]) -> list[RoundResult]:
+async def run_server(
+    srv: Server, name: str, args, text: LongText, model: str, eos: list[int], out: list[RoundResult]
+) -> None:
+    """Every round on one server, appended to ``out`` as each ends (an interrupted run keeps them)."""
     progress(f"starting {name}: {shlex.join(srv.argv)}")
     progress(f"{name} ready in {srv.start(timeout_s=300):.1f} s")
-    out = []
     try:
         async with httpx.AsyncClient(timeout=900) as client:
             # warm-up: first-call compilation, the allocator, a prefill of a few chunks
@@ -214,7 +218,10 @@ async def run_server(srv: Server, name: str, args, text: LongText, model: str, e
                 out.append(await one_round(client, srv, name, rnd, args, text, model, eos))
     finally:
         srv.stop()
-    return out
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (a `timeout`): stop the server, print what was measured
 
 
 def commit() -> str:
@@ -260,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.servers.split(",")
     load_before = loadavg()
     rounds: list[RoundResult] = []
+    signal.signal(signal.SIGTERM, _interrupt)
+    partial = ""
     for name in names:
         port = free_port()
         if name == SUBJECT:
@@ -269,14 +278,20 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise SystemExit(f"unknown server {name!r}: {SUBJECT} or {REFERENCE}")
         srv = Server(name, argv_, port, work / f"{name}.log")
-        rounds += asyncio.run(run_server(srv, name, args, text, str(model_dir), eos))
+        try:
+            asyncio.run(run_server(srv, name, args, text, str(model_dir), eos, rounds))
+        except KeyboardInterrupt:
+            srv.stop()
+            partial = f"PARTIAL: interrupted during {name} after {len(rounds)} rounds in all"
+            progress(partial)
+            break
     text_out = report(
         rounds,
         command=command,
         commit=commit(),
         load_before=load_before,
         load_after=loadavg(),
-        notes=args.note,
+        notes="; ".join(n for n in (partial, args.note) if n),
     )
     print(text_out)
     if args.out:
