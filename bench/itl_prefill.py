@@ -38,10 +38,14 @@ commit this was written at):
   ``backend.py:264`` switches BLAS to its prefill threading
   (``blas.use(0 …)``) and ``backend.py:377`` calls ``mx.clear_cache()``.
 
-So the interleaving is there; what bounds the ratio is the chunk's size
-against one decode step. The measured ratio and the proposed change (a smaller
-prefill budget while rows are decoding, in ``SchedulerCore.plan`` at
-``scheduler_core.py:318``) are in docs/bench/itl-prefill.md.
+So the interleaving is there; what bounds the ratio is the chunk's cost
+against one decode step. Measured on a shared 2-core CPU (docs/bench/itl-prefill.md):
+a 512-token chunk costs ~25–180× a decode step of two streams, so the ratio is
+far above 2× (54.7× over two 7k rounds); mlx_lm.server prefills in 2048-token
+steps and stalls them longer (392×). The proposed change (a prefill budget from
+measured step costs while rows decode, in ``SchedulerCore.plan`` at
+``scheduler_core.py:318``) is in that doc. There a 7k prefill takes 3–5 min per
+round per server: ``--rounds 1`` fits ~12 min.
 """
 
 from __future__ import annotations
