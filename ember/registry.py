@@ -259,8 +259,15 @@ class Registry:
         from engine.mlx.gguf_models import PACKAGED, installed
         from engine.models import BUNDLED
 
+        # Prompt lookup works with any model; a draft model is the --model's own.
+        base_draft = self.base.draft_model if (self.base.draft_model or "").startswith("ngram") else None
+
+        base_gamma = self.base.num_draft_tokens if base_draft else None  # (needs a drafter)
+
         def chat_config(target: str, name: str) -> EngineConfig:
-            return msgspec.structs.replace(self.base, model=target, model_name=name, draft_model=None)
+            return msgspec.structs.replace(
+                self.base, model=target, model_name=name, draft_model=base_draft, num_draft_tokens=base_gamma
+            )
 
         for name in BUNDLED:
             if name != self.base.model:  # --model under its served name is the default entry (aliased above)

@@ -36,7 +36,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="smollm2-135m or gemma3-270m (the `models` extra), tiny (bundled toy), a .gguf file, an mlx-lm "
         "model directory, or scripted:SCRIPT.json (the scripted test model); default: smollm2-135m when installed, else tiny",
     )
-    p.add_argument("--draft-model", help="speculative decoding drafter: a model directory, tiny-draft, or ngram")
+    p.add_argument(
+        "--draft-model",
+        help="speculative decoding drafter: ngram (prompt lookup; serve's default), a model directory, "
+        "tiny-draft, or none",
+    )
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
     p.add_argument("--fake-gpu", action="store_true", help="serve the deterministic fake GPU instead of a model")
     p.add_argument(
@@ -220,6 +224,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if getattr(args, "ssd_cache_verify", None) is not None:
         fields["ssd_cache_verify"] = args.ssd_cache_verify
     _default_ssd(args, fields)
+    _default_drafter(args, fields)
     if getattr(args, "distributed", None):
         from engine.mlx.distributed import DEFAULT_STEP_TIMEOUT_S
 
@@ -234,11 +239,25 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
         try:
             resolve_model(config.model)
-            if config.draft_model and config.draft_model != "ngram":
+            if config.draft_model and not config.draft_model.startswith("ngram"):  # ngram:MIN:MAX too
                 resolve_model(config.draft_model)
         except (FileNotFoundError, ValueError) as exc:  # ValueError: a GGUF that cannot convert
             parser.error(str(exc))
     return config
+
+
+def _default_drafter(args: argparse.Namespace, fields: dict[str, Any]) -> None:
+    """``serve`` speculates with prompt lookup unless told otherwise: it costs no
+    device time, greedy output is unchanged, and adaptive γ drafts only where a
+    request's own text copies its context (docs/speculation.md, "On by
+    default"). ``--draft-model none`` turns speculation off; ``generate`` and
+    the embedded Engine keep it off unless asked."""
+    name = fields.get("draft_model")
+    if isinstance(name, str) and name.lower() in ("none", "off"):
+        fields.pop("draft_model")
+    elif name is None and getattr(args, "command", None) == "serve" and fields["backend"] == "mlx":
+        fields["draft_model"] = "ngram"  # (the fake and scripted test doubles: off unless asked)
+        args.spec_note = "speculation: prompt lookup, adaptive (--draft-model none: off)"
 
 
 def _default_ssd(args: argparse.Namespace, fields: dict[str, Any]) -> None:
@@ -417,7 +436,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Plain asyncio, not uvloop: under uvloop a SIGTERM reached the drain only
     # after requests already in the socket were answered (/health said 200 right
     # after the signal; tests/ember/test_durability_engine.py).
-    rc = asyncio.run(_serve(server, sock, app.state.ember, url, getattr(args, "ssd_note", "")))
+    note = "; ".join(n for n in (getattr(args, "ssd_note", ""), getattr(args, "spec_note", "")) if n)
+    rc = asyncio.run(_serve(server, sock, app.state.ember, url, note))
     _exit_now(rc)
     return rc  # not reached
 
