@@ -210,7 +210,10 @@ class Scheduler(Actor[Inbox]):
         # 2. plan: closes, opens, prefill chunks, decode rows, verify windows
         plan = core.plan()
         # 3. run it on the device, under the watchdog; an OOM fails only its rows
+        t_run = core.clock.now()
         result = await self._run(plan)
+        if result is not None:
+            core.note_step_time(plan, core.clock.now() - t_run)
         # 4. apply: emit tokens and put closed caches; speculating rows wait for verdicts
         if result is not None:
             core.apply(plan, result)

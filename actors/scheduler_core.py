@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from actors.prefill_budget import PrefillBudget
 from actors.spec_rounds import SpecRounds
 from engine.eventlog import EventLog
 from engine.ports import Backend, Clock, DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
@@ -121,6 +122,9 @@ class Row:
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: int = 8
     prefill_chunk: int = 512
+    # While rows decode, a step's prefill takes at most this share of a decode
+    # step's time (actors.prefill_budget); None: always the full chunk.
+    prefill_share: float | None = 0.5
     min_cached_prefix: int = 1  # shorter cached prefixes (RAM or SSD) are not reused
     # Checkpoints, for caches that cannot be trimmed back to a prefix later (SSM
     # state, a wrapped sliding window; the backend says ``needs_checkpoints``):
@@ -149,6 +153,7 @@ class SchedulerCore:
         self.backend = backend
         self.spec = spec  # speculative rounds, when the engine has a drafter
         self.cfg = cfg
+        self.prefill_budget = PrefillBudget(cfg.prefill_chunk, cfg.prefill_share)
         self.clock = clock
         self.events = events
         self.prefix_cache = prefix_cache
@@ -308,6 +313,11 @@ class SchedulerCore:
             return 0, None
         return self.prefix_cache.demote_idle(idle_s)
 
+    def note_step_time(self, plan: StepPlan, seconds: float) -> None:
+        """The device time of a step: prices the prefill budget (actors.prefill_budget)."""
+        tokens = sum(len(c.tokens) for c in plan.prefill)
+        self.prefill_budget.observe(tokens, bool(plan.decode or plan.verify), seconds)
+
     def plan(self) -> StepPlan:
         plan = StepPlan(close=self._closing, keep_cache=self._keep)
         self._closing, self._keep = [], set()
@@ -315,7 +325,8 @@ class SchedulerCore:
             self.spec.defer_closing(plan, self._closing, self._keep)
         while self.queue and len(self.active) < self.cfg.max_batch:
             self._open(self.rows[self.queue.popleft()], plan)
-        budget = self.cfg.prefill_chunk
+        decoding = any(self.rows[rid].state is RowState.DECODE for rid in self.active)
+        budget = self.prefill_budget.budget(decoding)
         self._checkpoint_at = {}
         for rid in self.active:
             row = self.rows[rid]

@@ -213,6 +213,7 @@ def assemble(config: EngineConfig, ports: Ports) -> Parts:
         SchedulerConfig(
             max_batch=config.max_batch,
             prefill_chunk=config.prefill_chunk,
+            prefill_share=config.prefill_share,
             min_cached_prefix=config.min_cached_prefix,
         ),
         clock,

@@ -38,6 +38,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_batch: int = 8
     max_queue: int = 64
     prefill_chunk: int = 512
+    # while rows decode, a step's prefill takes at most this share of a decode
+    # step's time, so a long prompt arriving does not stall the running streams
+    # (actors/prefill_budget.py); None: the full chunk every step
+    prefill_share: float | None = 0.5
     # rows prefilling in the same step share one forward (MLX); False: each
     # row alone, bit for bit mlx_lm's own prefill on the same weights (batched is
     # ~1e-6 off in fp32)
@@ -92,6 +96,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest("max_queue must be >= 0", "max_queue")
         if self.prefill_chunk < 1:
             raise InvalidRequest("prefill_chunk must be >= 1", "prefill_chunk")
+        if self.prefill_share is not None and not self.prefill_share > 0:
+            raise InvalidRequest("prefill_share must be > 0 (or None: the full chunk)", "prefill_share")
         if self.min_cached_prefix < 1:
             raise InvalidRequest("min_cached_prefix must be >= 1", "min_cached_prefix")
         if self.max_kv_size is not None and self.max_kv_size < 1:

@@ -1,0 +1,54 @@
+"""How many prompt tokens a step may prefill while other rows decode.
+
+A step runs its prefill chunk and the decode rows' forward back to back
+(``SchedulerCore.plan``), so a chunk's time is added to every running stream's
+inter-token latency. At the full ``prefill_chunk`` (512) a 7k-token prompt
+arriving beside two streams put their p99 ITL at 14-95x its value alone on
+SmolLM2 (docs/bench/itl-prefill.md): one 512-token chunk late in a long prompt
+cost 25-180 decode steps, attention over the offset growing with it. So while
+rows decode, the chunk is sized from what steps were measured to cost: at
+most ``share`` of a decode step's time (share 0.5: a step with prefill takes
+~1.5 decode steps, the 2x bound with room for noise), at least ``floor``
+tokens so the prompt always advances; with nothing decoding the chunk is the
+full ``prefill_chunk``. The cost per prompt token is a moving average over
+the latest steps, so it follows the growth with the offset. The trade: a long
+prompt's own time to first token grows while others stream (it gets about a
+third of the device instead of all of it), as in vLLM's decode-first
+chunked prefill; ``share=None`` restores the full chunk.
+"""
+
+from __future__ import annotations
+
+
+class PrefillBudget:
+    def __init__(self, chunk: int, share: float | None = 0.5, *, floor: int = 16, alpha: float = 0.3):
+        self.chunk = chunk
+        self.share = share
+        self.floor = min(floor, chunk)
+        self.alpha = alpha
+        self.decode_s: float | None = None  # a step that only decoded
+        self.token_s: float | None = None  # a prompt token's share of a step with prefill
+
+    def budget(self, decoding: bool) -> int:
+        """Prompt tokens for the next step (``decoding``: some row decodes in it)."""
+        if not decoding or self.share is None:
+            return self.chunk
+        if self.decode_s is None or self.token_s is None or self.token_s <= 0:
+            return self.floor  # measure before spending a whole chunk of the streams' time
+        return max(self.floor, min(self.chunk, int(self.share * self.decode_s / self.token_s)))
+
+    def observe(self, prefill_tokens: int, decoding: bool, seconds: float) -> None:
+        """A step that prefilled ``prefill_tokens`` (and decoded, if ``decoding``) took ``seconds``."""
+        if seconds <= 0:
+            return
+        if prefill_tokens == 0:
+            if decoding:
+                self.decode_s = self._avg(self.decode_s, seconds)
+            return
+        rest = self.decode_s if decoding and self.decode_s is not None else 0.0
+        if decoding and self.decode_s is None:
+            return  # cannot tell the chunk's part from the decode's yet
+        self.token_s = self._avg(self.token_s, max(seconds - rest, 0.0) / prefill_tokens)
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)

@@ -1,0 +1,45 @@
+"""The prefill budget while rows decode (actors.prefill_budget): a long prompt
+arriving must not stall the running streams for a whole 512-token chunk."""
+
+from __future__ import annotations
+
+from actors.prefill_budget import PrefillBudget
+from actors.scheduler_core import SchedulerConfig, SchedulerCore
+from engine.eventlog import EventLog
+from engine.types import SamplingParams
+from tests.ember.test_spec_fake import FakeBackend, FixedClock
+
+
+def test_the_full_chunk_when_nothing_decodes_and_a_small_one_before_any_price():
+    b = PrefillBudget(512, 0.5, floor=16)
+    assert b.budget(decoding=False) == 512
+    assert b.budget(decoding=True) == 16  # not priced yet: measure before spending the streams' time
+    assert PrefillBudget(512, None).budget(decoding=True) == 512  # share None: the old behaviour
+
+
+def test_the_budget_is_a_share_of_a_decode_step_at_the_measured_price():
+    b = PrefillBudget(512, 0.5, floor=16)
+    b.observe(0, decoding=True, seconds=0.100)  # a decode step: 100 ms
+    b.observe(16, decoding=True, seconds=0.100 + 16 * 0.002)  # 2 ms per prompt token beside it
+    assert b.budget(decoding=True) == 25  # 0.5 x 100 ms / 2 ms
+    for _ in range(20):  # the prompt's tokens get dearer with the offset: the chunk shrinks, to the floor
+        b.observe(25, decoding=True, seconds=0.100 + 25 * 0.020)
+    assert b.budget(decoding=True) == 16
+    cheap = PrefillBudget(512, 0.5)
+    cheap.observe(0, decoding=True, seconds=0.1)
+    cheap.observe(100, decoding=False, seconds=100 * 1e-5)  # alone: all of the step is prefill
+    assert cheap.budget(decoding=True) == 512  # capped at the chunk
+
+
+def test_the_scheduler_shrinks_a_long_prefill_beside_a_decoding_row():
+    core = SchedulerCore(FakeBackend(), SchedulerConfig(max_batch=4, prefill_chunk=512), FixedClock(), EventLog())
+    core.admit(1, [1, 2, 3], SamplingParams(max_tokens=100))
+    plan = core.plan()  # the short prompt (its last token decodes in this same step)
+    assert [len(c.tokens) for c in plan.prefill] == [2]
+    core.prefill_budget.observe(0, decoding=True, seconds=0.1)  # a decode-only step: 100 ms
+    core.admit(2, list(range(1, 2001)), SamplingParams(max_tokens=1))
+    plan = core.plan()
+    assert [len(c.tokens) for c in plan.prefill] == [16] and len(plan.decode) == 1
+    core.note_step_time(plan, 0.1 + 16 * 0.001)  # 1 ms per prompt token beside the decode
+    plan = core.plan()
+    assert [len(c.tokens) for c in plan.prefill] == [50]  # 0.5 x 100 ms / 1 ms per token
