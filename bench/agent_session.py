@@ -324,11 +324,16 @@ def run_session(args: argparse.Namespace) -> list[Turn]:
 _PROBE_MODELS: dict[str, Any] = {}
 
 
-def attention_share(model_dir: Path, new: int, context: int, reps: int = 3) -> float:
+def attention_share(model_dir: Path, new: int, context: int, reps: int = 3) -> tuple[float, float]:
     """One decoder layer's prefill of ``new`` tokens at ``context``: the fused
     attention (``new`` queries over ``context`` keys, causal over the new part)
-    over that plus the layer's projections and MLP over the ``new`` tokens.
-    Shapes only: the weights are the model's, the activations random."""
+    over that plus the layer's projections and MLP over the ``new`` tokens;
+    and the exp floor, one ``mx.exp`` over a score matrix of that shape
+    (heads × new × context, the model's dtype) over the fused attention: any
+    exact softmax computes every one of those exponentials, and on MLX's CPU
+    backend an exp costs ~4× an add (issue #32), so this is the share of the
+    attention no reordering of the passes can remove. Shapes only: the weights
+    are the model's, the activations random."""
     import mlx.core as mx
     from mlx_lm import load
 
@@ -357,6 +362,12 @@ def attention_share(model_dir: Path, new: int, context: int, reps: int = 3) -> f
     def attention() -> Any:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask=mask).sum()
 
+    scores = mx.random.normal((1, heads, new, context)).astype(x.dtype)
+    mx.eval(scores)
+
+    def exp_floor() -> Any:
+        return mx.exp(scores)  # materialized, as a softmax writes its probabilities
+
     def best(f) -> float:
         ts = []
         for _ in range(reps):
@@ -365,9 +376,9 @@ def attention_share(model_dir: Path, new: int, context: int, reps: int = 3) -> f
             ts.append(time.perf_counter() - t0)
         return min(ts)
 
-    best(weights), best(attention)  # warm up
-    w, a = best(weights), best(attention)
-    return a / (a + w)
+    best(weights), best(attention), best(exp_floor)  # warm up
+    w, a, e = best(weights), best(attention), best(exp_floor)
+    return a / (a + w), min(1.0, e / a)
 
 
 def add_splits(rows: list[Turn], model_dir: Path) -> None:
@@ -378,8 +389,8 @@ def add_splits(rows: list[Turn], model_dir: Path) -> None:
     per_token = sorted(warm)[len(warm) // 2] if warm else None
     for t in mine:
         new = max(1, t.prompt_tokens - (t.cached_tokens or 0))
-        share = attention_share(model_dir, min(new, t.prompt_tokens), max(new, t.prompt_tokens))
-        t.split = split_turn(t, share, per_token)
+        share, floor = attention_share(model_dir, min(new, t.prompt_tokens), max(new, t.prompt_tokens))
+        t.split = split_turn(t, share, per_token, floor)
 
 
 def report(rows: list[Turn], args: argparse.Namespace) -> str:
