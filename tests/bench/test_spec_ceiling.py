@@ -127,3 +127,16 @@ def test_the_report_divides_the_mean_by_each_gammas_verify_cost():
     assert f"oracle {r['oracle'].tokens_per_call:.2f}" in text
     assert f"oracle {r['oracle'].tokens_per_call / 2.0:.2f}×" in text
     assert f"ngram {r['ngram'].tokens_per_call / 2.0:.2f}×" in text
+
+
+def test_the_agreement_tally_buckets_proposals_by_how_far_the_match_agrees():
+    from bench.spec.agreement import table, tally
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    # The output copies the prompt from its start: each proposal's match agrees one token more.
+    got = tally(prompt, prompt)
+    assert sorted(got) == [2, 3, 4, 5, 6] and all(r[:2] == [1, 1] for r in got.values())
+    assert [got[m][2] for m in sorted(got)] == [6, 5, 4, 3, 2]  # drafts accepted: up to the output's end
+    departs = tally(prompt, [3, 4, 5, 6, 7, 9, 9])  # copies the middle, then departs
+    assert departs[max(departs)][1] == 0  # the departure's proposal is rejected
+    assert "| copy | 2 |" in table({"copy": {2: [4, 2, 3]}}) and "0.50 | 0.75 |" in table({"copy": {2: [4, 2, 3]}})
