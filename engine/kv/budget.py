@@ -31,16 +31,54 @@ from __future__ import annotations
 import heapq
 import logging
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from engine.kv.disk import Disk
 
-if TYPE_CHECKING:
-    from engine.kv.cold_store import ColdEntry, ColdStore
-
 log = logging.getLogger("ember.cold_tier")
+
+
+class Victim(Protocol):
+    """What eviction reads of an indexed file (``ColdEntry``; ``OfflineFile`` too)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class Indexed(Victim, Protocol):
+    @property
+    def seq(self) -> int: ...  # the shared recency order (``SsdBudget.next_seq``)
+
+
+class Member(Protocol):
+    """What the budget reads and calls on a ``ColdStore`` (typed here, not
+    imported: the store imports the budget)."""
+
+    counters: dict[str, int]
+
+    @property
+    def dir(self) -> str: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    @property
+    def other_bytes(self) -> int: ...
+
+    @property
+    def reserved(self) -> int: ...
+
+    @property
+    def meta(self) -> Any: ...
+
+    def entries(self) -> Iterable[Indexed]: ...
+
+    def forget(self, entry: Any) -> object: ...
 
 
 @dataclass(slots=True)
@@ -58,7 +96,7 @@ class SsdBudget:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
-        self._stores: dict[str, ColdStore] = {}  # by fingerprint folder (ColdStore.dir)
+        self._stores: dict[str, Member] = {}  # by fingerprint folder (ColdStore.dir)
         self._offline: dict[str, OfflineFile] = {}  # by path
         self.offline_bytes = 0
         self._seq = 0
@@ -69,7 +107,7 @@ class SsdBudget:
         self._seq += 1
         return self._seq
 
-    def attach(self, store: ColdStore) -> None:
+    def attach(self, store: Member) -> None:
         """``store`` counts from now on (its start-up scan is indexed): it replaces
         an earlier store of the same folder (a reloaded model) and adopts the
         offline files under its folder."""
@@ -78,7 +116,7 @@ class SsdBudget:
         for path in [p for p in self._offline if p.startswith(prefix)]:
             self.offline_bytes -= self._offline.pop(path).nbytes
 
-    def stores(self) -> list[ColdStore]:
+    def stores(self) -> list[Member]:
         return list(self._stores.values())
 
     def add_offline(self, files: list[OfflineFile]) -> None:
@@ -99,7 +137,7 @@ class SsdBudget:
         """Bytes no eviction can free: unknown files in the stores' folders, writes in flight."""
         return sum(s.other_bytes + s.reserved for s in self._stores.values())
 
-    def _lru(self) -> Iterator[tuple[ColdStore | None, Any]]:
+    def _lru(self) -> Iterator[tuple[Member | None, Any]]:
         """Every evictable file, least recently used first: offline files (oldest
         mtime first), then all stores' entries merged by their shared ``seq``."""
         for f in sorted(self._offline.values(), key=lambda f: (f.mtime, f.path)):
@@ -108,12 +146,14 @@ class SsdBudget:
         for _, _, s, e in heapq.merge(*streams):
             yield s, e
 
-    def victims(self, nbytes: int, *, asker: ColdStore, keep: str = "") -> list[ColdEntry | OfflineFile]:
+    def victims(
+        self, nbytes: int, *, asker: Member, keep: str = ""
+    ) -> list[Any]:  # the stores' own entries, or OfflineFile
         """The least recently used files holding at least ``nbytes`` (fewer if
         there are not enough), any store's, never the file at ``keep``; each is out
         of its store's index (or the offline list) on return and is the caller's
         to delete."""
-        picked: list[tuple[ColdStore | None, Any]] = []
+        picked: list[tuple[Member | None, Any]] = []
         freed = 0
         for owner, e in self._lru():  # collected first: the walk reads the indexes it would change
             if freed >= nbytes:
@@ -157,7 +197,7 @@ class SsdBudget:
         }
 
 
-def _stream(i: int, store: ColdStore) -> Iterator[tuple[int, int, ColdStore, ColdEntry]]:
+def _stream(i: int, store: Member) -> Iterator[tuple[int, int, Member, Indexed]]:
     """One store's entries in its LRU order, keyed for the merge (its own
     function: a generator expression in a loop would bind the last store)."""
     for e in store.entries():
