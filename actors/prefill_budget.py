@@ -9,8 +9,8 @@ cost 25-180 decode steps, attention over the offset growing with it. So while
 rows decode, the chunk is sized from what steps were measured to cost: at
 most ``share`` of a decode step's time (share 0.5: a step with prefill takes
 ~1.5 decode steps, the 2x bound with room for noise), at least ``floor``
-tokens so the prompt always advances; with nothing decoding the chunk is the
-full ``prefill_chunk``. The cost per prompt token is a moving average over
+tokens so the prompt always advances; with nothing decoding, or before any
+decode-only step was measured, the chunk is the full ``prefill_chunk``. The cost per prompt token is a moving average over
 the latest steps, so it follows the growth with the offset. The trade: a long
 prompt's own time to first token grows while others stream (it gets about a
 third of the device instead of all of it), as in vLLM's decode-first
@@ -31,10 +31,14 @@ class PrefillBudget:
 
     def budget(self, decoding: bool) -> int:
         """Prompt tokens for the next step (``decoding``: some row decodes in it)."""
-        if not decoding or self.share is None:
+        if not decoding or self.share is None or self.decode_s is None:
+            # No decode-only step measured yet: the rows decoding now started in
+            # the steps that are prefilling (requests arriving together), and a
+            # small chunk would starve the rest of the prompts without ever
+            # measuring one (every step keeps prefilling). The full chunk, as before.
             return self.chunk
-        if self.decode_s is None or self.token_s is None or self.token_s <= 0:
-            return self.floor  # measure before spending a whole chunk of the streams' time
+        if self.token_s is None or self.token_s <= 0:
+            return self.floor  # decode priced, prefill not: measure before spending the streams' time
         return max(self.floor, min(self.chunk, int(self.share * self.decode_s / self.token_s)))
 
     def observe(self, prefill_tokens: int, decoding: bool, seconds: float) -> None:

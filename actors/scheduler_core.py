@@ -124,7 +124,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk: int = 512
     # While rows decode, a step's prefill takes at most this share of a decode
     # step's time (actors.prefill_budget); None: always the full chunk.
-    prefill_share: float | None = 0.5
+    prefill_share: float | None = None
     min_cached_prefix: int = 1  # shorter cached prefixes (RAM or SSD) are not reused
     # Checkpoints, for caches that cannot be trimmed back to a prefix later (SSM
     # state, a wrapped sliding window; the backend says ``needs_checkpoints``):

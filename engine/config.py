@@ -40,8 +40,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     prefill_chunk: int = 512
     # while rows decode, a step's prefill takes at most this share of a decode
     # step's time, so a long prompt arriving does not stall the running streams
-    # (actors/prefill_budget.py); None: the full chunk every step
-    prefill_share: float | None = 0.5
+    # (actors/prefill_budget.py); None: the full chunk every step. `ember serve`
+    # sets 0.5 (--prefill-share); the embedded Engine keeps the full chunk
+    prefill_share: float | None = None
     # rows prefilling in the same step share one forward (MLX); False: each
     # row alone, bit for bit mlx_lm's own prefill on the same weights (batched is
     # ~1e-6 off in fp32)

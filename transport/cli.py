@@ -44,6 +44,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
     p.add_argument("--fake-gpu", action="store_true", help="serve the deterministic fake GPU instead of a model")
     p.add_argument(
+        "--prefill-share",
+        type=float,
+        metavar="SHARE",
+        help="while rows decode, a step's prefill takes at most SHARE of a decode step's time "
+        "(serve's default 0.5: a long prompt does not stall the running streams; 0: the full chunk)",
+    )
+    p.add_argument(
         "--max-kv-size", type=int, metavar="TOKENS", help="plain KV layers keep a sliding window of this many tokens"
     )
     p.add_argument("--kv-bits", type=int, help="quantize the KV cache to this many bits (as mlx-lm's --kv-bits)")
@@ -225,6 +232,11 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         fields["ssd_cache_verify"] = args.ssd_cache_verify
     _default_ssd(args, fields)
     _default_drafter(args, fields)
+    share = getattr(args, "prefill_share", None)
+    if share is not None:
+        fields["prefill_share"] = share if share > 0 else None
+    elif getattr(args, "command", None) == "serve":
+        fields["prefill_share"] = 0.5  # docs/bench/itl-prefill.md
     if getattr(args, "distributed", None):
         from engine.mlx.distributed import DEFAULT_STEP_TIMEOUT_S
 

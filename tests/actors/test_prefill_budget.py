@@ -10,10 +10,14 @@ from engine.types import SamplingParams
 from tests.ember.test_spec_fake import FakeBackend, FixedClock
 
 
-def test_the_full_chunk_when_nothing_decodes_and_a_small_one_before_any_price():
+def test_the_full_chunk_when_nothing_decodes_and_a_small_one_before_the_prefill_is_priced():
     b = PrefillBudget(512, 0.5, floor=16)
     assert b.budget(decoding=False) == 512
-    assert b.budget(decoding=True) == 16  # not priced yet: measure before spending the streams' time
+    # Rows that started in prefilling steps (requests arriving together): no
+    # decode-only step to price against yet, and every step keeps prefilling.
+    assert b.budget(decoding=True) == 512
+    b.observe(0, decoding=True, seconds=0.1)
+    assert b.budget(decoding=True) == 16  # decode priced, prefill not: measure before spending the streams' time
     assert PrefillBudget(512, None).budget(decoding=True) == 512  # share None: the old behaviour
 
 
@@ -32,7 +36,9 @@ def test_the_budget_is_a_share_of_a_decode_step_at_the_measured_price():
 
 
 def test_the_scheduler_shrinks_a_long_prefill_beside_a_decoding_row():
-    core = SchedulerCore(FakeBackend(), SchedulerConfig(max_batch=4, prefill_chunk=512), FixedClock(), EventLog())
+    core = SchedulerCore(
+        FakeBackend(), SchedulerConfig(max_batch=4, prefill_chunk=512, prefill_share=0.5), FixedClock(), EventLog()
+    )
     core.admit(1, [1, 2, 3], SamplingParams(max_tokens=100))
     plan = core.plan()  # the short prompt (its last token decodes in this same step)
     assert [len(c.tokens) for c in plan.prefill] == [2]

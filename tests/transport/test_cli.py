@@ -123,4 +123,5 @@ def test_serve_flags_map_onto_engine_config(tmp_path):
     assert (config.ssd_demote_idle_s, config.draft_model, config.num_draft_tokens) == (30.0, "ngram", 4)
     assert config.model_name == "mine" and config.min_cached_prefix == 64
     defaults = engine_config(build_parser().parse_args(["serve", "--fake-gpu", "--no-ssd-cache"]), args.parser)
-    assert defaults == type(config)(backend="fake")  # unset flags leave EngineConfig's defaults
+    # unset flags leave EngineConfig's defaults, but for serve's own: the prefill share (#32)
+    assert defaults == type(config)(backend="fake", prefill_share=0.5)

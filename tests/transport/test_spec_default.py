@@ -52,3 +52,14 @@ def test_models_loaded_on_demand_keep_prompt_lookup_but_not_a_draft_model():
     reg = Registry(EngineConfig(model="tiny", draft_model="tiny-draft", num_draft_tokens=3), default="tiny")
     side = [e for e in reg.entries.values() if e.name != "tiny" and e.kind == "chat"]
     assert all((e.config.draft_model, e.config.num_draft_tokens) == (None, None) for e in side)
+
+
+def test_serve_bounds_the_prefill_beside_decoding_rows_unless_told_otherwise():
+    config, _ = config_of("serve", "--fake-gpu", "--no-ssd-cache")
+    assert config.prefill_share == 0.5  # docs/bench/itl-prefill.md
+    config, _ = config_of("serve", "--fake-gpu", "--no-ssd-cache", "--prefill-share", "0.25")
+    assert config.prefill_share == 0.25
+    config, _ = config_of("serve", "--fake-gpu", "--no-ssd-cache", "--prefill-share", "0")
+    assert config.prefill_share is None  # the full chunk every step
+    config, _ = config_of("generate", "--fake-gpu", "--prompt", "hi")
+    assert config.prefill_share is None and EngineConfig().prefill_share is None
