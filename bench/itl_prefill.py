@@ -181,7 +181,9 @@ async def one_round(client, srv: Server, name: str, rnd: int, args, text: LongTe
         return s.sent, first, s.prompt_tokens
 
     tasks = [stream_chat(client, srv.url, b, on_chunk=check, out=st) for b, st in zip(bodies(), streams)]
-    *under, (t_send, t_first, long_tokens) = await asyncio.gather(*tasks, long_request())
+    long_task = asyncio.ensure_future(long_request())
+    under = list(await asyncio.gather(*tasks))
+    t_send, t_first, long_tokens = await long_task
     chunks = sum(len(s.arrivals) for s in under)
     res = summarize(
         name,
