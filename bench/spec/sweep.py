@@ -281,10 +281,13 @@ AGENT_WORKLOADS = ("chat", "edit", "copy", "agent")
 
 @dataclass
 class Arm:
-    """One speculation setting on one engine: a fixed γ, or adaptive (None)."""
+    """One speculation setting on one engine: a fixed γ, or adaptive (None);
+    ``control``: plain decode again, the same requests as the plain run it is
+    divided by, so its ratio is what the harness alone moves (order, load)."""
 
     drafter: str
     gamma: int | None
+    control: bool = False
     ratios: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (workload, batch) -> per round
     tps: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     drafted: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -296,6 +299,8 @@ class Arm:
     @property
     def name(self) -> str:
         label = "ngram" if self.drafter == "ngram" else Path(self.drafter).name
+        if self.control:
+            return f"{label} plain again"
         return f"{label} {'adaptive' if self.gamma is None else f'γ={self.gamma}'}"
 
 
@@ -365,8 +370,10 @@ async def run_paired_cell(
 
 async def paired_async(args: argparse.Namespace) -> str:
     """Every arm of a drafter runs on that drafter's engine, each (workload,
-    batch) right after that engine's plain decode (``speculate=false``) of the
-    same requests in the same round; the arms' order rotates per round."""
+    batch) beside that engine's plain decode (``speculate=false``) of the
+    same requests in the same round. Plain decode takes its turn in the
+    rotation like every arm (the order changes per round), and a control arm
+    decodes plainly again: its ratio to plain is the harness's own bias."""
     import msgspec
 
     from ember import Engine, EngineConfig, SamplingParams
@@ -377,7 +384,7 @@ async def paired_async(args: argparse.Namespace) -> str:
     batches = [int(b) for b in args.batches.split(",")]
     base = SamplingParams(max_tokens=args.tokens)  # EOS ends an answer, as in use
     off_params = msgspec.structs.replace(base, speculate=False)
-    arms = {d: [Arm(d, g) for g in gammas] + [Arm(d, None)] for d in drafters}
+    arms = {d: [Arm(d, g) for g in gammas] + [Arm(d, None), Arm(d, None, control=True)] for d in drafters}
     off_tps: dict[tuple[str, str, int], list[float]] = {}
     anat: list[str] = []
     t_start = time.perf_counter()
@@ -394,14 +401,27 @@ async def paired_async(args: argparse.Namespace) -> str:
                         continue
                     for d in drafters:
                         eng = engines[d]
-                        off, off_outs, _ = await run_paired_cell(eng, w, b, args.prompts, off_params)
+                        runs: list[Arm | None] = [None, *arms[d]]  # None: the plain run
+                        runs = runs[r % len(runs) :] + runs[: r % len(runs)]
+                        runs = [
+                            a for a in runs if a is None or b == 1 or a.control or a.gamma in (None, *args.batch_gammas)
+                        ]
+                        measured = []
+                        for arm in runs:
+                            plain = arm is None or arm.control
+                            p = (
+                                off_params
+                                if plain
+                                else base
+                                if arm.gamma is None
+                                else msgspec.structs.replace(base, num_draft_tokens=arm.gamma)
+                            )
+                            measured.append((arm, await run_paired_cell(eng, w, b, args.prompts, p)))
+                        off, off_outs, _ = next(m for a, m in measured if a is None)
                         off_tps.setdefault((d, w, b), []).append(off)
-                        order = arms[d][r % len(arms[d]) :] + arms[d][: r % len(arms[d])]
-                        for arm in order:
-                            if b > 1 and arm.gamma not in (None, *args.batch_gammas):
+                        for arm, (tps, outs, usages) in measured:
+                            if arm is None:
                                 continue
-                            p = base if arm.gamma is None else msgspec.structs.replace(base, num_draft_tokens=arm.gamma)
-                            tps, outs, usages = await run_paired_cell(eng, w, b, args.prompts, p)
                             key = (w, b)
                             arm.ratios.setdefault(key, []).append(tps / off)
                             arm.tps.setdefault(key, []).append(tps)

@@ -45,14 +45,16 @@ def test_the_adaptive_target_is_the_geometric_mean_over_all_rounds():
     from bench.spec.report import adaptive_targets
     from bench.spec.sweep import Arm
 
-    adaptive, fixed = Arm("ngram", None), Arm("ngram", 4)
+    adaptive, fixed, control = Arm("ngram", None), Arm("ngram", 4), Arm("ngram", None, control=True)
+    control.ratios = {("chat", 1): [1.02, 0.97, 1.0]}  # beside the verdict, never judged by it
+    control.identical = {("chat", 1): [True, True, True]}
     adaptive.ratios = {("chat", 1): [0.97, 1.0, 0.99], ("edit", 4): [0.99, 0.96, 0.97]}
     adaptive.identical = {("chat", 1): [True, True, True], ("edit", 4): [True, False, True]}
     fixed.ratios = {("chat", 1): [0.5]}  # a fixed γ is not judged by this target
     fixed.identical = {("chat", 1): [True]}
-    text = adaptive_targets({"ngram": [fixed, adaptive]}, ["ngram"], ["chat", "edit"], [1, 4])
+    text = adaptive_targets({"ngram": [fixed, adaptive, control]}, ["ngram"], ["chat", "edit"], [1, 4])
     rows = [line for line in text.splitlines() if line.startswith("| ngram")]
     assert len(rows) == 2
-    assert "| chat | 1 | 0.987× |" in rows[0] and rows[0].endswith("| 3/3 | met |")
-    assert "| edit | 4 | 0.973× |" in rows[1] and rows[1].endswith("| 2/3 | **NOT MET** |")
+    assert "| chat | 1 | 0.987× |" in rows[0] and rows[0].endswith("| 3/3 | 0.996× | met |")
+    assert "| edit | 4 | 0.973× |" in rows[1] and rows[1].endswith("| 2/3 | – | **NOT MET** |")
     assert text.endswith("1 of 2 cells met.")
