@@ -41,6 +41,7 @@ class RowSpec:
     gamma: int = 0  # drafts to ask for next round
     hold: int = 0  # with gamma 0: plain rounds left before the Verifier is asked again
     min_match: int = 0  # the Verifier's gate on prompt lookup's agreement (Verdict.min_match)
+    quorum: int = 0  # in a batch: feed drafts only beside this many rows' (Verdict.quorum)
     consult: bool = True  # send the next round to the Verifier even without drafts
     synced: int = 0  # context tokens the Drafter has
     drafts: list[int] = field(default_factory=list)
@@ -71,6 +72,7 @@ class SpecRounds:
         self.catch_up_s = 0.0
         self.catch_up_tokens = 0
         self._forgotten: list[int] = []
+        self.watch_dropped = 0  # steps whose drafts fell short of their quorum (dropped: a plain step)
 
     # ---- rows ------------------------------------------------------------
     def admit(self, rid: int, params: SamplingParams) -> None:
@@ -138,6 +140,20 @@ class SpecRounds:
             spec = self.rows.get(d.rid)
             if spec is not None and d.rid in gammas:
                 spec.drafts = list(d.tokens[: gammas[d.rid]])
+        self._quorum()
+
+    def _quorum(self) -> None:
+        """Drop the drafts of a step in which fewer rows proposed than the
+        largest of their quorums (``Verdict.quorum``): its verify round's jump
+        would be paid by every row of the batch for too few windows. A fixed-γ row's drafts
+        (no quorum) pay for the round, and the others' ride along."""
+        drafting = [s for s in self.rows.values() if s.drafts]
+        if not drafting or any(not s.quorum for s in drafting):
+            return
+        if len(drafting) < max(s.quorum for s in drafting):
+            self.watch_dropped += 1
+            for s in drafting:
+                s.drafts = []
 
     # ---- the step ----------------------------------------------------------
     def defer_closing(self, plan: StepPlan, closing: list[int], keep: set[int]) -> None:
@@ -224,7 +240,7 @@ class SpecRounds:
         an EOS, stop string or max_tokens inside the accepted run)."""
         for rid in verified.wake:  # held rows consult the Verifier next round
             held = self.rows.get(rid)
-            if held is not None and held.gamma == 0 and not held.off:
+            if held is not None and not held.off:  # on a plain hold, or watching (GammaPolicy._watch)
                 held.hold, held.consult = 0, True
         for v in verified.verdicts:
             spec = self.rows.get(v.rid)
@@ -237,7 +253,7 @@ class SpecRounds:
             spec.drafted += drafted
             spec.accepted += v.accepted
             spec.draft_rounds += 1 if drafted else 0
-            spec.gamma, spec.hold, spec.min_match = v.gamma_next, v.hold, v.min_match
+            spec.gamma, spec.hold, spec.min_match, spec.quorum = v.gamma_next, v.hold, v.min_match, v.quorum
             spec.consult, spec.empty = False, 0
             spec.off = spec.off or v.fallback
             if row is None:

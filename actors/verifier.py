@@ -103,6 +103,9 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     # Draft only on a prompt-lookup match agreeing with the context for this many
     # tokens: the request's own evidence that it copies (GammaPolicy.min_match).
     min_match: int = 0
+    # In a batch: this row's drafts are fed only in a step where this many rows
+    # with a quorum propose, or where a fixed-γ row drafts anyway (GammaPolicy.quorum).
+    quorum: int = 0
     fallback: bool = False  # the backend refused the window: plain decode from now on
 
 
@@ -153,7 +156,8 @@ class VerifierCore:
         woken = []
         if wake:
             for rid, row in self.rows.items():
-                if rid not in judged and row.gamma == 0 and row.fixed is None and not (row.off or row.retired):
+                held = row.gamma == 0 or row.watching
+                if rid not in judged and held and row.fixed is None and not (row.off or row.retired):
                     row.woken = True
                     woken.append(rid)
         return Verified(verdicts=verdicts, wake=woken)
@@ -170,7 +174,8 @@ class VerifierCore:
             return Verdict(rid=w.rid, accepted=0, tokens=list(w.targets), gamma_next=0, hold=1 << 30, fallback=True)
         k, tokens = accept_window(w.drafts, w.targets)
         self.counters.record(len(w.drafts), k)
-        self.policy.observe_hits(row, w.empty, bool(w.drafts))
+        if not row.watching:  # a watching row's empty rounds say nothing of its plain matches
+            self.policy.observe_hits(row, w.empty, bool(w.drafts))
         if w.drafts:
             self.policy.observe_round(row, len(w.drafts), k)
             gamma, hold = self.policy.choose(row)
@@ -181,7 +186,13 @@ class VerifierCore:
         row.gamma, row.consulted = gamma, True
         self.counters.gamma_chosen[gamma] = self.counters.gamma_chosen.get(gamma, 0) + 1
         return Verdict(
-            rid=w.rid, accepted=k, tokens=tokens, gamma_next=gamma, hold=hold, min_match=self.policy.min_match(row)
+            rid=w.rid,
+            accepted=k,
+            tokens=tokens,
+            gamma_next=gamma,
+            hold=hold,
+            min_match=self.policy.min_match(row),
+            quorum=self.policy.quorum(row, gamma),
         )
 
     def forget(self, rids: list[int]) -> None:

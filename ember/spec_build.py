@@ -30,7 +30,7 @@ from actors.drafter_cores import DrafterCore, ModelDrafterCore, NgramDrafterCore
 from actors.spec_rounds import SpecRounds
 from actors.verifier import Verifier, VerifierCore
 from engine.errors import InvalidRequest
-from engine.speculation.policy import GammaPolicy
+from engine.speculation.policy import WATCH_MATCH, GammaPolicy
 from engine.types import SamplingParams
 
 log = logging.getLogger("ember.speculation")
@@ -48,6 +48,7 @@ class Speculation:
         extra: dict[str, Any] = {"draft_cache_rebuilds": core.rebuilds} if isinstance(core, ModelDrafterCore) else {}
         if isinstance(core, NgramDrafterCore):
             extra["gated_proposals"] = core.gated  # withheld until a request's own draft is accepted
+            extra["watch_steps_dropped"] = self.rounds.watch_dropped  # watched drafts short of their quorum
         return {
             "drafter": self.name,
             "kind": core.kind,
@@ -159,8 +160,12 @@ def build_speculation(config: Any, backend: Any, device: Any, clock: Any) -> Spe
         raise InvalidRequest("on the fake backend draft_model is 'ngram' or 'fake-draft[:p]'", "draft_model")
     else:
         core = _mlx_core(config, backend, device)
+    # Prompt lookup costs a dict lookup per step, so a held row of a batch can
+    # watch its matches instead of probing (GammaPolicy._watch); a draft model
+    # would pay a forward per step for it.
+    watch = WATCH_MATCH if name == "ngram" or name.startswith("ngram:") else None
     try:
-        policy = GammaPolicy(fixed=config.num_draft_tokens)
+        policy = GammaPolicy(fixed=config.num_draft_tokens, watch_match=watch)
     except ValueError as exc:
         raise InvalidRequest(str(exc), "num_draft_tokens") from None
     log.info("[speculation] drafter=%s gamma=%s", name, config.num_draft_tokens or "adaptive")

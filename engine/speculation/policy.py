@@ -86,6 +86,10 @@ from engine.limits import MAX_DRAFT_TOKENS
 from engine.speculation.costs import RoundCosts
 
 ADAPTIVE_GAMMA_MAX = 6
+# Agreement (NgramIndex.agreement) on which a watching row drafts: SmolLM2's
+# prompt-lookup matches of 8+ tokens accepted their first draft 97–98% of the
+# time, those of 2–4 tokens 0–8% (bench.spec.agreement).
+WATCH_MATCH = 8
 
 
 @dataclass(slots=True)
@@ -108,6 +112,7 @@ class RowPolicy:
     depth_seed: int = 0  # positions the engine's latest judged round reached when this row began
     woken: bool = False  # another row chose to draft on condition that all do: choose, do not probe
     accepted_any: bool = False  # has any of its own drafts been accepted?
+    watching: bool = False  # held in a batch: drafts γ_max only on a strong prompt-lookup match (watch_match)
 
 
 class GammaPolicy:
@@ -128,6 +133,7 @@ class GammaPolicy:
         margin: float = 0.05,
         explore_rounds: int = 3,
         first_match: int = 4,
+        watch_match: int | None = None,
     ):
         if fixed is not None and not 0 <= fixed <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {fixed}")
@@ -150,6 +156,13 @@ class GammaPolicy:
         # prompt-lookup match that agrees with its context for this many tokens
         # (min_match): see there.
         self.first_match = first_match
+        # A drafter that costs nothing per step (prompt lookup) can watch a
+        # held row in a batch instead of probing it: see ``_watch``.
+        self.watch_match = watch_match
+        # Engine-wide acceptance per position of the drafts watching rows
+        # proposed (on matches of watch_match tokens): 97–98% for the first
+        # draft measured on SmolLM2, so the prior is 0.9 a position.
+        self.watch_accept = [0.9] * gamma_max
         self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
         # Engine-wide too: the probe spacing the latest probe verdict left, so a
         # new request starts with it instead of re-learning it (on a drafter the
@@ -199,6 +212,9 @@ class GammaPolicy:
         never learned that its text accepts six in a row), and it forgets at
         ``accept_alpha`` per round like the moving average it replaces."""
         evaluated = min(drafted, accepted + 1)  # positions past the first mismatch were never judged
+        if row.watching:
+            for j in range(min(evaluated, self.gamma_max)):
+                self.watch_accept[j] += self.accept_alpha * ((1.0 if j < accepted else 0.0) - self.watch_accept[j])
         row.accepted_any = row.accepted_any or accepted > 0
         if accepted < drafted:  # a rejection says how deep the text goes now
             self.depth_seed = evaluated
@@ -322,7 +338,7 @@ class GammaPolicy:
         tokens = float(max(0, b - 1 - len(others)))  # rows that do not speculate: one token each
         drafts, p_none = 0.0, 1.0
         for o in others:
-            if o.gamma <= 0:
+            if o.gamma <= 0 or o.watching:  # a watching row drafts only on a strong match: rarely
                 tokens += 1.0
                 continue
             tokens += o.hit * self.expected_tokens(self.effective_accept(o), o.gamma) + (1.0 - o.hit)
@@ -379,7 +395,7 @@ class GammaPolicy:
         # starting; a row already drafting keeps on until drafting is clearly
         # worse (the same margin the other way), so that a few unlucky rounds
         # do not send it into a hold whose probes then cost more than the gain.
-        keep = 1 + (-self.margin if row.gamma > 0 else self.margin)
+        keep = 1 + (-self.margin if row.gamma > 0 and not row.watching else self.margin)
         if max(rates[1:]) < rates[0] * keep:
             return 0
         if max(rates[1:]) < keep * b / self._cost(b, 0):
@@ -409,8 +425,19 @@ class GammaPolicy:
         only on ``first_match`` tokens of agreement; a copy then starts a few
         tokens later, and chat rarely verifies at all. A fixed γ is the
         request's or the operator's choice and is not gated; a draft model
-        ignores the gate (its drafts do not come from the context)."""
-        if row.fixed is not None or row.accepted_any:
+        ignores the gate (its drafts do not come from the context).
+
+        In a batch (with a watching drafter) the gate stays after acceptance:
+        there a window the text has already left (a copy's run ended, the
+        pointer still on its source) costs every row the verify round's jump,
+        and on the agent workload at batch 4 a quarter of the windows were
+        such, rejected at their first draft (tests/ember/test_spec_watch.py).
+        A watching row drafts only on ``watch_match`` (``_watch``)."""
+        if row.fixed is not None:
+            return 0
+        if row.watching and self.watch_match is not None:
+            return max(self.watch_match, self.first_match)
+        if row.accepted_any and (self.rows_now <= 1 or self.watch_match is None):
             return 0
         return self.first_match
 
@@ -432,7 +459,8 @@ class GammaPolicy:
         if row.fixed is not None:
             return row.fixed, (1 << 30 if row.fixed == 0 else 0)
         g = self.best(row)
-        leaving = row.gamma > 0 and not row.probing  # was drafting, not probing (see below)
+        leaving = row.gamma > 0 and not (row.probing or row.watching)  # was drafting (see below)
+        row.watching = False
         if row.probing:  # the probe round just ran: keep its verdict
             row.probing = False
             row.probe_every = self.probe_first if g > 0 else min(self.probe_max, row.probe_every * 2)
@@ -469,7 +497,53 @@ class GammaPolicy:
             # If the probe fails the spacing doubles and the budget rules; in
             # a batch the budget always rules (every row's probe costs the batch).
             return 0, 1
+        if self._watch():
+            row.watching = True
+            return self.gamma_max, 0
         return 0, max(row.probe_every, spacing)
+
+    def quorum(self, row: RowPolicy, gamma: int) -> int:
+        """Rows of this batch, drafting like this one, that must propose in the
+        same step for its verify round to pay when no fixed-γ row drafts in it:
+        ``n`` windows of γ at this row's acceptance (a watching row's: the
+        watched acceptance) and one token from each other row, against the
+        verify round's price over a plain one, the margin included. In a batch
+        the jump is paid by every row: a lone window of a short copy cost the
+        others more than it gained (0.72× plain on the agent workload at batch 8,
+        tests/ember/test_spec_watch.py), and rows drafting on their own clocks
+        paid the jump in many steps that all of them drafting would have paid
+        once. A step verifies only when its drafting rows meet the largest
+        quorum among them (``SpecRounds._quorum``). 0 (no quorum): alone, a
+        fixed γ, or a drafter that does not watch; ``rows + 1``: no number pays."""
+        b = self.rows_now
+        if b <= 1 or gamma <= 0 or row.fixed is not None or self.watch_match is None:
+            return 0  # a draft model's probes must reach the Verifier to be judged at all
+        plain = self._cost(b, 0)
+        e = self.expected_tokens(self.watch_accept if row.watching else self.effective_accept(row), gamma)
+        for n in range(1, b + 1):
+            if n * e + (b - n) >= (1 + self.margin) * b * self._cost(b, n * gamma) / plain:
+                return n
+        return b + 1
+
+    def _watch(self) -> bool:
+        """Watch a held row of a batch instead of holding it for a probe.
+
+        In a batch every probe turns a round of all rows into a verify round
+        (four rows on CPU: ~2.5 plain rounds), so the budget spaces a row's
+        probes ~300 rounds apart, and a 48-token request never learns that its
+        text copies: on copy at batch 4 and 8 adaptive γ drafted in about one
+        round a request and measured 0.92–0.96× plain decode (three rounds,
+        docs/bench/spec-default.md). Where the drafter costs nothing per step,
+        a held row keeps asking it for ``gamma_max`` drafts but proposes only on
+        a match that agrees with its context for ``watch_match`` tokens; a
+        chance match in free text agrees for 2–4 and a copy for as long as it
+        has run, and SmolLM2's matches of 8+ tokens accepted their first draft
+        97–98% of the time (bench.spec.agreement). A round with no such match
+        is a plain round at no cost beyond the lookup; one with a match is the
+        probe, paid only where the text copies, and its verdict chooses as any
+        round's does (all rows together, waking the others, when together
+        pays). A lone row keeps its probes: one costs it ~1.3 plain rounds."""
+        return self.watch_match is not None and self.rows_now > 1
 
     def _probe_spacing(self) -> int | None:
         """Plain rounds between a row's probes so that probing costs at most
