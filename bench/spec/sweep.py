@@ -402,7 +402,12 @@ async def paired_async(args: argparse.Namespace) -> str:
                     for d in drafters:
                         eng = engines[d]
                         runs: list[Arm | None] = [None, *arms[d]]  # None: the plain run
-                        runs = runs[r % len(runs) :] + runs[: r % len(runs)]
+                        # Rotated, and reversed every other round: a rotation alone
+                        # keeps each run's predecessor, and what ran just before
+                        # can slow a run (memory, caches).
+                        k = (r // 2) % len(runs)
+                        runs = runs[k:] + runs[:k]
+                        runs = runs[::-1] if r % 2 else runs
                         runs = [
                             a for a in runs if a is None or b == 1 or a.control or a.gamma in (None, *args.batch_gammas)
                         ]
