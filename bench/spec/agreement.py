@@ -35,11 +35,11 @@ def tally(prompt: list[int], output: list[int], gamma: int = 6) -> dict[int, lis
     idx.extend(list(prompt))
     for i in range(len(output) - 1):
         draft = idx.propose(gamma)
-        if draft and idx._ptr is not None:
+        if draft and idx.source is not None:
             k = 0
             while k < len(draft) and i + k < len(output) and draft[k] == output[i + k]:
                 k += 1
-            row = out[min(idx.agreement(idx._ptr[0]), CAP)]
+            row = out[min(idx.agreement(idx.source), CAP)]
             row[0] += 1
             row[1] += k > 0
             row[2] += k

@@ -128,6 +128,12 @@ class NgramIndex:
         period = L - j
         return [toks[j + i % period] for i in range(k)]
 
+    @property
+    def source(self) -> int | None:
+        """Where the latest proposal's continuation starts in the context
+        (the copy pointer's source position); None before any match."""
+        return None if self._ptr is None else self._ptr[0]
+
     def agreement(self, j: int) -> int:
         """Context tokens, counted back from the end, equal to those before
         source position ``j`` (at most ``agreement_cap``)."""
