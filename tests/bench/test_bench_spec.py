@@ -55,6 +55,7 @@ def test_the_adaptive_target_is_the_geometric_mean_over_all_rounds():
     text = adaptive_targets({"ngram": [fixed, adaptive, control]}, ["ngram"], ["chat", "edit"], [1, 4])
     rows = [line for line in text.splitlines() if line.startswith("| ngram")]
     assert len(rows) == 2
-    assert "| chat | 1 | 0.987× |" in rows[0] and rows[0].endswith("| 3/3 | 0.996× | met |")
-    assert "| edit | 4 | 0.973× |" in rows[1] and rows[1].endswith("| 2/3 | – | **NOT MET** |")
+    # chat: the baseline is both plain runs, (0.97/√1.02, 1.0/√0.97, 0.99/√1.0); edit: no control, the first run
+    assert "| chat | 1 | 0.988× |" in rows[0] and rows[0].endswith("| 3/3 | 0.987× | 0.996× | met |")
+    assert "| edit | 4 | 0.973× |" in rows[1] and rows[1].endswith("| 2/3 | 0.973× | – | **NOT MET** |")
     assert text.endswith("1 of 2 cells met.")
