@@ -68,6 +68,13 @@ plain decode, ``E = 1``.
   nobody drafting — otherwise every row, seeing the verify round already paid
   for by the others, keeps drafting and all are worse off.
 
+* With prompt lookup (``watch_match``), a row the budget would hold in a
+  batch watches instead (``_watch``): it asks for ``gamma_max`` drafts every
+  step, proposed only on a match that agrees with its context for
+  ``watch_match`` tokens, and a step verifies only when as many rows propose
+  as their quorum asks (``quorum``: the verify round's jump is paid by all
+  rows); in a batch the agreement gate stays after a row's first acceptance.
+
 Under batching the choice is a heuristic: rows differ in acceptance, and each
 row chooses as if the others drafted like it. A fixed γ (``EngineConfig.num_draft_tokens`` or the request's
 ``num_draft_tokens``) bypasses all of this.

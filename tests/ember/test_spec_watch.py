@@ -165,3 +165,47 @@ def test_without_the_quorum_a_batch_of_eight_loses():
         for seed in (0, 1)
     ]
     assert max(ratios) < 0.95, [round(r, 3) for r in ratios]
+
+
+def test_the_scheduler_drops_drafts_short_of_their_quorum():
+    """``SpecRounds._quorum`` as the Scheduler runs it: one row of two that
+    ask for a quorum of 2 proposes, and the step decodes plainly; both
+    propose, and they verify; a fixed-γ row (no quorum) pays for the round,
+    and a lone quorum row rides along."""
+    from actors.drafter import DraftedRound
+    from actors.drafter_cores import Draft, Drafted
+    from actors.spec_rounds import RowSpec, SpecRounds
+
+    spec = SpecRounds(context_length=4096)
+    spec.rows = {1: RowSpec(fixed=None, gamma=6, quorum=2), 2: RowSpec(fixed=None, gamma=6, quorum=2)}
+    asked = [Draft(rid=r, start=0, tail=[], gamma=6) for r in (1, 2)]
+    spec.set_drafts(DraftedRound(drafted=[Drafted(rid=1, tokens=[5] * 6), Drafted(rid=2, tokens=[])]), asked)
+    assert spec.rows[1].drafts == [] and spec.watch_dropped == 1
+    both = [Drafted(rid=1, tokens=[5] * 6), Drafted(rid=2, tokens=[6] * 6)]
+    spec.set_drafts(DraftedRound(drafted=both), asked)
+    assert spec.rows[1].drafts == [5] * 6 and spec.rows[2].drafts == [6] * 6 and spec.watch_dropped == 1
+    spec.rows[3] = RowSpec(fixed=3, gamma=3)
+    asked.append(Draft(rid=3, start=0, tail=[], gamma=3))
+    spec.set_drafts(DraftedRound(drafted=[Drafted(rid=1, tokens=[5] * 6), Drafted(rid=3, tokens=[7] * 3)]), asked)
+    assert spec.rows[1].drafts == [5] * 6 and spec.rows[3].drafts == [7] * 3 and spec.watch_dropped == 1
+
+
+def test_a_watching_row_asks_for_deep_drafts_on_a_strong_match_only():
+    """The policy's side: a row held in a batch watches (γ_max, no hold, the
+    watch gate), a lone row keeps its probe hold, and a policy without a
+    watching drafter holds as before."""
+    from engine.speculation.policy import ADAPTIVE_GAMMA_MAX
+
+    for watch, rows, want in [(WATCH_MATCH, 4, "watch"), (WATCH_MATCH, 1, "hold"), (None, 4, "hold")]:
+        policy = GammaPolicy(watch_match=watch, accept_prior=0.05)  # drafting cannot pay: the row is held
+        policy.rows_now = rows
+        row = policy.new_row(None)
+        row.seen[0] = 1  # one of its own rounds was judged: the budget's hold, not the first probe's
+        gamma, hold = policy.choose(row)
+        if want == "watch":
+            assert (gamma, hold, row.watching) == (ADAPTIVE_GAMMA_MAX, 0, True)
+            assert policy.min_match(row) == WATCH_MATCH
+            assert 1 <= policy.quorum(row, gamma) <= rows + 1
+        else:
+            assert gamma == 0 and hold > 0 and not row.watching, (watch, rows)
+            assert policy.quorum(row, gamma) == 0
