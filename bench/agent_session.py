@@ -1,6 +1,6 @@
 """An agent session, end to end, against Ember and its peers side by side (issue #32).
 
-    python -m bench.agent_session [--model smollm2-135m] [--turns 27] [--restart-at N]
+    python -m bench.agent_session [--model smollm2-135m] [--turns 15] [--restart-at N]
         [--max-tokens 64] [--peers vllm-mlx,rapid-mlx] [--out docs/bench/agent-session.md]
     python -m bench.agent_session --model gemma3-270m --turns 12      # a completion session
     python -m bench.agent_session --setup-peers                       # make the peers' venvs, then exit
@@ -412,7 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     maybe_reexec_with_openblas()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--turns", type=int, default=27)
+    # A turn here adds ~500 tokens (a ~300-token excerpt or test output, the
+    # question, a 64-token answer): 15 turns reach ~7.8k of SmolLM2's 8k
+    # context, and a 16th is refused as too long (the issue's 27 turns added
+    # ~260 tokens each).
+    ap.add_argument("--turns", type=int, default=15)
     ap.add_argument("--restart-at", type=int, help="restart every server before this turn (default: the middle)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--completion", action="store_true", help="a completion session (default for gemma3 models)")
