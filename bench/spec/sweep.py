@@ -413,14 +413,12 @@ async def paired_async(args: argparse.Namespace) -> str:
                         ]
                         measured = []
                         for arm in runs:
-                            plain = arm is None or arm.control
-                            p = (
-                                off_params
-                                if plain
-                                else base
-                                if arm.gamma is None
-                                else msgspec.structs.replace(base, num_draft_tokens=arm.gamma)
-                            )
+                            if arm is None or arm.control:
+                                p = off_params
+                            elif arm.gamma is None:
+                                p = base
+                            else:
+                                p = msgspec.structs.replace(base, num_draft_tokens=arm.gamma)
                             measured.append((arm, await run_paired_cell(eng, w, b, args.prompts, p)))
                         off, off_outs, _ = next(m for a, m in measured if a is None)
                         off_tps.setdefault((d, w, b), []).append(off)
