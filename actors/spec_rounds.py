@@ -72,7 +72,7 @@ class SpecRounds:
         self.catch_up_s = 0.0
         self.catch_up_tokens = 0
         self._forgotten: list[int] = []
-        self.watch_dropped = 0  # steps whose drafts fell short of their quorum (dropped: a plain step)
+        self.quorum_dropped = 0  # steps whose drafts fell short of their quorum (dropped: a plain step)
 
     # ---- rows ------------------------------------------------------------
     def admit(self, rid: int, params: SamplingParams) -> None:
@@ -151,7 +151,7 @@ class SpecRounds:
         if not drafting or any(not s.quorum for s in drafting):
             return
         if len(drafting) < max(s.quorum for s in drafting):
-            self.watch_dropped += 1
+            self.quorum_dropped += 1
             for s in drafting:
                 s.drafts = []
 

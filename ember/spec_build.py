@@ -48,7 +48,7 @@ class Speculation:
         extra: dict[str, Any] = {"draft_cache_rebuilds": core.rebuilds} if isinstance(core, ModelDrafterCore) else {}
         if isinstance(core, NgramDrafterCore):
             extra["gated_proposals"] = core.gated  # withheld until a request's own draft is accepted
-            extra["watch_steps_dropped"] = self.rounds.watch_dropped  # watched drafts short of their quorum
+            extra["quorum_steps_dropped"] = self.rounds.quorum_dropped  # steps whose drafts fell short of their quorum
         return {
             "drafter": self.name,
             "kind": core.kind,
@@ -163,7 +163,7 @@ def build_speculation(config: Any, backend: Any, device: Any, clock: Any) -> Spe
     # Prompt lookup costs a dict lookup per step, so a held row of a batch can
     # watch its matches instead of probing (GammaPolicy._watch); a draft model
     # would pay a forward per step for it.
-    watch = WATCH_MATCH if name == "ngram" or name.startswith("ngram:") else None
+    watch = WATCH_MATCH if isinstance(core, NgramDrafterCore) else None
     try:
         policy = GammaPolicy(fixed=config.num_draft_tokens, watch_match=watch)
     except ValueError as exc:

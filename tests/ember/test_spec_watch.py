@@ -180,14 +180,14 @@ def test_the_scheduler_drops_drafts_short_of_their_quorum():
     spec.rows = {1: RowSpec(fixed=None, gamma=6, quorum=2), 2: RowSpec(fixed=None, gamma=6, quorum=2)}
     asked = [Draft(rid=r, start=0, tail=[], gamma=6) for r in (1, 2)]
     spec.set_drafts(DraftedRound(drafted=[Drafted(rid=1, tokens=[5] * 6), Drafted(rid=2, tokens=[])]), asked)
-    assert spec.rows[1].drafts == [] and spec.watch_dropped == 1
+    assert spec.rows[1].drafts == [] and spec.quorum_dropped == 1
     both = [Drafted(rid=1, tokens=[5] * 6), Drafted(rid=2, tokens=[6] * 6)]
     spec.set_drafts(DraftedRound(drafted=both), asked)
-    assert spec.rows[1].drafts == [5] * 6 and spec.rows[2].drafts == [6] * 6 and spec.watch_dropped == 1
+    assert spec.rows[1].drafts == [5] * 6 and spec.rows[2].drafts == [6] * 6 and spec.quorum_dropped == 1
     spec.rows[3] = RowSpec(fixed=3, gamma=3)
     asked.append(Draft(rid=3, start=0, tail=[], gamma=3))
     spec.set_drafts(DraftedRound(drafted=[Drafted(rid=1, tokens=[5] * 6), Drafted(rid=3, tokens=[7] * 3)]), asked)
-    assert spec.rows[1].drafts == [5] * 6 and spec.rows[3].drafts == [7] * 3 and spec.watch_dropped == 1
+    assert spec.rows[1].drafts == [5] * 6 and spec.rows[3].drafts == [7] * 3 and spec.quorum_dropped == 1
 
 
 def test_a_watching_row_asks_for_deep_drafts_on_a_strong_match_only():
