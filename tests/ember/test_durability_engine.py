@@ -221,7 +221,7 @@ async def test_shutdown_timeout_env_overrides_and_bad_values_fall_back(tmp_path,
     async with Engine.open(fake(tmp_path)) as engine:
         assert engine.shutdown_timeout_s == 3.0
     monkeypatch.setenv("EMBER_SHUTDOWN_TIMEOUT_S", "abc")
-    with caplog.at_level(logging.WARNING, logger="ember.durability"):
+    with caplog.at_level(logging.WARNING, logger="ember.engine"):  # assemble.py logs it
         async with Engine.open(fake(tmp_path)) as engine:
             assert engine.shutdown_timeout_s == 120.0
     assert "EMBER_SHUTDOWN_TIMEOUT_S" in caplog.text
