@@ -168,7 +168,7 @@ def st_model(name: str) -> tuple[Any, Any]:
         from sentence_transformers import SentenceTransformer
     except ImportError:
         raise SystemExit(
-            "bench.models: the baseline needs sentence-transformers (the test extra): pip install -e '.[test]'"
+            "bench.models: the baseline needs sentence-transformers (the models extra): pip install -e '.[models]'"
         ) from None
     from engine.mlx.embed import resolve_embedding_model
 
