@@ -21,13 +21,23 @@ import pytest
 from engine.mlx.blas import maybe_reexec_with_openblas, reexec_env
 
 KV_TMP_PREFIX = "ember-test-kv-"
+_skip_log_here = True  # False on an xdist worker (pytest_configure)
+
+
+def _is_xdist_worker(config) -> bool:
+    # the README command runs the suite on pytest-xdist workers (pyproject addopts)
+    return hasattr(config, "workerinput")
 
 
 def pytest_configure(config):
+    global _skip_log_here
+    _skip_log_here = not _is_xdist_worker(config)  # the controller sees every worker's reports
     # `ember serve` keeps an SSD prompt cache under ~/.cache/ember/kv by default
     # (transport/ssd_default.py): the suite's servers (in-process and the
-    # subprocesses, which inherit the variable) write into a temp dir instead.
-    if not os.environ.get("EMBER_KV_CACHE_DIR"):
+    # subprocesses, which inherit the variable) write into a temp dir instead,
+    # one per xdist worker, so two workers' servers never share a cache.
+    inherited = os.environ.get("EMBER_KV_CACHE_DIR", "")
+    if not inherited or (_is_xdist_worker(config) and os.path.basename(inherited).startswith(KV_TMP_PREFIX)):
         os.environ["EMBER_KV_CACHE_DIR"] = tempfile.mkdtemp(prefix=KV_TMP_PREFIX)
     # MLX's Linux CPU wheel links a reference BLAS; the MLX tests run several
     # times faster with OpenBLAS preloaded, which only works from process start.
@@ -121,7 +131,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 def _log_skip(nodeid: str, longrepr) -> None:
     path = os.environ.get("EMBER_SKIP_LOG")
-    if not path:
+    if not path or not _skip_log_here:
         return
     reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
     reason = reason.removeprefix("Skipped: ")
