@@ -80,6 +80,10 @@ try {
   await page.click("#key-button");
   await page.fill("#key-input", key + "-wrong");
   await page.click("#key-form button[type=submit]");
+  // the next poll is refused and the key bar comes back, pushing the page
+  // down; waiting for it keeps that layout shift out of the clicks below
+  await page.locator("#key-form").waitFor({ state: "visible", ...T });
+  seen.asked_again = await page.locator("#key-form label").textContent();
   await page.click("#tab-playground");
   await page.fill("#prompt", "Hello?");
   await page.click("#send");

@@ -84,6 +84,7 @@ def test_page_in_a_browser(tmp_path: Path) -> None:
     assert "cache hit" in seen["replay_usage"]
     assert seen["served_before"] == "0" and int(seen["served_after"]) >= 2, seen
     assert seen["ttft_bars"] >= 2 and seen["cache_columns"] >= 2, seen
+    assert "401" in seen["asked_again"], seen  # the refused poll asked for the key again
     assert "401" in seen["refused"], seen
     # the page's figures are the server's: two requests in the ring, the replay mostly from RAM
     recent = stats["recent_requests"]["requests"]
