@@ -46,6 +46,37 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+def release_thread_streams() -> None:
+    """Destroy the MLX streams this thread created, while it still holds the GIL.
+
+    Left to the thread's C++ thread-local destructors, they run after
+    ``Thread.join`` has returned; if the main thread is finalizing the
+    interpreter by then, the destructor's wait for the GIL ends the thread
+    by a forced unwind through a noexcept frame: "terminate called without
+    an active exception" and SIGABRT at exit, in ~2 of 3 runs of a script
+    that closes an engine and returns (tests/engine/test_mlx_thread_exit.py).
+    MLX's advice is ``clear_streams`` at the end of each thread
+    (ml-explore/mlx#3395, #4110). A thread that never imported MLX skips it.
+    """
+    mx = sys.modules.get("mlx.core")
+    if mx is not None and hasattr(mx, "clear_streams"):
+        mx.clear_streams()
+
+
+def released(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, then ``release_thread_streams``: for MLX work on a pool thread
+    (``anyio.to_thread``) that returns evaluated results, since the pool's
+    threads end when the loop closes, as the interpreter finalizes."""
+
+    def run(*args: Any) -> T:
+        try:
+            return fn(*args)
+        finally:
+            release_thread_streams()
+
+    return run
+
+
 def _deliver_result(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
     if fut.cancelled():
         return  # the caller stopped waiting; the thread finished the call anyway
@@ -75,6 +106,7 @@ class MLXThread(ThreadDevice):
         while True:
             job = self._jobs.get()
             if job is None:
+                release_thread_streams()
                 return
             fn, args, done = job
             try:
