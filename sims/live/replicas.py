@@ -74,6 +74,14 @@ class Cluster:
         self.router: subprocess.Popen[bytes] | None = None
         self.url = ""
 
+    def _metrics_args(self) -> list[str]:
+        """The gateway's Prometheus port, free, unless the caller chose one: its
+        default (29000) is one per machine, so a second cluster's gateway (a
+        second pytest-xdist worker, two benchmarks) exited 1 at start."""
+        if "--prometheus-port" in self.router_args:
+            return []
+        return ["--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1"]
+
     # ---- lifecycle ---------------------------------------------------------
     def start(self) -> Cluster:
         try:
@@ -96,6 +104,7 @@ class Cluster:
                 "--policy", self.policy,
                 "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warn",
+                *self._metrics_args(),
                 *self.router_args,
             ]  # fmt: skip
             self.router = self._spawn(argv, "gateway.log")

@@ -95,3 +95,11 @@ def test_second_turn_of_a_session_is_served_from_cache(client):
         first["usage"],
         usage,
     )
+
+
+def test_a_second_cluster_starts_beside_the_first(cluster):
+    # each gateway gets a free Prometheus port: sglang-router's default (29000)
+    # let only one gateway per machine start (a second xdist worker's exited 1)
+    with Cluster(1, "round_robin", ["--fake-gpu"]) as second:
+        assert httpx.get(second.url + "/workers", timeout=5).status_code == 200
+    assert httpx.get(cluster.url + "/workers", timeout=5).status_code == 200
