@@ -19,7 +19,6 @@ import anyio
 import numpy as np
 
 from engine.errors import EngineDraining, InvalidRequest
-from engine.mlx.device import released
 
 
 @dataclass
@@ -48,14 +47,13 @@ class EmbeddingEngine:
         self._send: Any = None
         self._in_flight = 0
         self.counts = {"requests": 0, "inputs": 0, "tokens": 0, "batches": 0, "max_batch_seen": 0}
-        self._embed = released(encoder.embed)  # a pool thread's MLX streams go with each batch
 
     @classmethod
     @asynccontextmanager
     async def open(cls, name_or_path: str, **kw: Any) -> AsyncIterator[EmbeddingEngine]:
         from engine.mlx.embed import load_encoder
 
-        encoder = await anyio.to_thread.run_sync(released(load_encoder), name_or_path)
+        encoder = await anyio.to_thread.run_sync(load_encoder, name_or_path)
         engine = cls(encoder, name_or_path, **kw)
         send, receive = anyio.create_memory_object_stream[_Job](1024)
         engine._send = send
@@ -126,7 +124,7 @@ class EmbeddingEngine:
         try:
             for s in range(0, len(flat), self.max_batch):
                 chunk = flat[s : s + self.max_batch]
-                vecs = await anyio.to_thread.run_sync(self._embed, [ids for _, _, ids in chunk])
+                vecs = await anyio.to_thread.run_sync(self.encoder.embed, [ids for _, _, ids in chunk])
                 for (j, i, _), v in zip(chunk, vecs, strict=True):
                     outs[j][i] = v
                 self.counts["batches"] += 1

@@ -63,20 +63,6 @@ def release_thread_streams() -> None:
         mx.clear_streams()
 
 
-def released(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn``, then ``release_thread_streams``: for MLX work on a pool thread
-    (``anyio.to_thread``) that returns evaluated results, since the pool's
-    threads end when the loop closes, as the interpreter finalizes."""
-
-    def run(*args: Any) -> T:
-        try:
-            return fn(*args)
-        finally:
-            release_thread_streams()
-
-    return run
-
-
 def _deliver_result(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
     if fut.cancelled():
         return  # the caller stopped waiting; the thread finished the call anyway
