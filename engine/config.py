@@ -51,6 +51,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # few-row GEMM (decode, verify windows) is faster on that layout
     # (engine.mlx.cpu_layout); logits ~1e-5 from mlx-lm's layout. No effect on GPUs.
     cpu_pretranspose: bool = True
+    # on MLX's CPU backend, one attention call runs in this many parts on
+    # streams (cores) of their own, bit for bit the whole call
+    # (engine.mlx.split_attention); None: one per core, at most 4; 1: off
+    attention_streams: int | None = None
     # KV cache options as mlx-lm has them (docs/compat-matrix.md): a sliding
     # window of this many tokens for models without their own cache layout
     # (mlx-lm's --max-kv-size, without attention sinks), and KV quantized to
@@ -99,6 +103,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest("prefill_chunk must be >= 1", "prefill_chunk")
         if self.prefill_share is not None and not self.prefill_share > 0:
             raise InvalidRequest("prefill_share must be > 0 (or None: the full chunk)", "prefill_share")
+        if self.attention_streams is not None and self.attention_streams < 1:
+            raise InvalidRequest("attention_streams must be >= 1 (1: no split)", "attention_streams")
         if self.min_cached_prefix < 1:
             raise InvalidRequest("min_cached_prefix must be >= 1", "min_cached_prefix")
         if self.max_kv_size is not None and self.max_kv_size < 1:

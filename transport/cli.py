@@ -55,6 +55,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-bits", type=int, help="quantize the KV cache to this many bits (as mlx-lm's --kv-bits)")
     p.add_argument("--kv-group-size", type=int, help="group size of the KV quantization (default 64)")
+    p.add_argument(
+        "--attention-streams",
+        type=int,
+        metavar="N",
+        help="on MLX's CPU backend, run each long attention call in N parts on cores of their own, "
+        "bit for bit the same (default: one per core, at most 4; 1: off)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,6 +225,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         "max_kv_size": "max_kv_size",
         "kv_bits": "kv_bits",
         "kv_group_size": "kv_group_size",
+        "attention_streams": "attention_streams",
     }
     fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": default_model(args)}
     if not args.fake_gpu and fields["model"].startswith("scripted:"):  # the scripted test model (engine.fake.scripted)

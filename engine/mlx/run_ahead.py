@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import BatchRotatingKVCache
 
+from engine.mlx import split_attention
 from engine.mlx.rows import _Ahead, _row_logits
 from engine.mlx.step_sampling import StepSampling
 from engine.ports import StepPlan, StepResult
@@ -32,7 +33,7 @@ class RunAhead(StepSampling):
         while ``idle()`` says no call is waiting. On a device that never calls
         this, nothing runs ahead.
         """
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream), split_attention.parts(self.attention_parts):
             try:
                 if self._built is not None:
                     built, self._built = self._built, None

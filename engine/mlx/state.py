@@ -32,6 +32,7 @@ class BackendState:
     blas: BlasThreads
     cpu_threads: CpuChoice  # OpenBLAS threads per decode width (cpu_layout.calibrate)
     cpu_choice: dict[str, Any]
+    attention_parts: int  # attention split across this many CPU streams (engine.mlx.split_attention)
     engine_seed: int
     # KV options
     max_kv_size: int | None

@@ -729,3 +729,30 @@ def test_a_prefix_view_refuses_more_tokens_than_the_cache_holds(mlx):
             backend.prefix_view(stored, 4)  # checked on the loop, before anything is cut
 
     device.call(run)
+
+
+def test_long_prefill_chunks_split_attention_and_match_mlx_lm(rig):
+    """Chunks of at least 2 * MIN_ROWS tokens run their attention in parts on
+    CPU streams of their own (engine.mlx.split_attention); tokens and KV are
+    mlx-lm's, whose own forward (the oracle) is never split."""
+    from engine.mlx import split_attention
+
+    parts = split_attention.default_parts()
+    assert rig.b.counters["attention_streams"] == parts == rig.b.attention_parts
+    prompt = rig.ids("".join(PROMPTS) * 6)
+    assert len(prompt) > 3 * 256
+    ref = rig.reference(prompt, 12)
+    before = split_attention.calls["rows"]
+    rid = rig.open_prefilled(prompt, chunk=256)
+    if parts > 1:
+        layers = len(rig.b.model.layers)
+        assert split_attention.calls["rows"] - before >= layers * (len(prompt) // 256)
+    else:  # one core: nothing to split onto
+        assert split_attention.calls["rows"] == before
+    assert rig.kv_error(rid, prompt[:-1]) < KV_TOL
+    out, tok = [], prompt[-1]
+    for _ in range(12):
+        tok = rig.step(decode=[DecodeRow(rid, tok)]).tokens[rid]
+        out.append(tok)
+    rig.step(close=[rid])
+    assert out == ref
