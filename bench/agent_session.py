@@ -328,8 +328,10 @@ def attention_share(model_dir: Path, new: int, context: int, reps: int = 3) -> t
     """One decoder layer's prefill of ``new`` tokens at ``context``: the fused
     attention (``new`` queries over ``context`` keys, causal over the new part)
     over that plus the layer's projections and MLP over the ``new`` tokens;
-    and the exp floor, one ``mx.exp`` over a score matrix of that shape
-    (heads × new × context, the model's dtype) over the fused attention: any
+    the attention runs as Ember runs it, split across the cores
+    (``engine.mlx.split_attention``); and the exp floor, one ``mx.exp`` over a
+    score matrix of that shape (heads × new × context, the model's dtype),
+    spread over the same cores, over the attention: any
     exact softmax computes every one of those exponentials, and on MLX's CPU
     backend an exp costs ~4× an add (issue #32), so this is the share of the
     attention no reordering of the passes can remove. Shapes only: the weights
@@ -359,14 +361,26 @@ def attention_share(model_dir: Path, new: int, context: int, reps: int = 3) -> t
         h = attn.o_proj(attn.q_proj(x))
         return mx.concatenate([h, attn.k_proj(x), attn.v_proj(x)], axis=-1).sum() + layer.mlp(x).sum()
 
+    from engine.mlx import split_attention as sa
+
+    parts = sa.default_parts()  # as `ember serve` runs it: split across the cores (engine.mlx.split_attention)
+
     def attention() -> Any:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask=mask).sum()
+        out = sa.split_attention(q, k, v, scale=head_dim**-0.5, mask=mask, sinks=None, n=parts)
+        if out is None:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask=mask)
+        return out.sum()
 
     scores = mx.random.normal((1, heads, new, context)).astype(x.dtype)
     mx.eval(scores)
 
+    streams = [mx.new_stream(mx.cpu) for _ in range(parts)]
+    rows = [(new * i // parts, new * (i + 1) // parts) for i in range(parts)]
+
     def exp_floor() -> Any:
-        return mx.exp(scores)  # materialized, as a softmax writes its probabilities
+        # materialized, as a softmax writes its probabilities; spread over the
+        # cores as the split attention spreads its rows
+        return [mx.exp(scores[:, :, r0:r1], stream=s) for (r0, r1), s in zip(rows, streams)]
 
     def best(f) -> float:
         ts = []
