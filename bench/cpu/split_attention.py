@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
 
     times: dict[str, dict[int, list[float]]] = {k: {1: [], args.parts: []} for k in legs}
     same = True
-    for name, (cache, x) in legs.items():
+    for cache, x in legs.values():
         run(cache, x, 1), run(cache, x, args.parts)  # warm up both
     for r in range(args.rounds):
         order = [1, args.parts] if r % 2 == 0 else [args.parts, 1]
