@@ -55,6 +55,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # streams (cores) of their own, bit for bit the whole call
     # (engine.mlx.split_attention); None: one per core, at most 4; 1: off
     attention_streams: int | None = None
+    # on MLX's CPU backend, long attention calls take their softmax in a C
+    # kernel built at first use (engine.mlx.softmax_kernel: MLX's softmax bit
+    # for bit, vectorized, on attention_streams threads); False: MLX's own
+    softmax_kernel: bool = True
     # KV cache options as mlx-lm has them (docs/compat-matrix.md): a sliding
     # window of this many tokens for models without their own cache layout
     # (mlx-lm's --max-kv-size, without attention sinks), and KV quantized to

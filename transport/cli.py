@@ -62,6 +62,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="on MLX's CPU backend, run each long attention call in N parts on cores of their own, "
         "bit for bit the same (default: one per core, at most 4; 1: off)",
     )
+    p.add_argument(
+        "--softmax-kernel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on MLX's CPU backend, long attention calls take their softmax in a C kernel built at first use, "
+        "bit for bit MLX's (default: on; --no-softmax-kernel keeps MLX's own)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,6 +245,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             fields[field] = value
     if getattr(args, "ssd_cache_verify", None) is not None:
         fields["ssd_cache_verify"] = args.ssd_cache_verify
+    if getattr(args, "softmax_kernel", None) is not None:
+        fields["softmax_kernel"] = args.softmax_kernel
     _default_ssd(args, fields)
     _default_drafter(args, fields)
     share = getattr(args, "prefill_share", None)

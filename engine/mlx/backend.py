@@ -70,7 +70,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from engine.config import EngineConfig
 from engine.device import ThreadDevice
-from engine.mlx import split_attention
+from engine.mlx import softmax_kernel, split_attention
 from engine.mlx.batch import DecodeBatch, merge_caches
 from engine.mlx.blas import blas_threads
 from engine.mlx.cpu_layout import SMALL_FORWARD_ROWS, CpuChoice
@@ -133,6 +133,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         self.cpu_threads = CpuChoice(False, {SMALL_FORWARD_ROWS: 1}, {})
         self.cpu_choice: dict[str, Any] = {}
         self.attention_parts = 1  # MLXBackend.load sets it on MLX's CPU backend
+        self.softmax_kernel: Any = None  # and this (engine.mlx.softmax_kernel), where it builds
         self.engine_seed = engine_seed
         self.max_kv_size = max_kv_size
         self.kv_bits = kv_bits
@@ -223,9 +224,14 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         backend.counters["pretransposed_linears"] = pretransposed_linears(loaded.model)
         if loaded.cpu_choice is not None:  # MLX's CPU backend
             backend.attention_parts = config.attention_streams or split_attention.default_parts()
-            if backend.attention_parts > 1 and not split_attention.install(loaded.model):
-                backend.attention_parts = 1  # a model that does not call mlx-lm's attention function
+            if config.softmax_kernel:
+                backend.softmax_kernel = softmax_kernel.load()
+            wants = backend.attention_parts > 1 or backend.softmax_kernel is not None
+            if wants and not split_attention.install(loaded.model):
+                # a model that does not call mlx-lm's attention function
+                backend.attention_parts, backend.softmax_kernel = 1, None
         backend.counters["attention_streams"] = backend.attention_parts
+        backend.counters["softmax_kernel"] = int(backend.softmax_kernel is not None)
         if loaded.cpu_choice is not None:
             backend.cpu_threads = loaded.cpu_choice
             backend.cpu_choice = loaded.cpu_choice.as_dict()
@@ -236,7 +242,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
 
     # ---- the step ------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
-        with mx.stream(generation_stream), split_attention.parts(self.attention_parts):
+        with mx.stream(generation_stream), split_attention.parts(self.attention_parts, self.softmax_kernel):
             try:
                 return self._step(plan)
             except MemoryError:

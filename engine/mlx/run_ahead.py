@@ -33,7 +33,7 @@ class RunAhead(StepSampling):
         while ``idle()`` says no call is waiting. On a device that never calls
         this, nothing runs ahead.
         """
-        with mx.stream(generation_stream), split_attention.parts(self.attention_parts):
+        with mx.stream(generation_stream), split_attention.parts(self.attention_parts, self.softmax_kernel):
             try:
                 if self._built is not None:
                     built, self._built = self._built, None

@@ -6,19 +6,25 @@ ns an element, one thread) is most of a long-context turn's prefill (issue
 #32). One stream runs on one core; a second stream runs on another. So the
 call is cut into parts that each compute whole softmax rows, one stream each:
 
-* prefill and verify windows of at least ``2 * MIN_ROWS`` queries: along the
-  query rows, each part with its own rows of the causal mask;
-* decode-sized calls over at least ``DECODE_MIN_KEYS`` keys: along the batch,
-  or at batch 1 along the KV heads (with their query heads).
+* windows of at least ``2 * MIN_ROWS`` queries, and decode-sized calls over
+  at least ``DECODE_MIN_KEYS`` keys: along the batch, or at batch 1 along the
+  KV heads (with their query heads).
 
-Every part computes exactly the rows the whole call would, with the same
-kernels, so the result is identical (tests/engine/test_split_attention.py
-compares bit for bit). Below ``MIN_ROWS`` rows a part's QK^T can take another
-OpenBLAS kernel and land ~1e-7 away, so smaller windows are not split.
+Every part runs exactly the GEMMs the whole call would (one per batch row and
+KV head, the same shapes), so the result is identical
+(tests/engine/test_split_attention.py compares bit for bit). Query rows are
+not split: a part's QK^T with fewer rows takes another OpenBLAS tile path on
+some CPUs (Zen: every rows split of 128-201 queries landed ~1e-7 away), where
+a heads split leaves each GEMM as it was.
 
 Measured here (2 cores, SmolLM2-135M, OpenBLAS): 300 new tokens at 4k
 context 1.51x faster, at 2k 1.43x, at 0 1.14x; a decode token at 4k keys
 1.19x (batch 1) and 1.46x (batch 4), at 500 keys 0.93x, hence the threshold.
+
+Where the softmax kernel is built (``engine.mlx.softmax_kernel``, the default
+on Linux), calls big enough for it go there instead
+(``engine.mlx.kernel_attention``: the softmax ~10x faster, on threads of its
+own, the same bits); the split is what is left for the others.
 
 mlx-lm's models call ``scaled_dot_product_attention`` from their own module's
 namespace; ``install`` rebinds it there to ``split_sdpa``, which splits only
@@ -29,6 +35,7 @@ function everywhere else: an mlx-lm oracle in the same process stays mlx-lm.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import sys
 import threading
@@ -38,6 +45,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import base
 
+from engine.mlx import kernel_attention
+
 MIN_ROWS = 64
 DECODE_MIN_KEYS = 2048
 MAX_DEFAULT_PARTS = 4  # measured only on 2 cores; more parts than this is unmeasured
@@ -45,7 +54,7 @@ MAX_DEFAULT_PARTS = 4  # measured only on 2 cores; more parts than this is unmea
 _original = base.scaled_dot_product_attention
 _local = threading.local()
 _lock = threading.Lock()
-calls = {"rows": 0, "batch": 0, "heads": 0}  # graph constructions split, by axis (read by /stats)
+calls = {"batch": 0, "heads": 0}  # graph constructions split, by axis (read by /stats)
 
 
 def default_parts() -> int:
@@ -72,14 +81,16 @@ def install(model: Any) -> int:
 
 
 @contextlib.contextmanager
-def parts(n: int) -> Iterator[None]:
-    """Split attention into ``n`` parts on this thread while inside."""
-    before = getattr(_local, "parts", 1)
-    _local.parts = n
+def parts(n: int, kernel: ctypes.CDLL | None = None) -> Iterator[None]:
+    """Split attention into ``n`` parts on this thread while inside; with
+    ``kernel`` (``engine.mlx.softmax_kernel``), calls big enough for it take
+    ``engine.mlx.kernel_attention`` first, its softmax on ``n`` threads."""
+    before = getattr(_local, "parts", 1), getattr(_local, "kernel", None)
+    _local.parts, _local.kernel = n, kernel
     try:
         yield
     finally:
-        _local.parts = before
+        _local.parts, _local.kernel = before
 
 
 def _streams(n: int) -> list[mx.Stream]:
@@ -106,8 +117,14 @@ def split_sdpa(
     mask: Any,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """mlx-lm's ``scaled_dot_product_attention``, split where ``parts`` asks."""
+    """mlx-lm's ``scaled_dot_product_attention``, in the softmax kernel or
+    split where ``parts`` asks."""
     n = getattr(_local, "parts", 1)
+    lib = getattr(_local, "kernel", None)
+    if lib is not None and sinks is None and not hasattr(cache, "bits") and mx.default_device() == mx.cpu:
+        out = kernel_attention.attention(lib, queries, keys, values, scale=scale, mask=mask, threads=n)
+        if out is not None:
+            return out
     if n > 1 and not hasattr(cache, "bits") and mx.default_device() == mx.cpu:
         out = split_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks, n=n)
         if out is not None:
@@ -124,20 +141,7 @@ def split_attention(
     KV, S = k.shape[1], k.shape[2]
     sdpa = mx.fast.scaled_dot_product_attention
     arr = isinstance(mask, mx.array)
-    if L >= 2 * MIN_ROWS:
-        pieces = _bounds(L, min(n, L // MIN_ROWS))
-        outs = []
-        for (r0, r1), s in zip(pieces, _streams(len(pieces))):
-            if isinstance(mask, str):  # "causal": the last query sees the last key
-                m: Any = mx.arange(S - L + r0, S - L + r1)[:, None] >= mx.arange(S)[None]
-            elif arr and mask.ndim >= 2 and mask.shape[-2] == L:
-                m = mask[..., r0:r1, :]
-            else:
-                m = mask
-            outs.append(sdpa(q[:, :, r0:r1], k, v, scale=scale, mask=m, sinks=sinks, stream=s))
-        calls["rows"] += 1
-        return mx.concatenate(outs, axis=2)
-    if S < DECODE_MIN_KEYS:
+    if L < 2 * MIN_ROWS and S < DECODE_MIN_KEYS:
         return None
     if B >= 2:
         pieces = _bounds(B, min(n, B))

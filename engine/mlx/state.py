@@ -33,6 +33,7 @@ class BackendState:
     cpu_threads: CpuChoice  # OpenBLAS threads per decode width (cpu_layout.calibrate)
     cpu_choice: dict[str, Any]
     attention_parts: int  # attention split across this many CPU streams (engine.mlx.split_attention)
+    softmax_kernel: Any  # the C softmax (engine.mlx.softmax_kernel), or None: MLX's own
     engine_seed: int
     # KV options
     max_kv_size: int | None

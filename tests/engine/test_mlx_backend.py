@@ -731,24 +731,23 @@ def test_a_prefix_view_refuses_more_tokens_than_the_cache_holds(mlx):
     device.call(run)
 
 
-def test_long_prefill_chunks_split_attention_and_match_mlx_lm(rig):
-    """Chunks of at least 2 * MIN_ROWS tokens run their attention in parts on
-    CPU streams of their own (engine.mlx.split_attention); tokens and KV are
-    mlx-lm's, whose own forward (the oracle) is never split."""
-    from engine.mlx import split_attention
+def test_long_prefill_chunks_take_the_softmax_kernel_and_match_mlx_lm(rig):
+    """Chunks of 256 tokens run their attention's softmax in the C kernel
+    (engine.mlx.kernel_attention, on the backend's attention threads); tokens
+    and KV are mlx-lm's, whose own forward (the oracle) never takes it."""
+    from engine.mlx import kernel_attention, split_attention
 
     parts = split_attention.default_parts()
     assert rig.b.counters["attention_streams"] == parts == rig.b.attention_parts
+    # a machine that runs the suite builds the kernel (tests/engine/test_softmax_kernel.py)
+    assert rig.b.counters["softmax_kernel"] == 1 and rig.b.softmax_kernel is not None
     prompt = rig.ids("".join(PROMPTS) * 6)
     assert len(prompt) > 3 * 256
     ref = rig.reference(prompt, 12)
-    before = split_attention.calls["rows"]
+    before = kernel_attention.calls["kernel"]
     rid = rig.open_prefilled(prompt, chunk=256)
-    if parts > 1:
-        layers = len(rig.b.model.layers)
-        assert split_attention.calls["rows"] - before >= layers * (len(prompt) // 256)
-    else:  # one core: nothing to split onto
-        assert split_attention.calls["rows"] == before
+    layers = len(rig.b.model.layers)
+    assert kernel_attention.calls["kernel"] - before >= layers * (len(prompt) // 256)
     assert rig.kv_error(rid, prompt[:-1]) < KV_TOL
     out, tok = [], prompt[-1]
     for _ in range(12):
