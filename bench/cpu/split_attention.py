@@ -1,19 +1,21 @@
-"""Attention split across CPU streams (engine.mlx.split_attention) against
-the whole call, on one model in one process:
+"""Attention on MLX's CPU backend three ways, on one model in one process:
+the whole ``mx.fast`` call (mlx-lm's own), split across CPU streams
+(engine.mlx.split_attention) and with the softmax in the C kernel
+(engine.mlx.kernel_attention, its softmax on ``--parts`` threads):
 
     python -m bench.cpu.split_attention --model smollm2-135m --rounds 5
 
-Legs, each timed split (``--parts``, default one per core) and whole in
-every round, the order reversed every other round:
+Legs, each timed in every arm in every round, the arms' order rotated each
+round:
 
 * ``prefill ctx=C``: a forward of ``--new`` tokens over a cache of C tokens
   (a warm agent turn: the new tool result over the session so far);
 * ``decode ctx=C bB``: one decode token for B rows over C cached tokens.
 
-Prints the median time of each, the ratio whole / split per leg (the median
-of the per-round ratios), and whether the split's logits equal the whole
-call's bit for bit (they must: the script exits 1 otherwise). Results:
-docs/bench/agent-session.md ("Attention across cores").
+Prints the median time of each, the ratios whole / split and whole / kernel
+per leg (the median of the per-round ratios), and whether each arm's logits
+equal the whole call's bit for bit (they must: the script exits 1
+otherwise). Results: docs/bench/agent-session.md ("The softmax kernel").
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
     from mlx_lm import load
 
+    from engine.mlx import softmax_kernel
     from engine.mlx import split_attention as sa
     from engine.models import resolve_model
 
@@ -55,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
 
+    lib = softmax_kernel.load()
+    assert lib is not None, f"no softmax kernel: {softmax_kernel.unavailable}"
+    arms: dict[str, tuple[int, Any]] = {"whole": (1, None), "split": (args.parts, None), "kernel": (args.parts, lib)}
     model, _ = load(str(resolve_model(args.model)))
     assert sa.install(model), "the model does not call mlx-lm's scaled_dot_product_attention"
     vocab = model.args.vocab_size
@@ -68,11 +74,11 @@ def main(argv: list[str] | None = None) -> None:
         toks = mx.random.randint(0, vocab, (rows, ctx + 1))
         legs[f"decode ctx={ctx} b{rows}"] = (_cache(model, toks[:, :ctx]), toks[:, ctx:])
 
-    def run(cache: Any, x: Any, n: int) -> tuple[float, Any]:
+    def run(cache: Any, x: Any, arm: str) -> tuple[float, Any]:
         from mlx_lm.models.cache import make_prompt_cache
 
         c = cache if cache is not None else make_prompt_cache(model)
-        with sa.parts(n):
+        with sa.parts(*arms[arm]):
             t0 = time.perf_counter()
             out = model(x, cache=c)
             mx.eval(out)
@@ -81,29 +87,35 @@ def main(argv: list[str] | None = None) -> None:
             layer.trim(x.shape[1])  # back to the context, for the next run
         return dt, out
 
-    times: dict[str, dict[int, list[float]]] = {k: {1: [], args.parts: []} for k in legs}
-    same = True
+    names = list(arms)
+    times: dict[str, dict[str, list[float]]] = {k: {a: [] for a in names} for k in legs}
+    same = {a: True for a in names}
     for cache, x in legs.values():
-        run(cache, x, 1), run(cache, x, args.parts)  # warm up both
+        for a in names:
+            run(cache, x, a)  # warm up every arm
     for r in range(args.rounds):
-        order = [1, args.parts] if r % 2 == 0 else [args.parts, 1]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name, (cache, x) in legs.items():
             outs = {}
-            for n in order:
-                dt, outs[n] = run(cache, x, n)
-                times[name][n].append(dt)
-            same = same and bool(mx.array_equal(outs[1], outs[args.parts]).item())
+            for a in order:
+                dt, outs[a] = run(cache, x, a)
+                times[name][a].append(dt)
+            for a in names:
+                same[a] = same[a] and bool(mx.array_equal(outs["whole"], outs[a]).item())
         print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()[0]:.1f}", flush=True)
 
-    print(f"\n{args.model}, {args.parts} parts vs whole, {args.rounds} rounds (median):\n")
-    print(f"| leg | whole | split ({args.parts} parts) | whole / split |")
-    print("|---|---|---|---|")
+    print(f"\n{args.model}, {args.parts} parts/threads, {args.rounds} rounds (median):\n")
+    print(f"| leg | whole | split ({args.parts} streams) | kernel ({args.parts} threads) | whole / split | whole / kernel |")
+    print("|---|---|---|---|---|---|")
     for name, t in times.items():
-        ratios = [a / b for a, b in zip(t[1], t[args.parts])]
-        w, s = statistics.median(t[1]), statistics.median(t[args.parts])
-        print(f"| {name} | {w * 1000:.0f} ms | {s * 1000:.0f} ms | {statistics.median(ratios):.2f}x |")
+        med = {a: statistics.median(t[a]) for a in names}
+        ratio = {a: statistics.median(w / x for w, x in zip(t["whole"], t[a])) for a in names}
+        print(
+            f"| {name} | {med['whole'] * 1000:.0f} ms | {med['split'] * 1000:.0f} ms | {med['kernel'] * 1000:.0f} ms"
+            f" | {ratio['split']:.2f}x | {ratio['kernel']:.2f}x |"
+        )
     print(f"\nlogits bit for bit the whole call's: {same}; load {os.getloadavg()[0]:.1f}")
-    if not same:
+    if not all(same.values()):
         raise SystemExit(1)
 
 
