@@ -325,17 +325,15 @@ _PROBE_MODELS: dict[str, Any] = {}
 
 
 def attention_share(model_dir: Path, new: int, context: int, reps: int = 3) -> tuple[float, float]:
-    """One decoder layer's prefill of ``new`` tokens at ``context``: the fused
-    attention (``new`` queries over ``context`` keys, causal over the new part)
-    over that plus the layer's projections and MLP over the ``new`` tokens;
-    the attention runs as Ember runs it, split across the cores
-    (``engine.mlx.split_attention``); and the exp floor, one ``mx.exp`` over a
-    score matrix of that shape (heads × new × context, the model's dtype),
-    spread over the same cores, over the attention: any
-    exact softmax computes every one of those exponentials, and on MLX's CPU
-    backend an exp costs ~4× an add (issue #32), so this is the share of the
-    attention no reordering of the passes can remove. Shapes only: the weights
-    are the model's, the activations random."""
+    """One decoder layer's prefill of ``new`` tokens at ``context``: the
+    attention (``new`` queries over ``context`` keys, causal over the new
+    part) over that plus the layer's projections and MLP over the ``new``
+    tokens, the attention as ``ember serve`` runs it (the softmax kernel,
+    ``engine.mlx.kernel_attention``, where it builds, else split across the
+    cores); and the share of that attention its two GEMMs alone take (QK^T
+    and PV at the same shapes, as MLX's fallback lays them out): the part no
+    exact attention skips, the rest being the softmax and the mask. Shapes
+    only: the weights are the model's, the activations random."""
     import mlx.core as mx
     from mlx_lm import load
 
@@ -353,34 +351,36 @@ def attention_share(model_dir: Path, new: int, context: int, reps: int = 3) -> t
     q = mx.random.normal((1, heads, new, head_dim)).astype(x.dtype)
     k = mx.random.normal((1, kv_heads, context, head_dim)).astype(x.dtype)
     v = mx.random.normal((1, kv_heads, context, head_dim)).astype(x.dtype)
-    offs = context - new
-    mask = mx.arange(context)[None, :] <= (mx.arange(new)[:, None] + offs)
-    mx.eval(x, q, k, v, mask)
+    mx.eval(x, q, k, v)
 
     def weights() -> Any:
         h = attn.o_proj(attn.q_proj(x))
         return mx.concatenate([h, attn.k_proj(x), attn.v_proj(x)], axis=-1).sum() + layer.mlp(x).sum()
 
+    from engine.mlx import kernel_attention, softmax_kernel
     from engine.mlx import split_attention as sa
 
-    parts = sa.default_parts()  # as `ember serve` runs it: split across the cores (engine.mlx.split_attention)
+    parts = sa.default_parts()
+    lib = softmax_kernel.load()
 
     def attention() -> Any:
-        out = sa.split_attention(q, k, v, scale=head_dim**-0.5, mask=mask, sinks=None, n=parts)
+        out = None
+        if lib is not None:
+            out = kernel_attention.attention(lib, q, k, v, scale=head_dim**-0.5, mask="causal", threads=parts)
         if out is None:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask=mask)
+            out = sa.split_attention(q, k, v, scale=head_dim**-0.5, mask="causal", sinks=None, n=parts)
+        if out is None:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask="causal")
         return out.sum()
 
-    scores = mx.random.normal((1, heads, new, context)).astype(x.dtype)
-    mx.eval(scores)
+    rep = heads // kv_heads
+    qg = q.reshape(1, kv_heads, rep, new, head_dim)
+    kg, vg = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
 
-    streams = [mx.new_stream(mx.cpu) for _ in range(parts)]
-    rows = [(new * i // parts, new * (i + 1) // parts) for i in range(parts)]
-
-    def exp_floor() -> Any:
-        # materialized, as a softmax writes its probabilities; spread over the
-        # cores as the split attention spreads its rows
-        return [mx.exp(scores[:, :, r0:r1], stream=s) for (r0, r1), s in zip(rows, streams)]
+    def gemms() -> Any:
+        scores = qg @ mx.swapaxes(kg, -1, -2)
+        mx.eval(scores)  # materialized, as the kernel's path has it
+        return (scores @ vg).sum()
 
     def best(f) -> float:
         ts = []
@@ -390,9 +390,9 @@ def attention_share(model_dir: Path, new: int, context: int, reps: int = 3) -> t
             ts.append(time.perf_counter() - t0)
         return min(ts)
 
-    best(weights), best(attention), best(exp_floor)  # warm up
-    w, a, e = best(weights), best(attention), best(exp_floor)
-    return a / (a + w), min(1.0, e / a)
+    best(weights), best(attention), best(gemms)  # warm up
+    w, a, g = best(weights), best(attention), best(gemms)
+    return a / (a + w), min(1.0, g / a)
 
 
 def add_splits(rows: list[Turn], model_dir: Path) -> None:
@@ -403,8 +403,8 @@ def add_splits(rows: list[Turn], model_dir: Path) -> None:
     per_token = sorted(warm)[len(warm) // 2] if warm else None
     for t in mine:
         new = max(1, t.prompt_tokens - (t.cached_tokens or 0))
-        share, floor = attention_share(model_dir, min(new, t.prompt_tokens), max(new, t.prompt_tokens))
-        t.split = split_turn(t, share, per_token, floor)
+        share, gemm = attention_share(model_dir, min(new, t.prompt_tokens), max(new, t.prompt_tokens))
+        t.split = split_turn(t, share, per_token, gemm)
 
 
 def report(rows: list[Turn], args: argparse.Namespace) -> str:

@@ -200,7 +200,7 @@ def split_table(turns: list[Turn], subject: str = SUBJECT) -> str:
     if not rows:
         return ""
     keys = ["new_tokens", "prefill_weights_s", "prefill_attention_s", "attention_share"]
-    keys += ["attention_exp_floor_s"] if any("attention_exp_floor_s" in t.split for t in rows) else []
+    keys += ["attention_gemm_s"] if any("attention_gemm_s" in t.split for t in rows) else []
     keys += ["decode_s", "restore_s"]
     lines = ["| turn | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for t in rows:
@@ -213,13 +213,14 @@ def split_table(turns: list[Turn], subject: str = SUBJECT) -> str:
 
 
 def split_turn(
-    t: Turn, attention_share: float, warm_s_per_token: float | None, exp_floor: float | None = None
+    t: Turn, attention_share: float, warm_s_per_token: float | None, gemm_share: float | None = None
 ) -> dict[str, float]:
     """A turn's time apart: its TTFT is the prefill of the tokens the cache
     missed (plus a restore after the restart), split by the probe's attention
     share at the turn's context; decode is the rest of its wall time.
-    ``exp_floor``: the probe's one ``exp`` per score over its fused attention —
-    the part of the attention no exact softmax can skip on this backend."""
+    ``gemm_share``: the probe's two GEMMs (QK^T and PV, as the attention runs
+    them) over its whole attention — the part no exact attention skips; the
+    rest is the softmax and the masking around them."""
     new = t.prompt_tokens - (t.cached_tokens or 0)
     prefill = t.ttft_s
     restore = 0.0
@@ -232,7 +233,7 @@ def split_turn(
         "prefill_weights_s": prefill * (1 - attention_share),
         "prefill_attention_s": prefill * attention_share,
         "attention_share": attention_share,
-        **({} if exp_floor is None else {"attention_exp_floor_s": prefill * attention_share * exp_floor}),
+        **({} if gemm_share is None else {"attention_gemm_s": prefill * attention_share * gemm_share}),
         "decode_s": max(0.0, t.wall_s - t.ttft_s),
         "restore_s": restore,
     }

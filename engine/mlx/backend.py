@@ -70,7 +70,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from engine.config import EngineConfig
 from engine.device import ThreadDevice
-from engine.mlx import softmax_kernel, split_attention
+from engine.mlx import buffer_cache, softmax_kernel, split_attention
 from engine.mlx.batch import DecodeBatch, merge_caches
 from engine.mlx.blas import blas_threads
 from engine.mlx.cpu_layout import SMALL_FORWARD_ROWS, CpuChoice
@@ -223,6 +223,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         )
         backend.counters["pretransposed_linears"] = pretransposed_linears(loaded.model)
         if loaded.cpu_choice is not None:  # MLX's CPU backend
+            backend.counters["buffer_cache_mib"] = buffer_cache.raise_limit() >> 20
             backend.attention_parts = config.attention_streams or split_attention.default_parts()
             if config.softmax_kernel:
                 backend.softmax_kernel = softmax_kernel.load()

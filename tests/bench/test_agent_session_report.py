@@ -100,6 +100,6 @@ def test_the_split_of_a_turn():
     assert s["new_tokens"] == 300 and s["restore_s"] == pytest.approx(0.8)
     assert s["prefill_attention_s"] == pytest.approx(0.3) and s["prefill_weights_s"] == pytest.approx(0.9)
     assert s["decode_s"] == pytest.approx(2.0)
-    assert "attention_exp_floor_s" not in s
-    s = split_turn(t, attention_share=0.25, warm_s_per_token=0.004, exp_floor=0.6)
-    assert s["attention_exp_floor_s"] == pytest.approx(0.18)  # 0.6 of the 0.3 s of attention
+    assert "attention_gemm_s" not in s
+    s = split_turn(t, attention_share=0.25, warm_s_per_token=0.004, gemm_share=0.6)
+    assert s["attention_gemm_s"] == pytest.approx(0.18)  # 0.6 of the 0.3 s of attention
