@@ -741,6 +741,8 @@ def test_long_prefill_chunks_take_the_softmax_kernel_and_match_mlx_lm(rig):
     assert rig.b.counters["attention_streams"] == parts == rig.b.attention_parts
     # a machine that runs the suite builds the kernel (tests/engine/test_softmax_kernel.py)
     assert rig.b.counters["softmax_kernel"] == 1 and rig.b.softmax_kernel is not None
+    # and MLX's buffer cache holds a long prefill's score matrices (engine.mlx.buffer_cache)
+    assert rig.b.counters["buffer_cache_mib"] >= 32
     prompt = rig.ids("".join(PROMPTS) * 6)
     assert len(prompt) > 3 * 256
     ref = rig.reference(prompt, 12)
