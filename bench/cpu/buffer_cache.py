@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|")
     for leg, t in times.items():
         ratio = statistics.median(d / r for d, r in zip(t["default"], t["raised"]))
-        d, r = statistics.median(t["default"]), statistics.median(t["raised"])
-        print(f"| {leg} | {d * 1000:.0f} ms | {r * 1000:.0f} ms | {ratio:.2f}x |")
+        med_d, med_r = statistics.median(t["default"]), statistics.median(t["raised"])
+        print(f"| {leg} | {med_d * 1000:.0f} ms | {med_r * 1000:.0f} ms | {ratio:.2f}x |")
     print(f"\nprefill logits the same bits in both arms: {same}; load {os.getloadavg()[0]:.1f}")
     if not same:
         raise SystemExit(1)

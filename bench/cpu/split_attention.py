@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()[0]:.1f}", flush=True)
 
     print(f"\n{args.model}, {args.parts} parts/threads, {args.rounds} rounds (median):\n")
-    print(f"| leg | whole | split ({args.parts} streams) | kernel ({args.parts} threads) | whole / split | whole / kernel |")
+    print(
+        f"| leg | whole | split ({args.parts} streams) | kernel ({args.parts} threads) | whole / split | whole / kernel |"
+    )
     print("|---|---|---|---|---|---|")
     for name, t in times.items():
         med = {a: statistics.median(t[a]) for a in names}

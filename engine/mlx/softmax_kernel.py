@@ -83,9 +83,7 @@ def build(target: pathlib.Path, compiler: str | None = None) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=120
-        )
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise OSError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)

@@ -110,7 +110,10 @@ def test_attention_is_the_fused_call_bit_for_bit(lib, B, HKV, L, S):
 
 def test_attention_declines_what_it_does_not_do(lib):
     q, k, v = _qkv(1, 4, 2, 64, 512)
-    assert ka.attention(lib, q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16), scale=0.1, mask=None) is None
+    assert (
+        ka.attention(lib, q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16), scale=0.1, mask=None)
+        is None
+    )
     assert ka.attention(lib, q, k, v, scale=0.1, mask="sliding") is None
 
 
