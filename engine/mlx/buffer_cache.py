@@ -5,9 +5,9 @@ MLX's CPU allocator keeps freed buffers for reuse only up to a cache limit of
 is bigger than that (heads × new tokens × context × 4 bytes: 77 MB for
 SmolLM2's 9 heads, 500 new tokens over 4.3k keys), so every attention call
 got fresh pages from the kernel and paid a page fault per 4 KiB on first
-touch: on this machine a QK^T over those shapes took 69 ms with the default
-limit and 26 ms with a 2 GiB one, and an add over its output 59 ms against
-9 ms (``python -m bench.cpu.buffer_cache``). The cache is only what MLX holds
+touch: on this machine a QK^T over those shapes took 2.3x as long at the
+default limit as with a 2 GiB one, and an add over its output 7.1x
+(``python -m bench.cpu.buffer_cache``; docs/bench/cpu-attention.md). The cache is only what MLX holds
 between calls, freed at ``mx.clear_cache()``; ``raise_limit`` sets it to
 ``min(2 GiB, RAM / 8)`` on MLX's CPU backend (``EMBER_MLX_CACHE_MIB``
 overrides; 0 keeps MLX's) and never lowers a limit already set higher.

@@ -6,7 +6,7 @@ scale, QK^T, mask, ``softmax(precise=True)``, PV (``mlx/fast.cpp``,
 scores are evaluated, their buffer (which nothing else holds) goes through
 the C kernel in place, and PV reads it back: the same bits as the fused call
 (tests/engine/test_kernel_attention.py compares with ``array_equal``), with
-the softmax ~10x faster and the causal mask folded into it (no ``where``
+the softmax ~7x faster on one core and the causal mask folded into it (no ``where``
 pass over the scores).
 
 The price is an ``mx.eval`` inside the forward, so it applies only where the

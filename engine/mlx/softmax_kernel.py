@@ -5,13 +5,13 @@ layer has no x86 type, ``simd/base_simd.h``), ~19 ns an element here, and a
 long-context prefill is mostly that softmax (issue #32;
 ``python -m bench.cpu.softmax_kernel``). ``csrc/softmax_rows.c`` is MLX's
 softmax statement for statement (the Cephes polynomial through ``fmaf``, the
-row's sum in MLX's order) with the vectorizer on: ~10x faster on one core and
+row's sum in MLX's order) with the vectorizer on: ~7x faster on one core and
 the same bits (tests/engine/test_softmax_kernel.py compares with
 ``array_equal``).
 
 It is compiled like MLX compiles its own CPU kernels for ``mx.compile``: by
 the system's C compiler, once, into the user's cache
-(``~/.cache/ember/kernels``, keyed by the source, the flags and the CPU), so a
+(``~/.cache/ember/cpu/kernels``, keyed by the source, the flags and the CPU), so a
 later start only loads it. Without a compiler, or where the build or load
 fails, ``load()`` returns None and attention stays MLX's own
 (``engine.mlx.split_attention``); the reason is logged once and kept in

@@ -23,7 +23,7 @@ context 1.51x faster, at 2k 1.43x, at 0 1.14x; a decode token at 4k keys
 
 Where the softmax kernel is built (``engine.mlx.softmax_kernel``, the default
 on Linux), calls big enough for it go there instead
-(``engine.mlx.kernel_attention``: the softmax ~10x faster, on threads of its
+(``engine.mlx.kernel_attention``: the softmax ~7x faster a core, on threads of its
 own, the same bits); the split is what is left for the others.
 
 mlx-lm's models call ``scaled_dot_product_attention`` from their own module's
