@@ -43,8 +43,11 @@ COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
     "engine.mlx.gguf_convert": ("models",),
 }
 
-# Import names that differ from their distribution's name.
-IMPORT_NAMES = {"openai-agents": "agents", "pyyaml": "yaml"}
+# Import names that differ from their distribution's name, as pyproject.toml
+# declares them for dependency checkers ([tool.deptry.package_module_name_map]).
+IMPORT_NAMES: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["deptry"][
+    "package_module_name_map"
+]
 
 # Guarded imports kept on purpose although the command declares them, each with its reason.
 KEPT_FALLBACKS: dict[tuple[str, str], str] = {
