@@ -1,7 +1,7 @@
 """MLX's CPU softmax, bit for bit, vectorized: a C kernel built at run time.
 
 On Linux MLX's CPU backend runs its ``exp`` one element at a time (its SIMD
-layer has no x86 type, ``simd/base_simd.h``), ~19 ns an element here, and a
+layer has no x86 type, ``simd/base_simd.h``), ~17 ns an element here, and a
 long-context prefill is mostly that softmax (issue #32;
 ``python -m bench.cpu.softmax_kernel``). ``csrc/softmax_rows.c`` is MLX's
 softmax statement for statement (the Cephes polynomial through ``fmaf``, the

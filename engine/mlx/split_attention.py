@@ -17,9 +17,9 @@ not split: a part's QK^T with fewer rows takes another OpenBLAS tile path on
 some CPUs (Zen: every rows split of 128-201 queries landed ~1e-7 away), where
 a heads split leaves each GEMM as it was.
 
-Measured here (2 cores, SmolLM2-135M, OpenBLAS): 300 new tokens at 4k
-context 1.51x faster, at 2k 1.43x, at 0 1.14x; a decode token at 4k keys
-1.19x (batch 1) and 1.46x (batch 4), at 500 keys 0.93x, hence the threshold.
+Measured here (2 cores, SmolLM2-135M, OpenBLAS; docs/bench/cpu-attention.md):
+300 new tokens at 4k context 1.38x faster than the whole call, at 2k 1.16x; a
+decode token at 4k keys 1.05x at batch 4 and 0.87x at batch 1.
 
 Where the softmax kernel is built (``engine.mlx.softmax_kernel``, the default
 on Linux), calls big enough for it go there instead
@@ -121,15 +121,15 @@ def split_sdpa(
     split where ``parts`` asks."""
     n = getattr(_local, "parts", 1)
     lib = getattr(_local, "kernel", None)
-    if lib is not None and sinks is None and not hasattr(cache, "bits") and mx.default_device() == mx.cpu:
-        out = kernel_attention.attention(lib, queries, keys, values, scale=scale, mask=mask, threads=n)
-        if out is not None:
-            return out
-    if n > 1 and not hasattr(cache, "bits") and mx.default_device() == mx.cpu:
-        out = split_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks, n=n)
-        if out is not None:
-            return out
-    return _original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    out = None
+    if not hasattr(cache, "bits") and mx.default_device() == mx.cpu:  # quantized KV: mlx-lm's own path
+        if lib is not None and sinks is None:
+            out = kernel_attention.attention(lib, queries, keys, values, scale=scale, mask=mask, threads=n)
+        if out is None and n > 1:
+            out = split_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks, n=n)
+    if out is None:
+        out = _original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    return out
 
 
 def split_attention(

@@ -4,10 +4,10 @@
  *
  * Why: on Linux MLX's CPU backend has no SIMD type (simd/base_simd.h, N = 1),
  * so its exp runs the Cephes polynomial one element at a time through fmaf
- * calls, ~19 ns an element here, and the softmax is most of a long-context
+ * calls, ~17 ns an element here, and the softmax is most of a long-context
  * prefill (issue #32). The same polynomial, the same fmaf (exactly rounded on
  * every machine), the same order of the row's sum, compiled with the
- * vectorizer on: ~2 ns an element on one core. Built at run time by
+ * vectorizer on: ~2.4 ns an element on one core. Built at run time by
  * engine.mlx.softmax_kernel with -ffp-contract=off (a contracted a*b+c would
  * round differently) and without -ffast-math (it would reorder the sums).
  *
