@@ -201,13 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     la.set_defaults(run=launch, parser=la, client_args=[])
 
     c = sub.add_parser("convert", help="convert a GGUF file into an mlx-lm model directory")
-    c.add_argument("gguf", help="a .gguf file (llama or gemma3 architecture)")
+    c.add_argument("gguf", help="a .gguf file (llama, qwen2 or gemma3 architecture)")
     c.add_argument("outdir", help="the directory to write (config.json, model.safetensors, tokenizer)")
     c.add_argument(
         "--dtype",
-        choices=["auto", "float32", "float16", "bfloat16", "quantized"],
+        choices=["auto", "float32", "float16", "bfloat16", "quantized", "q8", "q4"],
         default="auto",
-        help="weights: auto = this device's fastest (docs/gguf.md); quantized keeps Q4_0/Q4_1/Q8_0",
+        help="weights: auto = this device's fastest (docs/gguf.md); quantized keeps Q4_0/Q4_1/Q8_0; "
+        "q8/q4 re-quantize the dequantized weights as MLX affine (group 64)",
     )
     c.set_defaults(run=convert, parser=c)
     return parser

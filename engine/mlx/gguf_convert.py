@@ -41,7 +41,9 @@ import numpy as np
 log = logging.getLogger("ember.gguf")
 
 CONVERTER_VERSION = 1  # bump when the output of convert() changes
-DTYPES = ("float32", "float16", "bfloat16", "quantized")
+DTYPES = ("float32", "float16", "bfloat16", "quantized", "q8", "q4")
+# MLX affine re-quantization of the dequantized weights (``q8``/``q4``): mlx-lm's default group
+REQUANT_GROUP = 64
 
 # GGUF tensor names (after "blk.N.") → mlx-lm's names under "model.layers.N.".
 _LAYER_NAMES = {
@@ -60,6 +62,8 @@ _LAYER_NAMES = {
 # gemma2/3 have four.
 _ARCH_LAYER_NAMES = {
     "llama": {"ffn_norm": "post_attention_layernorm"},
+    # qwen2: llama's layout plus q/k/v biases (``blk.N.attn_q.bias`` maps by suffix)
+    "qwen2": {"ffn_norm": "post_attention_layernorm"},
     "gemma3": {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm",
@@ -135,6 +139,12 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
         )
         if get("rope.scaling.type") not in (None, "none"):
             raise GGUFError(f"llama RoPE scaling {get('rope.scaling.type')!r} is not supported yet")
+    elif arch == "qwen2":
+        # llama.cpp's Qwen2 converter keeps HF's Q/K row order (no permute to undo),
+        # writes rope_theta into the file, and an ``output.weight`` when untied.
+        cfg.update(model_type="qwen2", rope_theta=float(get("rope.freq_base", 1_000_000.0)))
+        if get("rope.scaling.type") not in (None, "none"):
+            raise GGUFError(f"qwen2 RoPE scaling {get('rope.scaling.type')!r} is not supported yet")
     elif arch == "gemma3":
         head_dim = int(get("attention.key_length", 256))
         cfg.update(
@@ -292,6 +302,28 @@ def _quantized_tensors(
     return out, quant
 
 
+def requantize(
+    weights: dict[str, Any], *, bits: int, group_size: int = REQUANT_GROUP
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every matrix of a linear layer or embedding as MLX affine quantization
+    (``mx.quantize``), the norms and biases kept in float32: what
+    ``mlx_lm.convert -q`` writes, from the GGUF's dequantized values (a K-quant
+    or Q5_0 block has no MLX equivalent to keep). ``mlx_lm.load`` quantizes
+    exactly the modules whose ``scales`` it finds."""
+    import mlx.core as mx
+
+    out: dict[str, Any] = {}
+    for name, w in weights.items():
+        if name.endswith(".weight") and w.ndim == 2 and w.shape[-1] % group_size == 0 and "norm" not in name:
+            q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+            base = name[: -len(".weight")]
+            out[name], out[f"{base}.scales"], out[f"{base}.biases"] = q, scales, biases
+            mx.eval(q, scales, biases)
+        else:
+            out[name] = w
+    return out, {"group_size": group_size, "bits": bits}
+
+
 # ---------------------------------------------------------------------------
 # the conversion
 
@@ -321,7 +353,10 @@ def convert(
         if got is not None:
             weights, cfg["quantization"] = got
     if weights is None:
-        weights = _float_tensors(reader, arch, cfg, "float16" if dtype == "quantized" else dtype, progress)
+        float_dtype = {"quantized": "float16", "q8": "float32", "q4": "float32"}.get(dtype, dtype)
+        weights = _float_tensors(reader, arch, cfg, float_dtype, progress)
+        if dtype in ("q8", "q4"):
+            weights, cfg["quantization"] = requantize(weights, bits=int(dtype[1]))
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -357,6 +392,11 @@ def default_dtype() -> str:
     the file's own quantization elsewhere (Metal/CUDA have quantized kernels)."""
     import mlx.core as mx
 
+    chosen = os.environ.get("EMBER_WEIGHTS", "").strip()
+    if chosen and chosen != "auto":
+        if chosen not in DTYPES:
+            raise GGUFError(f"EMBER_WEIGHTS must be auto or one of {', '.join(DTYPES)}, not {chosen!r}")
+        return chosen
     return "float32" if mx.default_device() == mx.cpu else "quantized"
 
 

@@ -1,0 +1,289 @@
+"""Which weight format to serve a real model in on this CPU: speed beside quality (issue #41).
+
+    python -m bench.cpu.weight_format --model qwen2.5-coder-1.5b
+    python -m bench.cpu.weight_format --model qwen2.5-coder-0.5b --formats float32,q8,q4 --rounds 1
+
+The model's GGUF is dequantized once to float32 (``resolve_model`` of the packaged name with
+``EMBER_WEIGHTS=float32``); every other format is made from those float32 weights in the process,
+the way ``ember convert --dtype`` writes it: ``bfloat16``/``float16`` by ``set_dtype``, ``q8``/``q4``
+by ``nn.quantize`` (MLX affine, group 64, what ``mlx_lm.convert -q`` writes). Each format is run as
+``ember serve`` runs it: MLX's CPU kernels plus, where Ember installs one for that format, its own
+(``engine.mlx.qmm_kernel`` for q8/q4 when present; ``--no-ember-kernels`` measures MLX alone).
+
+Per format:
+* **decode**: tok/s of a greedy decode of ``--tokens`` steps after a short prompt (median over rounds,
+  the formats' order rotating round by round), cut at ``--budget-s`` (then the rate of the steps done);
+* **prefill**: tok/s of one forward over ``--prefill`` tokens of a fixed code text;
+* **quality** against float32 on the same fixed text: top-1 agreement of the next-token argmax at
+  every position (teacher forced), perplexity, and the greedy continuation's agreement (tokens equal
+  to float32's before the first difference, out of ``--tokens``);
+* weight bytes read per token and the fraction of the memory-bandwidth floor that decode reaches
+  (bandwidth measured here by a numpy sum over ``--bandwidth-mib``).
+
+``--out FILE`` writes the markdown table with the command, commit and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+from typing import Any
+
+FORMATS = ("float32", "bfloat16", "float16", "q8", "q4")
+
+# A fixed code text (no file of the machine: the same bytes everywhere).
+TEXT = '''import json
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Task:
+    """One unit of work in the queue."""
+
+    name: str
+    priority: int = 0
+    tags: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "priority": self.priority, "tags": self.tags})
+
+
+class TaskQueue:
+    """A priority queue of tasks, persisted to a JSON file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.tasks: list[Task] = []
+        if os.path.exists(path):
+            with open(path) as f:
+                for item in json.load(f):
+                    self.tasks.append(Task(**item))
+
+    def push(self, task: Task) -> None:
+        self.tasks.append(task)
+        self.tasks.sort(key=lambda t: -t.priority)
+
+    def pop(self) -> Task | None:
+        if not self.tasks:
+            return None
+        return self.tasks.pop(0)
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump([json.loads(t.to_json()) for t in self.tasks], f, indent=2)
+
+
+def main() -> None:
+    queue = TaskQueue("tasks.json")
+    queue.push(Task("write tests", priority=2, tags=["dev"]))
+    queue.push(Task("fix bug", priority=5))
+    while (task := queue.pop()) is not None:
+        print(f"running {task.name}")
+    queue.save()
+
+
+if __name__ == "__main__":
+    main()
+'''
+PROMPT = "def quicksort(items):\n    "
+
+
+def _load_load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{one:.1f}/{five:.1f}"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def _make(base_path: str, fmt: str, kernels: bool) -> Any:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm import load
+
+    model, _ = load(base_path)
+    if fmt in ("q8", "q4"):
+        nn.quantize(
+            model,
+            group_size=64,
+            bits=int(fmt[1]),
+            class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0,
+        )
+    elif fmt != "float32":
+        model.set_dtype(getattr(mx, fmt))
+    mx.eval(model.parameters())
+    if kernels:
+        try:
+            from engine.mlx import qmm_kernel  # type: ignore[attr-defined]
+
+            qmm_kernel.install_model(model)
+        except (ImportError, AttributeError):
+            pass
+    return model
+
+
+def _weight_bytes(model: Any) -> int:
+    from mlx.utils import tree_flatten
+
+    flat: list[Any] = tree_flatten(model.parameters())
+    return sum(int(v.nbytes) for _, v in flat)
+
+
+def _decode(model: Any, prompt: list[int], tokens: int, budget_s: float) -> tuple[float, list[int]]:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out: list[int] = []
+    t0 = t_first = time.perf_counter()
+    for (tok, _), _i in zip(generate_step(mx.array(prompt), model, max_tokens=tokens), range(tokens)):
+        out.append(int(tok))
+        if len(out) == 1:
+            t_first = time.perf_counter()  # the prompt's prefill is not decode
+        if time.perf_counter() - t0 > budget_s:
+            break
+    steps = len(out) - 1
+    rate = steps / (time.perf_counter() - t_first) if steps > 0 else 0.0
+    return rate, out
+
+
+def _prefill(model: Any, ids: list[int]) -> float:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    t0 = time.perf_counter()
+    mx.eval(model(mx.array([ids]), cache=cache))
+    return len(ids) / (time.perf_counter() - t0)
+
+
+def _teacher_forced(model: Any, ids: list[int]) -> tuple[Any, float]:
+    import math
+
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    logits = model(mx.array([ids[:-1]])).astype(mx.float32)[0]
+    ppl = math.exp(float(nn.losses.cross_entropy(logits, mx.array(ids[1:])).mean().item()))  # type: ignore[arg-type]
+    return mx.argmax(logits, axis=-1), ppl
+
+
+def bandwidth_gbs(mib: int) -> float:
+    import numpy as np
+
+    a = np.ones(mib << 18, dtype=np.float32)  # mib MiB
+    a.sum()
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a.sum()
+        best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.mlx.blas import maybe_reexec_with_openblas
+
+    maybe_reexec_with_openblas()
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu.weight_format", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--budget-s", type=float, default=60.0, help="a decode leg stops after this long")
+    ap.add_argument("--bandwidth-mib", type=int, default=1024)
+    ap.add_argument("--no-ember-kernels", action="store_true", help="MLX's own kernels only")
+    ap.add_argument("--out", help="write the markdown table here")
+    args = ap.parse_args(argv)
+
+    os.environ["EMBER_WEIGHTS"] = "float32"
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from engine.models import resolve_model
+
+    base = str(resolve_model(args.model))
+    _, tok = load(base)
+    text_ids = tok.encode(TEXT)
+    prefill_ids = (text_ids * (args.prefill // len(text_ids) + 1))[: args.prefill]
+    prompt = tok.encode(PROMPT)
+    formats = [f for f in args.formats.split(",") if f]
+    load_before = _load_load()
+    bw = bandwidth_gbs(args.bandwidth_mib)
+
+    # quality first, one model at a time (float32's references kept as arrays)
+    ref_model = _make(base, "float32", False)
+    ref_argmax, ref_ppl = _teacher_forced(ref_model, text_ids)
+    _, ref_greedy = _decode(ref_model, prompt, args.tokens, 1e9)
+    mx.eval(ref_argmax)
+    del ref_model
+
+    rows: dict[str, dict[str, Any]] = {f: {"decode": [], "prefill": []} for f in formats}
+    for r in range(args.rounds):
+        order = formats[r % len(formats) :] + formats[: r % len(formats)]
+        for fmt in order:
+            model = _make(base, fmt, not args.no_ember_kernels)
+            row = rows[fmt]
+            if r == 0:
+                row["bytes"] = _weight_bytes(model)
+                argmax, ppl = _teacher_forced(model, text_ids)
+                row["agree"] = float(mx.mean(argmax == ref_argmax).item())  # type: ignore[arg-type]
+                row["ppl"] = ppl
+            rate, greedy = _decode(model, prompt, args.tokens, args.budget_s)
+            row["decode"].append(rate)
+            if r == 0:
+                same = 0
+                for a, b in zip(greedy, ref_greedy):
+                    if a != b:
+                        break
+                    same += 1
+                row["greedy_same"] = f"{same}/{len(greedy)}"
+            row["prefill"].append(_prefill(model, prefill_ids))
+            print(f"[weight_format] round {r + 1} {fmt}: decode {rate:.2f} tok/s", flush=True)
+            del model
+            mx.clear_cache()
+
+    f32 = statistics.median(rows["float32"]["decode"]) if "float32" in rows else None
+    lines = [
+        f"Command: `python -m bench.cpu.weight_format --model {args.model} --formats {args.formats} "
+        f"--tokens {args.tokens} --prefill {args.prefill} --rounds {args.rounds}`",
+        "",
+        f"Commit {_commit()}; load (1/5 min) {load_before} before, {_load_load()} after; "
+        f"memory bandwidth measured {bw:.1f} GB/s; {os.cpu_count()} cores; "
+        f"Ember's kernels {'off' if args.no_ember_kernels else 'on where installed'}.",
+        "",
+        "| format | weights GB | decode tok/s | x float32 | % of bandwidth floor | prefill tok/s "
+        "| top-1 agreement with float32 | perplexity | greedy tokens = float32 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for fmt in formats:
+        row = rows[fmt]
+        dec = statistics.median(row["decode"])
+        floor = bw * 1e9 / row["bytes"]
+        lines.append(
+            f"| {fmt} | {row['bytes'] / 1e9:.2f} | {dec:.2f} | {dec / f32:.2f}x | {100 * dec / floor:.0f}% "
+            f"| {statistics.median(row['prefill']):.1f} | {100 * row['agree']:.1f}% | {row['ppl']:.3f} "
+            f"| {row['greedy_same']} |"
+            if f32
+            else f"| {fmt} | {row['bytes'] / 1e9:.2f} | {dec:.2f} | | | | | | |"
+        )
+    lines.append("")
+    lines.append(f"float32 perplexity on the fixed text: {ref_ppl:.3f}.")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
