@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.fake.tokenizer import ByteTokenizer
-from transport.fenced_calls import MalformedCall, bare_head, offered_names, read_calls
+from transport.fenced_calls import MalformedCall, ParsedCall, bare_head, offered_names, read_calls
 from transport.metrics import ToolCallCounter
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 
@@ -247,7 +247,7 @@ def test_a_fence_left_open_at_the_end_is_decided_as_it_stands():
 
 
 def test_read_calls_and_bare_head():
-    assert read_calls('{"name": "now", "arguments": {}}', NAMES)[0].arguments == "{}"
+    assert read_calls('{"name": "now", "arguments": {}}', NAMES) == (ParsedCall(name="now", arguments="{}"),)
     assert read_calls('{"name": "later", "arguments": {}}', NAMES) is None
     assert read_calls("[]", NAMES) is None and read_calls("3", NAMES) is None
     with pytest.raises(MalformedCall):
