@@ -48,6 +48,7 @@ Form = Literal["fence", "bare"]
 
 _HEAD = re.compile(r'^\s*\[?\s*\{\s*"name"\s*:\s*"([^"\\]*)"')  # a call's start, for text that is not JSON
 _CLOSE = re.compile(r"(?:^|\n)[ \t]*```")
+_LEAD = re.compile(r"\S")
 _FENCE = "```"
 _INFOS = ("", "json")  # the info strings of a fence that may hold a call
 
@@ -161,6 +162,7 @@ class FencedCalls:
         self._mode: Literal["text", "other", "fence", "bare"] = "text"
         self._line_start = True
         self._open = 0  # in "fence": the opener's length, where the content starts in _buf
+        self._searched = 0  # in "fence": where in the content the search for its close resumes
         self._maybe_bare = True  # nothing but whitespace has been read yet
 
     def feed(self, text: str) -> list[Piece]:
@@ -231,7 +233,7 @@ class FencedCalls:
                 if nl < 0 and any(i.startswith(info) for i in _INFOS):
                     return False  # the info string is not known yet
                 if info in _INFOS:
-                    self._mode, self._open = "fence", indent + nl + 1
+                    self._mode, self._open, self._searched = "fence", indent + nl + 1, 0
                     return True
                 self._mode = "other"  # another language's fence streams
         nl = buf.find("\n")
@@ -248,13 +250,15 @@ class FencedCalls:
 
     def _in_fence(self, out: list[Piece]) -> bool:
         content = self._buf[self._open :]
-        lead = content.lstrip()
-        if lead and lead[0] not in "{[":  # code, not JSON: it streams as text
+        lead = _LEAD.search(content)
+        if lead is not None and lead.group() not in "{[":  # code, not JSON: it streams as text
             self._mode = "other"
             self._take(self._open, out, line_end=True)
             return True
-        close = _CLOSE.search(content)
+        close = _CLOSE.search(content, self._searched)
         if close is None:
+            # a long held fence is searched once, not again from its start at every delta
+            self._searched = max(content.rfind("\n"), 0)
             return False
         end = self._open + close.end()
         fenced, self._buf = self._buf[:end], self._buf[end:]

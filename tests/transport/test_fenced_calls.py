@@ -275,3 +275,27 @@ def test_the_counter_in_prometheus_and_stats():
     assert 'ember_tool_call_parse_failures_total{form="markers",route="messages"} 1.0' in text
     with pytest.raises(ValueError):
         count("fence", "called")
+
+
+def test_a_reasoning_model_s_fenced_call_after_its_thinking():
+    from engine.tool_markup import ReasoningMarkup
+    from transport.reasoning import OutputSplitter, Reasoning
+
+    text = "<think>\nThe user wants the weather.\n</think>\n\n" + FENCED
+    for pieces in ([text], list(text)):
+        s = OutputSplitter(ReasoningMarkup("<think>", "</think>"), CallSplitter(MARKUP, TOOLS))
+        events = [e for p in pieces for e in s.feed(p)] + s.finish()
+        assert "".join(e.text for e in events if isinstance(e, Reasoning)) == "The user wants the weather."
+        assert norm([e for e in events if not isinstance(e, Reasoning)]) == [
+            ("text", "I will check the weather.\n"),
+            call(0, "get_weather", WEATHER),
+        ]
+
+
+def test_a_long_fence_is_held_line_after_line_until_it_closes():
+    s = CallSplitter(MARKUP, TOOLS)
+    s.feed('```json\n{"name": "get_weather", "arguments": {"city": "')
+    for _ in range(2000):
+        assert s.feed("ab\n") == []  # held: still the fence
+    events = norm(s.feed('"}}\n```') + s.finish())
+    assert [e[0] for e in events] == ["text"]  # a raw newline inside a JSON string: not JSON, not a call
