@@ -299,3 +299,10 @@ def test_a_long_fence_is_held_line_after_line_until_it_closes():
         assert s.feed("ab\n") == []  # held: still the fence
     events = norm(s.feed('"}}\n```') + s.finish())
     assert [e[0] for e in events] == ["text"]  # a raw newline inside a JSON string: not JSON, not a call
+
+
+def test_a_streamed_markers_call_whose_arguments_are_not_json_goes_out_and_is_counted():
+    text = '<tool_call>\n{"name": "now", "arguments": {"a": }}\n</tool_call>'
+    events, notes, _ = whole(text)
+    assert events == [("call", 0, "now", '{"a": }')]  # its name and arguments streamed before the end marker
+    assert sorted(notes) == [("markers", "calls"), ("markers", "parse_failures")]
