@@ -297,7 +297,8 @@ async def messages(request: Request, host: Any) -> Response:
     params = req.sampling_params(limit, engine.info.vocab_size)
     params = chat_turn.tool_params(engine, params, setup)
     stream = await chat_turn.submit(engine, prompt, params, req.param_names())
-    splitter = chat_turn.splitter(engine, setup, "toolu_", prompt=prompt)
+    count = host.metrics.tool_calls.for_route("messages")
+    splitter = chat_turn.splitter(engine, setup, "toolu_", prompt=prompt, count=count)
     renderer = MessagesRenderer(model, len(prompt), splitter, engine.tokenizer, params.stop)
     return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
 

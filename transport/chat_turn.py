@@ -22,7 +22,7 @@ from engine.types import Constraint, SamplingParams
 from transport import generic_tools, reasoning
 from transport.output_memory import OutputMemory
 from transport.request_io import collect
-from transport.tool_calls import CallSplitter, markup_of
+from transport.tool_calls import CallSplitter, Count, markup_of
 from transport.tools import ToolSetup
 
 
@@ -147,15 +147,22 @@ def tool_params(engine: Engine, params: SamplingParams, setup: ToolSetup) -> Sam
     return with_constraint(engine, params, setup.constraint(tool_markup(engine)), setup.param_choice)
 
 
-def splitter(engine: Engine, setup: ToolSetup, id_prefix: str = "call_", prompt: Prompt | None = None) -> Any:
+def splitter(
+    engine: Engine,
+    setup: ToolSetup,
+    id_prefix: str = "call_",
+    prompt: Prompt | None = None,
+    count: Count | None = None,
+) -> Any:
     """What cuts the output into answer text, tool calls and (for a reasoning
     model, transport/reasoning.py) reasoning; None when there is nothing to cut:
     the text is the answer, verbatim. ``prompt`` says whether the output starts
-    inside an open ``<think>``."""
+    inside an open ``<think>``; ``count`` is told of the calls read and those
+    that did not parse (the route's ``ToolCallCounter.for_route``)."""
     calls = None
     if setup.active:
-        names = [t.as_template_tool() for t in setup.tools]
-        calls = CallSplitter(tool_markup(engine), names, single=not setup.parallel, id_prefix=id_prefix)
+        offered = [t.as_template_tool() for t in setup.tools]
+        calls = CallSplitter(tool_markup(engine), offered, single=not setup.parallel, id_prefix=id_prefix, count=count)
     thinking = reasoning.markup_of(engine.tokenizer)
     if thinking is None:
         return calls

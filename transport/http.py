@@ -340,12 +340,13 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     stream = await submit_choices(engine, prompt, req.choice_params(params), rename)
     rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
     if chat:
+        counts = host.metrics.tool_calls.for_route("chat")
         renderer = ChatRenderer(
             model,
             req.include_usage,
             rids=rids,
             token_bytes=engine.token_bytes,
-            splitter=lambda: chat_turn.splitter(engine, tools, prompt=prompt),
+            splitter=lambda: chat_turn.splitter(engine, tools, prompt=prompt, count=counts),
         )
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
     completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
@@ -441,7 +442,12 @@ def _plain(obj: Any) -> Any:
 
 async def stats(request: Request, host: ServerState) -> Response:
     engine = host.require_engine()
-    body = {**engine.stats(), "envelope": host.envelope.snapshot(), "recent_requests": host.metrics.recent.snapshot()}
+    body = {
+        **engine.stats(),
+        "envelope": host.envelope.snapshot(),
+        "tool_calls": host.metrics.tool_calls.snapshot(),
+        "recent_requests": host.metrics.recent.snapshot(),
+    }
     reg = host.registry.stats()  # the default model's stats stay top-level; every held model gets a section
     body["models"] = {
         name: {**m.pop("stats", {}), "registry": m}

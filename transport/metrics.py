@@ -15,7 +15,9 @@ process's would: Prometheus' ``rate`` reads that as a counter reset).
 
 from __future__ import annotations
 
+import functools
 import re
+from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -120,6 +122,49 @@ def _numeric_leaves(family: Callable[..., Any], model: str, prefix: str, d: dict
                 fam.add_metric([model, str(i)], v)
 
 
+class ToolCallCounter(Collector):
+    """Tool calls read from the output (``calls``) and call-like output that did
+    not parse (``parse_failures``: kept as text, or a streamed call whose
+    arguments are not JSON), per route and form: ``markers`` (the template's
+    ``<tool_call>``), ``fence`` (a ```` ```json ```` block), ``bare`` (the whole
+    reply as JSON); transport/fenced_calls.py. A collector and a ``/stats`` section."""
+
+    KINDS = {
+        "calls": ("ember_tool_calls", "tool calls read from model output, by route and form"),
+        "parse_failures": (
+            "ember_tool_call_parse_failures",
+            "tool calls in model output that did not parse (kept as text), by route and form",
+        ),
+    }
+
+    def __init__(self) -> None:
+        self.seen: Tally[tuple[str, str, str]] = Tally()  # (kind, route, form)
+
+    def note(self, route: str, form: str, kind: str) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown tool call count {kind!r}")
+        self.seen[(kind, route, form)] += 1
+
+    def for_route(self, route: str) -> Callable[[str, str], None]:
+        """The ``count(form, kind)`` a route's ``CallSplitter`` is given."""
+        return functools.partial(self.note, route)
+
+    def snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{kind: {route: {form: n}}}``, for ``/stats``."""
+        out: dict[str, dict[str, dict[str, int]]] = {kind: {} for kind in self.KINDS}
+        for (kind, route, form), n in sorted(self.seen.items()):
+            out[kind].setdefault(route, {})[form] = n
+        return out
+
+    def collect(self) -> Iterator[Metric]:
+        for kind, (name, doc) in self.KINDS.items():
+            family = CounterMetricFamily(name, doc, labels=["route", "form"])
+            for (k, route, form), n in sorted(self.seen.items()):
+                if k == kind:
+                    family.add_metric([route, form], n)
+            yield family
+
+
 class Metrics:
     def __init__(self, stats: Callable[[], dict[str, dict[str, Any]]]):
         """``stats``: each loaded model's ``engine.stats()`` by its served name."""
@@ -149,6 +194,8 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(EngineCollector(stats))
+        self.tool_calls = ToolCallCounter()  # calls read from the output, and those that did not parse
+        self.registry.register(self.tool_calls)
         self.recent = RecentRequests()  # the last requests' TTFT and cache shares, for /stats (the dashboard)
 
     def render(self) -> bytes:

@@ -393,7 +393,8 @@ async def responses(request: Request, host: Any) -> Response:
         def on_done(rid: str, output: list[dict[str, Any]]) -> None:
             store.put(rid, conversation + [_copy(item) for item in output])
 
-    renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup, prompt=prompt), on_done)
+    count = host.metrics.tool_calls.for_route("responses")
+    renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup, prompt=prompt, count=count), on_done)
     return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
 
 

@@ -12,6 +12,13 @@ For the JSON form (``{"name": "f", "arguments": {...}}``) the arguments stream
 as the model writes them — the raw text, so what a client sends back is what
 the model emitted and the next turn's prompt renders the same tokens. For other
 formats a call is parsed whole at its end marker and sent in one piece.
+
+When the request offers tools, the text outside the markers also goes through
+``FencedCalls`` (transport/fenced_calls.py): calls a model writes as JSON in a
+```` ```json ```` fence or as its whole reply, as Qwen2.5-Coder does, come out as
+the same events. ``count(form, kind)`` is told of each call (``kind`` "calls")
+and each call-like output that did not parse ("parse_failures"); ``form`` is
+"markers", "fence" or "bare".
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from engine.tool_markup import ToolMarkup
+from transport.fenced_calls import FencedCalls, Found, Malformed, Piece, offered_names
 from transport.tools import new_call_id
 
 log = logging.getLogger("ember.tools")
@@ -61,6 +70,7 @@ class Reasoning(msgspec.Struct, frozen=True):
 
 
 Event = Text | CallStart | CallArgs | CallEnd | Reasoning
+Count = Callable[[str, str], None]  # (form, kind): a call read, or a call that did not parse
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -73,13 +83,26 @@ def _held_prefix(text: str, marker: str) -> int:
 
 class CallSplitter:
     """Feed text deltas, get events. ``single`` keeps only the first call
-    (``parallel_tool_calls: false``); anything after it is dropped and counted."""
+    (``parallel_tool_calls: false``); anything after it is dropped and counted.
+    ``tools`` (the template's shape) are the ones the request offers: calls of
+    them written as plain JSON are read too (``FencedCalls``)."""
 
-    def __init__(self, markup: ToolMarkup, tools: Any = None, *, single: bool = False, id_prefix: str = "call_"):
+    def __init__(
+        self,
+        markup: ToolMarkup,
+        tools: Any = None,
+        *,
+        single: bool = False,
+        id_prefix: str = "call_",
+        count: Count | None = None,
+    ):
         self.m = markup
         self.tools = tools
         self.single = single
         self.id_prefix = id_prefix
+        self.count = count
+        names = offered_names(tools)
+        self._fences = FencedCalls(names) if names else None
         self.calls: list[CallEnd] = []
         self.dropped_chars = 0
         self._buf = ""  # text not yet decided on
@@ -113,8 +136,16 @@ class CallSplitter:
                     self._buf = self._buf[len(self._buf) - keep :]
                     break
                 self._emit_text(self._buf[:i], out)
+                if self._done:  # a plain-JSON call was the one call (single)
+                    self._buf = self._buf[i:]
+                    break
+                if self._fences is not None:
+                    self._take(self._fences.flush(), out)
                 self._buf = self._buf[i + len(self.m.start) :]
                 self._in_call, self._body, self._streamed, self._args_sent = True, "", None, 0
+        if self._done:
+            self.dropped_chars += len(self._buf)
+            self._buf = ""
         return out
 
     def finish(self) -> list[Event]:
@@ -127,10 +158,52 @@ class CallSplitter:
         elif self._buf and not self._done:
             self._emit_text(self._buf, out)
         self._buf = ""
+        if self._fences is not None and not self._done:
+            self._take(self._fences.finish(), out)
         return out
 
     # ---- inside ---------------------------------------------------------
+    def _note(self, form: str, kind: str, n: int = 1) -> None:
+        if self.count is not None:
+            for _ in range(n):
+                self.count(form, kind)
+
     def _emit_text(self, text: str, out: list[Event]) -> None:
+        """Text outside the markers: through ``FencedCalls`` when tools are offered."""
+        if self._fences is None:
+            self._text_out(text, out)
+        elif text:
+            self._take(self._fences.feed(text), out)
+
+    def _take(self, pieces: list[Piece], out: list[Event]) -> None:
+        for p in pieces:
+            if self._done:
+                self.dropped_chars += len(p if isinstance(p, str) else p.text)
+            elif isinstance(p, Found):
+                self._found(p, out)
+            elif isinstance(p, Malformed):
+                self._note(p.form, "parse_failures")
+                self._text_out(p.text, out)
+            else:
+                self._text_out(p, out)
+
+    def _found(self, found: Found, out: list[Event]) -> None:
+        """Calls written as plain JSON, sent whole (they were read whole)."""
+        calls = found.calls[:1] if self.single else found.calls
+        for c in calls:
+            index = len(self.calls)
+            start = CallStart(index=index, id=new_call_id(self.id_prefix), name=c.name)
+            end = CallEnd(index=index, id=start.id, name=c.name, arguments=c.arguments)
+            out += [start, CallArgs(index=index, text=c.arguments), end]
+            self.calls.append(end)
+        self._note(found.form, "calls", len(calls))
+        if self.single:
+            self._done = True
+            self.dropped_chars += sum(len(c.arguments) for c in found.calls[1:])
+            if self._fences is not None:
+                self.dropped_chars += self._fences.discard()
+
+    def _text_out(self, text: str, out: list[Event]) -> None:
         if not text:
             return
         if self.calls:  # after a call only real text counts; a newline between calls does not
@@ -189,6 +262,9 @@ class CallSplitter:
             if len(args) > self._args_sent:
                 out.append(CallArgs(index=start.index, text=args[self._args_sent :]))
             end = CallEnd(index=start.index, id=start.id, name=start.name, arguments=args)
+            if complete and not _is_json(args):  # streamed already: it goes out, and is counted
+                log.warning("[tools] a tool call's arguments are not JSON: %.80r", args)
+                self._note("markers", "parse_failures")
         elif not complete:  # cut off (max tokens) before even its name: there is no call to report
             log.info("[tools] a tool call cut off before its name was dropped chars=%d", len(body))
             self.dropped_chars += len(body)
@@ -199,6 +275,7 @@ class CallSplitter:
                 return
         out.append(end)
         self.calls.append(end)
+        self._note("markers", "calls")
         if self.single:
             self._done = True
             self.dropped_chars += len(self._buf)
@@ -210,7 +287,9 @@ class CallSplitter:
             parsed = self.m.parser(body, self.tools)
         except Exception as exc:  # the model wrote something that is not a call: keep it as text
             log.warning("[tools] unparsable tool call kept as text: %r", exc)
-            self._emit_text(self.m.start + body, out)
+            self._note("markers", "parse_failures")
+            # as written, markers included; not re-read as plain JSON (it was meant as this call)
+            self._text_out(self.m.start + body + self.m.end, out)
             return None
         calls = parsed if isinstance(parsed, list) else [parsed]
         end = None
@@ -224,7 +303,16 @@ class CallSplitter:
             if i < len(calls) - 1:
                 out.append(end)
                 self.calls.append(end)
+                self._note("markers", "calls")
         return end
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def markup_of(tokenizer: Any) -> ToolMarkup | None:
