@@ -133,7 +133,7 @@ def _make(base_path: str, fmt: str, kernels: bool) -> Any:
 def _weight_bytes(model: Any) -> int:
     from mlx.utils import tree_flatten
 
-    flat: list[Any] = tree_flatten(model.parameters())
+    flat: Any = tree_flatten(model.parameters())
     return sum(int(v.nbytes) for _, v in flat)
 
 
