@@ -139,3 +139,43 @@ def test_a_corrupted_part_is_refused(tmp_path):
 
     good = hashlib.sha256(b"hello world").hexdigest()
     assert gguf_models._reassemble([a, b], target, good).read_bytes() == b"hello world"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_serve_answers_a_tool_request_with_the_models_own_call(name, stream):
+    """`ember serve --model NAME`: the model (no grammar forcing) chooses its call, in whatever
+    form it writes it (the 0.5B a bare JSON object, the 1.5B a ```json fence), and the client
+    gets a proper ``tool_calls`` entry."""
+    import json
+
+    _converted(name)
+    openai = pytest.importorskip("openai")
+    from tests.live_server import ember_serve
+
+    with ember_serve("--model", name, timeout_s=600) as (_proc, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=600)
+        messages: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+        kw: Any = {"model": name, "messages": messages, "tools": [WEATHER_TOOL], "max_tokens": 64}
+        if not stream:
+            choice = client.chat.completions.create(**kw).choices[0]
+            calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+            finish = choice.finish_reason
+        else:
+            parts: dict[int, list[str]] = {}
+            names: dict[int, str] = {}
+            finish = None
+            for chunk in client.chat.completions.create(**kw, stream=True):
+                if not chunk.choices:
+                    continue
+                delta = chunk.choices[0].delta
+                for c in delta.tool_calls or []:
+                    if c.function and c.function.name:
+                        names[c.index] = c.function.name
+                    if c.function and c.function.arguments:
+                        parts.setdefault(c.index, []).append(c.function.arguments)
+                finish = chunk.choices[0].finish_reason or finish
+            calls = [(names[i], "".join(parts.get(i, []))) for i in sorted(names)]
+    assert finish == "tool_calls", calls
+    assert len(calls) == 1 and calls[0][0] == "get_weather", calls
+    assert json.loads(calls[0][1]) == {"city": "Paris"}
