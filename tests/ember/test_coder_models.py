@@ -45,6 +45,11 @@ WRITE_TOOL = {
 }
 
 
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # the MLX thread is real
+
+
 def _converted(name: str) -> str:
     from engine.models import resolve_model
 
@@ -179,3 +184,42 @@ def test_serve_answers_a_tool_request_with_the_models_own_call(name, stream):
     assert finish == "tool_calls", calls
     assert len(calls) == 1 and calls[0][0] == "get_weather", calls
     assert json.loads(calls[0][1]) == {"city": "Paris"}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("gamma", [2, None])
+async def test_the_05b_drafting_for_the_15b_equals_mlx_lm_speculative_generation(gamma):
+    """The real draft/target pair inside Ember's batch (issue #42): greedy tokens equal to
+    mlx-lm's own speculative generation (``stream_generate(draft_model=...)``) and to
+    speculation off, at a fixed γ and adaptive."""
+    large, small = _converted("qwen2.5-coder-1.5b"), _converted("qwen2.5-coder-0.5b")
+    from mlx_lm import load, stream_generate
+
+    from ember.api import Engine
+    from engine.config import EngineConfig
+    from engine.types import SamplingParams
+
+    model, tok = load(large)
+    draft, _ = load(small)
+    prompts = [
+        tok.encode("def is_prime(n: int) -> bool:\n"),
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Write a function that returns the squares of a list."}],
+            add_generation_prompt=True,
+        ),
+    ]
+    n = 24
+    want = []
+    for p in prompts:
+        out = []
+        for r in stream_generate(model, tok, p, max_tokens=n, draft_model=draft, num_draft_tokens=gamma or 2):
+            if r.token in tok.eos_token_ids:
+                break
+            out.append(r.token)
+        want.append(out)
+    del model, draft
+    cfg = EngineConfig(backend="mlx", model=large, draft_model=small, num_draft_tokens=gamma)
+    async with Engine.open(cfg) as engine:
+        for p, w in zip(prompts, want):
+            got = await engine.acomplete(p, SamplingParams(max_tokens=n, temperature=0.0))
+            assert got.token_ids == w, (tok.decode(got.token_ids), tok.decode(w))
