@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import httpx
@@ -176,3 +177,36 @@ async def test_a_stored_response_is_found_only_by_the_key_that_made_it(tmp_path)
             assert bob.status_code == 400 and bob.json()["error"]["code"] == "previous_response_not_found"
             alice = await c.post("/v1/responses", json=turn2, headers=_auth(KEYS["alice"], "x-api-key"))
             assert alice.status_code == 200, alice.text
+
+
+@pytest.mark.parametrize(
+    "content,extra,says",
+    [
+        ('{"alice": ', [], "--api-keys: .* is not JSON"),
+        (None, [], "--api-keys: cannot read the keys file"),
+        ('{"alice": "k-alice"}', ["--api-key", "other"], "--api-key and --api-keys exclude each other"),
+    ],
+)
+def test_a_bad_keys_flag_is_a_startup_error(tmp_path, monkeypatch, capsys, content, extra, says):
+    from transport.cli import api_keys, build_parser
+
+    monkeypatch.delenv("EMBER_API_KEY", raising=False)
+    path = tmp_path / "keys.json"
+    if content is not None:
+        path.write_text(content)
+    parsed = build_parser().parse_args(["serve", "--fake-gpu", "--api-keys", str(path), *extra])
+    with pytest.raises(SystemExit) as e:
+        api_keys(parsed, parsed.parser)
+    assert e.value.code == 2
+    assert re.search(says, capsys.readouterr().err)
+
+
+def test_the_environment_key_gives_way_to_the_keys_file(tmp_path, monkeypatch):
+    from transport.cli import api_keys, build_parser
+
+    monkeypatch.setenv("EMBER_API_KEY", "from-env")
+    path = tmp_path / "keys.json"
+    write(path, {"alice": "k-alice"})
+    parsed = build_parser().parse_args(["serve", "--fake-gpu", "--api-keys", str(path)])
+    keys = api_keys(parsed, parsed.parser)
+    assert keys.name_of(b"k-alice") == "alice" and keys.name_of(b"from-env") is None
