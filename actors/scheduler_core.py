@@ -191,7 +191,7 @@ class SchedulerCore:
         self.rows[rid] = row
         self.queue.append(rid)
         if self.spec is not None:
-            self.spec.admit(rid, params)
+            self.spec.admit(rid, params, ns)
         self.counters["admitted"] += 1
         self.counters["prompt_tokens"] += len(row.prompt)
         self.events.record("admit", now, rid=rid, prompt=len(row.prompt), max_tokens=params.max_tokens)

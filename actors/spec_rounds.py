@@ -38,6 +38,7 @@ from engine.types import SamplingParams, SpecUsage
 @dataclass(slots=True)
 class RowSpec:
     fixed: int | None  # the request's num_draft_tokens (None = the engine's policy)
+    ns: str = ""  # the request's cache namespace (the Verifier's seeds are kept per namespace)
     gamma: int = 0  # drafts to ask for next round
     hold: int = 0  # with gamma 0: plain rounds left before the Verifier is asked again
     min_match: int = 0  # the Verifier's gate on prompt lookup's agreement (Verdict.min_match)
@@ -75,10 +76,10 @@ class SpecRounds:
         self.quorum_dropped = 0  # steps whose drafts fell short of their quorum (dropped: a plain step)
 
     # ---- rows ------------------------------------------------------------
-    def admit(self, rid: int, params: SamplingParams) -> None:
+    def admit(self, rid: int, params: SamplingParams, ns: str = "") -> None:
         if params.speculate is False or params.num_draft_tokens == 0 or params.logprobs is not None:
             return  # logprobs ride on plain decode steps only (ember.spec_build.check_request)
-        self.rows[rid] = RowSpec(fixed=params.num_draft_tokens)
+        self.rows[rid] = RowSpec(fixed=params.num_draft_tokens, ns=ns)
 
     def finish(self, rid: int) -> SpecUsage | None:
         """The row ended: its usage, and Forget for the Drafter and Verifier."""
@@ -222,7 +223,14 @@ class SpecRounds:
     def take_verify(self, rows: int = 1) -> Verify | None:
         """The Verify for this step's windows (``rows``: the step's decoding rows)."""
         windows = [
-            Window(rid=rid, drafts=list(spec.drafts), targets=spec.targets, fixed_gamma=spec.fixed, empty=spec.empty)
+            Window(
+                rid=rid,
+                drafts=list(spec.drafts),
+                targets=spec.targets,
+                fixed_gamma=spec.fixed,
+                empty=spec.empty,
+                ns=spec.ns,
+            )
             for rid, spec in self.rows.items()
             if spec.targets is not None
         ]

@@ -60,6 +60,7 @@ class Window(msgspec.Struct, frozen=True, kw_only=True):
     targets: list[int]
     fixed_gamma: int | None = None  # the request's own num_draft_tokens
     empty: int = 0  # rounds since the last window in which the drafter proposed nothing
+    ns: str = ""  # the request's cache namespace: whose learned seeds it reads and teaches (policy.Learned)
 
 
 class StepCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -165,7 +166,7 @@ class VerifierCore:
     def _judge(self, w: Window) -> Verdict:
         row = self.rows.get(w.rid)
         if row is None:
-            row = self.rows[w.rid] = self.policy.new_row(w.fixed_gamma)
+            row = self.rows[w.rid] = self.policy.new_row(w.fixed_gamma, w.ns)
         if w.drafts and len(w.targets) == 1:
             # The backend decoded only `last`: this row's cache cannot take a window.
             row.off = True

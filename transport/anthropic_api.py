@@ -49,7 +49,7 @@ from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
 from transport.reasoning import OutputSplitter, Reasoning, signature
-from transport.request_io import read_body
+from transport.request_io import count_answer, read_body, request_namespace
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 
 _encode = msgspec.json.Encoder().encode
@@ -86,7 +86,7 @@ def _endpoint(
             response = Response(error_bytes(err), err.status, headers=err.headers, media_type="application/json")
         except ClientDisconnect:
             response = Response(status_code=400)
-        host.metrics.http_requests.labels(route, str(response.status_code)).inc()
+        count_answer(request, host, route, response)
         return response
 
     return endpoint
@@ -264,7 +264,7 @@ class MessagesRenderer:
 # Routes.
 
 
-async def _prompt(host: Any, engine: Any, req: Any, setup: Any) -> Any:
+async def _prompt(host: Any, engine: Any, req: Any, setup: Any, ns: str) -> Any:
     """The request's prompt: system messages where they stand, or — for a
     template that refuses a non-leading system message — as reminders in the
     neighbouring user turn (``template_messages(reminders=True)``); ``thinking``
@@ -274,12 +274,12 @@ async def _prompt(host: Any, engine: Any, req: Any, setup: Any) -> Any:
     req.note_envelope(note)
     thinking = chat_turn.thinking_kwargs(host, engine, "messages", "thinking", req.thinking_choice())
     try:
-        return await host.chat_prompt(engine, req.template_messages(setup), setup, template_kwargs=thinking)
+        return await host.chat_prompt(engine, req.template_messages(setup), setup, template_kwargs=thinking, ns=ns)
     except InvalidRequest as exc:
         if not (req.inner_system and template_error(exc)):
             raise
     prompt = await host.chat_prompt(
-        engine, req.template_messages(setup, reminders=True), setup, template_kwargs=thinking
+        engine, req.template_messages(setup, reminders=True), setup, template_kwargs=thinking, ns=ns
     )
     note("messages[].role=system", "canonicalised")  # rendered as a <system-reminder>
     return prompt
@@ -292,11 +292,12 @@ async def messages(request: Request, host: Any) -> Response:
     engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now, model)
     setup = req.tool_setup()
-    prompt = await _prompt(host, engine, req, setup)
+    ns = request_namespace(request)
+    prompt = await _prompt(host, engine, req, setup, ns)
     limit = output_limit(req.max_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
     params = req.sampling_params(limit, engine.info.vocab_size)
     params = chat_turn.tool_params(engine, params, setup)
-    stream = await chat_turn.submit(engine, prompt, params, req.param_names())
+    stream = await chat_turn.submit(engine, prompt, params, req.param_names(), ns)
     count = host.metrics.tool_calls.for_route("messages")
     splitter = chat_turn.splitter(engine, setup, "toolu_", prompt=prompt, count=count)
     renderer = MessagesRenderer(model, len(prompt), splitter, engine.tokenizer, params.stop)
@@ -309,7 +310,7 @@ async def count_tokens(request: Request, host: Any) -> Response:
     req: CountTokensRequest = decode_request(await read_body(request, host.max_body_bytes), CountTokensRequest)
     engine, _ = await host.engine_for(req.model, keep_alive=req.keep_alive)
     setup = req.tool_setup()
-    prompt = await _prompt(host, engine, req, setup)
+    prompt = await _prompt(host, engine, req, setup, request_namespace(request))
     return Response(_encode({"input_tokens": len(prompt)}), media_type="application/json")
 
 

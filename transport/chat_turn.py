@@ -34,9 +34,10 @@ def engine_enforces_constraints(engine: Engine) -> bool:
 
 class Prompt(list):
     """A chat prompt's token ids, with the text they render (None when the
-    tokenizer cannot say) for ``remember``."""
+    tokenizer cannot say) and the cache namespace it was made in, for ``remember``."""
 
     text: str | None = None
+    ns: str = ""
 
 
 _MEMORIES: weakref.WeakKeyDictionary[Any, OutputMemory] = weakref.WeakKeyDictionary()
@@ -76,11 +77,12 @@ def chat_prompt(
     setup: ToolSetup,
     param: str = "messages",
     template_kwargs: dict[str, Any] | None = None,
+    ns: str = "",
 ) -> Prompt:
     """The prompt tokens — earlier answers as the model generated them, where
-    the conversation repeats them; a template that cannot render the input is
-    the input's fault (400). ``template_kwargs`` are extra chat-template
-    variables (``enable_thinking``…)."""
+    the conversation repeats them (answers made in cache namespace ``ns`` only);
+    a template that cannot render the input is the input's fault (400).
+    ``template_kwargs`` are extra chat-template variables (``enable_thinking``…)."""
     tok = engine.tokenizer
     setup.check_markup(tool_markup(engine))
     tools = setup.template_tools()
@@ -94,9 +96,9 @@ def chat_prompt(
         raise
     except Exception as exc:  # a template raises on what it cannot render (roles, order)
         raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param) from None
-    ids, _ = output_memory(engine).tokenize(text, tok.encode_rendered)
+    ids, _ = output_memory(engine).tokenize(text, tok.encode_rendered, scope=ns)
     prompt = Prompt(ids)
-    prompt.text = text
+    prompt.text, prompt.ns = text, ns
     return prompt
 
 
@@ -104,7 +106,7 @@ def remember(engine: Engine, prompt: Prompt, text: str, token_ids: list[int]) ->
     """Keep a finished answer's ids for the next turn, if they spell its text exactly."""
     if prompt.text is None or not token_ids or engine.tokenizer.decode(token_ids) != text:
         return
-    output_memory(engine).remember(prompt.text + text, list(prompt) + list(token_ids))
+    output_memory(engine).remember(prompt.text + text, list(prompt) + list(token_ids), scope=prompt.ns)
 
 
 class Recording:
@@ -170,12 +172,14 @@ def splitter(
     return reasoning.OutputSplitter(thinking, calls, inside=inside)
 
 
-async def submit(engine: Engine, prompt: list[int], params: SamplingParams, param_names: dict[str, str]) -> Any:
-    """``engine.asubmit``; an engine error is reported on the request's own
+async def submit(
+    engine: Engine, prompt: list[int], params: SamplingParams, param_names: dict[str, str], ns: str = ""
+) -> Any:
+    """``engine.asubmit`` in cache namespace ``ns``; an engine error is reported on the request's own
     parameter (``param_names``: ``constraint`` -> ``tool_choice``,
     ``max_tokens`` -> ``max_output_tokens``…), not on the engine's name."""
     try:
-        return await engine.asubmit(prompt, params)
+        return await engine.asubmit(prompt, params, ns=ns)
     except InvalidRequest as exc:
         if exc.param in param_names:
             raise InvalidRequest(str(exc), param_names[exc.param]) from None

@@ -21,15 +21,15 @@ from transport.openai_schema import rename_param
 
 
 async def submit_choices(
-    engine: Engine, prompt: list[int], params: list[SamplingParams], rename: dict[str, str]
+    engine: Engine, prompt: list[int], params: list[SamplingParams], rename: dict[str, str], ns: str = ""
 ) -> Any:
-    """Admit one row per choice; a single ``RequestStream`` when n == 1.
-    ``rename``: engine parameter names reported under the request's own
-    (``constraint`` -> ``response_format``)."""
+    """Admit one row per choice, in cache namespace ``ns``; a single
+    ``RequestStream`` when n == 1. ``rename``: engine parameter names reported
+    under the request's own (``constraint`` -> ``response_format``)."""
     got: dict[int, RequestStream] = {}
 
     async def one(i: int, p: SamplingParams) -> None:
-        got[i] = await engine.asubmit(prompt, p)
+        got[i] = await engine.asubmit(prompt, p, ns=ns)
 
     try:
         if len(params) == 1:

@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on every route but /health (default: $EMBER_API_KEY)",
     )
     s.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help='named keys, a JSON object {"alice": "KEY", ...}: each name is its own prompt-cache scope, the key '
+        "named 'admin' alone reaches /admin/*, /stats and /metrics; re-read when the file changes (docs/http.md)",
+    )
+    s.add_argument(
         "--header-timeout",
         type=float,
         default=10.0,
@@ -412,6 +418,23 @@ def registry_kw(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
     }
 
 
+def api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """``--api-keys FILE`` read once here, so a bad file stops the server before
+    it listens (a bad edit later keeps the last good keys: transport/api_keys.py)."""
+    if not args.api_keys:
+        return None
+    from transport.api_keys import KeysFile, KeysFileError
+
+    if args.api_key and args.api_key != os.environ.get("EMBER_API_KEY"):
+        parser.error("--api-key and --api-keys exclude each other: put the key in the file under a name")
+    if args.api_key:
+        logging.getLogger("ember.keys").warning("[keys] EMBER_API_KEY is ignored: --api-keys names every key")
+    try:
+        return KeysFile(os.path.expanduser(args.api_keys))
+    except KeysFileError as exc:
+        parser.error(f"--api-keys: {exc}")
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
@@ -442,7 +465,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config,
         trust_gateway=args.trust_gateway,
         default_max_tokens=args.default_max_tokens,
-        api_key=args.api_key,
+        api_key=None if args.api_keys else args.api_key,
+        api_keys=api_keys(args, parser),
         loopback_only=is_loopback(args.host),
         send_timeout_s=args.send_timeout,
         registry_kw=registry_kw(args, parser),

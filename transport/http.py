@@ -41,6 +41,7 @@ from ember.registry import (
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from transport import anthropic_api, chat_turn, embeddings_api, reasoning, responses_api
+from transport.api_keys import Keys
 from transport.choices import ChoiceStream, submit_choices
 from transport.envelope import EnvelopeCounter
 from transport.errors import ApiError, error_body
@@ -51,7 +52,7 @@ from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
 from transport.openai_bodies import ModelCard, ModelList
 from transport.openai_schema import decode_request
 from transport.render import ChatRenderer, CompletionRenderer
-from transport.request_io import collect, endpoint, message_texts, read_body
+from transport.request_io import collect, endpoint, message_texts, read_body, request_namespace
 from transport.security import SecurityMiddleware
 from transport.sse import EventStream
 from transport.ui_routes import routes as ui_routes
@@ -227,14 +228,15 @@ class ServerState:
         setup: Any,
         param: str = "messages",
         template_kwargs: dict[str, Any] | None = None,
+        ns: str = "",
     ) -> Any:
         """``chat_turn.chat_prompt`` behind the byte bound and off the event
         loop: what every chat-shaped route (chat completions, Messages,
         Responses) renders its prompt with. ``template_kwargs`` go to the chat
-        template (e.g. ``enable_thinking``)."""
+        template (e.g. ``enable_thinking``); ``ns`` is the request's cache namespace."""
         self.check_prompt_bytes(message_texts(messages), param, engine)
         return await self.off_loop(
-            chat_turn.chat_prompt, engine, messages, setup, param, template_kwargs, engine=engine
+            chat_turn.chat_prompt, engine, messages, setup, param, template_kwargs, ns, engine=engine
         )
 
     def health(self) -> tuple[str, int]:
@@ -313,6 +315,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     host.require_engine()
     body = await read_body(request, host.max_body_bytes)
     req = decode_request(body, request_type(chat, host.trust_gateway))
+    ns = request_namespace(request)
     engine, model = await host.engine_for(requested_model(req), keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now, model)
     thinks = reasoning.markup_of(engine.tokenizer) is not None
@@ -323,7 +326,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
         field = "chat_template_kwargs" if "enable_thinking" in (req.chat_template_kwargs or {}) else "reasoning_effort"
         thinking = chat_turn.thinking_kwargs(host, engine, "chat", field, req.thinking_choice())
         messages = [m.as_template_message() for m in req.messages]
-        prompt = await host.chat_prompt(engine, messages, tools, template_kwargs=thinking)
+        prompt = await host.chat_prompt(engine, messages, tools, template_kwargs=thinking, ns=ns)
     else:
         if isinstance(req.prompt, str):
             host.check_prompt_bytes([req.prompt], "prompt", engine)
@@ -337,7 +340,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
         params = chat_turn.tool_params(engine, params, tools)
         if tools.forced:
             rename["constraint"] = tools.param_choice
-    stream = await submit_choices(engine, prompt, req.choice_params(params), rename)
+    stream = await submit_choices(engine, prompt, req.choice_params(params), rename, ns)
     rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
     if chat:
         counts = host.metrics.tool_calls.for_route("chat")
@@ -499,6 +502,7 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     trust_gateway: bool = False,
     api_key: str | None = None,
+    api_keys: Keys | None = None,
     loopback_only: bool = False,
     send_timeout_s: float | None = SEND_TIMEOUT_S,
     registry_kw: dict[str, Any] | None = None,
@@ -509,9 +513,10 @@ def build_app(
     default's ports (``ember.Ports``: backend, clock, events…). ``registry_kw`` go to ``ember.registry.Registry``
     (models_dir, keep_alive_s, max_memory, pins, aliases, load_timeout_s); ``more_models`` adds named chat models.
 
-    ``api_key`` and ``loopback_only`` (the CLI sets it when bound to a
-    loopback address) configure ``transport.security``, which guards every
-    route, including ones added later."""
+    ``api_key`` (one shared key), ``api_keys`` (named keys, each its own
+    cache scope: ``transport.api_keys.KeysFile``) and ``loopback_only`` (the
+    CLI sets it when bound to a loopback address) configure
+    ``transport.security``, which guards every route, including ones added later."""
     config = config.validate()  # a bad combination fails here, before anything listens
     host = ServerState(
         config,
@@ -551,10 +556,11 @@ def build_app(
     routes += agent_routes()
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(SecurityMiddleware, api_key=api_key, loopback_only=loopback_only)],
+        middleware=[Middleware(SecurityMiddleware, api_key=api_key, keys=api_keys, loopback_only=loopback_only)],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
     app.state.ember = host
-    app.state.api_key_required = api_key is not None  # the dashboard page asks for it first (transport/ui_routes.py)
+    # the dashboard page asks for it first (transport/ui_routes.py)
+    app.state.api_key_required = api_key is not None or api_keys is not None
     return app

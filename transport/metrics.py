@@ -172,6 +172,13 @@ class Metrics:
         self.http_requests = Counter(
             "ember_http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
         )
+        # --api-keys: each named key's requests (the label is the key's name, never its secret)
+        self.key_requests = Counter(
+            "ember_key_requests",
+            "HTTP requests by API key name (--api-keys), route and status",
+            ["key", "route", "status"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "ember_time_to_first_token_seconds",
             "from the request arriving to its first token",

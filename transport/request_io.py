@@ -18,6 +18,8 @@ from starlette.responses import Response
 
 from ember import Completion, RequestStream
 from engine.errors import EngineError
+from engine.kv.namespace import cache_namespace
+from transport.api_keys import key_name
 from transport.choices import ChoiceStream
 from transport.errors import ApiError, from_engine_error
 from transport.metrics import TokenTimer
@@ -39,10 +41,28 @@ def endpoint(route: str, handler: Handler) -> Callable[[Request], Awaitable[Resp
             response = from_engine_error(exc).response()
         except ClientDisconnect:
             response = Response(status_code=400)  # nobody is left to read it
-        host.metrics.http_requests.labels(route, str(response.status_code)).inc()
+        count_answer(request, host, route, response)
         return response
 
     return answer
+
+
+def count_answer(request: Request, host: Any, route: str, response: Response) -> None:
+    """One answer in /metrics: by route and status, and under named keys
+    (``--api-keys``) by the key's name too (never its secret)."""
+    status = str(response.status_code)
+    host.metrics.http_requests.labels(route, status).inc()
+    name = key_name(request)
+    if name:
+        host.metrics.key_requests.labels(name, route, status).inc()
+
+
+def request_namespace(request: Request) -> str:
+    """The cache namespace a request runs in (engine.kv.namespace): its API
+    key's name under ``--api-keys``, else the empty one. Every cache a request
+    can hit or fill — the prompt cache's tiers, the speculation seeds, the
+    output memory, stored responses — is scoped by it."""
+    return cache_namespace(key_scope=key_name(request))
 
 
 def message_texts(messages: list[Any]) -> list[str]:

@@ -33,6 +33,13 @@ class ResponseNotFound(KeyError):
     pass
 
 
+def stored_id(ns: str, rid: str) -> str:
+    """The store's key for response ``rid`` made in cache namespace ``ns``: a
+    response is found only by requests of the key that made it (the empty
+    namespace keeps the bare id)."""
+    return f"{ns}\0{rid}" if ns else rid
+
+
 class ResponseStore:
     def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES, max_bytes: int = DEFAULT_MAX_BYTES):
         self.max_responses = max_responses

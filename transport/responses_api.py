@@ -42,8 +42,8 @@ from transport.limits import output_limit
 from transport.metrics import TokenTimer
 from transport.openai_schema import decode_request
 from transport.reasoning import OutputSplitter, Reasoning
-from transport.request_io import read_body
-from transport.response_store import ResponseNotFound, ResponseStore
+from transport.request_io import read_body, request_namespace
+from transport.response_store import ResponseNotFound, ResponseStore, stored_id
 from transport.responses_schema import CUSTOM_INPUT, ResponsesRequest
 from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 
@@ -363,10 +363,11 @@ async def responses(request: Request, host: Any) -> Response:
     engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now, model)
     store = response_store(host)
+    ns = request_namespace(request)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        try:
-            history = store.get(req.previous_response_id)
+        try:  # another key's response is not found either: stored responses are scoped like the caches
+            history = store.get(stored_id(ns, req.previous_response_id))
         except ResponseNotFound:
             raise ApiError(
                 400,
@@ -380,18 +381,18 @@ async def responses(request: Request, host: Any) -> Response:
     setup = req.tool_setup()
     thinking = chat_turn.thinking_kwargs(host, engine, "responses", "reasoning", req.thinking_choice())
     messages = req.template_messages(history)
-    prompt = await host.chat_prompt(engine, messages, setup, param="input", template_kwargs=thinking)
+    prompt = await host.chat_prompt(engine, messages, setup, param="input", template_kwargs=thinking, ns=ns)
     limit = output_limit(req.max_output_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
     params = msgspec.structs.replace(req.sampling_params(limit, engine.info.vocab_size), max_tokens=limit)
     params = chat_turn.with_constraint(engine, params, _text_constraint(req, setup), "text.format")
     params = chat_turn.tool_params(engine, params, setup)
-    stream = await chat_turn.submit(engine, prompt, params, req.param_names(setup.forced))
+    stream = await chat_turn.submit(engine, prompt, params, req.param_names(setup.forced), ns)
     on_done = None
     if req.store:
         conversation = history + _input_items(req)
 
         def on_done(rid: str, output: list[dict[str, Any]]) -> None:
-            store.put(rid, conversation + [_copy(item) for item in output])
+            store.put(stored_id(ns, rid), conversation + [_copy(item) for item in output])
 
     count = host.metrics.tool_calls.for_route("responses")
     renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup, prompt=prompt, count=count), on_done)

@@ -10,21 +10,24 @@ middleware in front of every route, so routes added later are covered too.
   ``text/plain``, form and missing types are what a cross-origin page can
   send without a CORS preflight; JSON needs one, which this server never
   grants (it sends no CORS headers).
-* ``--api-key``: every route except ``/health`` and the dashboard's static
-  page (``/``, ``/ui``, ``/ui/*``: no data; its API calls carry the key) wants ``Authorization:
-  Bearer <key>`` (OpenAI clients) or ``x-api-key: <key>`` (Anthropic
-  clients); 401 otherwise. Compared in constant time.
+* ``--api-key`` / ``--api-keys`` (``transport.api_keys``): every route except
+  ``/health`` and the dashboard's static page (``/``, ``/ui``, ``/ui/*``: no
+  data; its API calls carry the key) wants ``Authorization: Bearer <key>``
+  (OpenAI clients) or ``x-api-key: <key>`` (Anthropic clients); 401
+  otherwise. Compared in constant time. The key's name goes on with the
+  request (``key_name``): it is the request's cache scope. With named keys the
+  operator routes (``OPERATOR_PATHS``) want the admin key: 403 otherwise.
 
 Checked in that order; rejections use the OpenAI error shape.
 """
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from transport.api_keys import SCOPE_KEY, Keys, SingleKey
 from transport.errors import ApiError, error_body
 from transport.ui_routes import PATHS as UI_PATHS
 
@@ -33,6 +36,15 @@ ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Any]], Callable[[Any]
 # liveness probes carry no key; nor does the dashboard's static page (it holds no data, its API calls carry the key)
 PUBLIC_PATHS = frozenset({"/health", *UI_PATHS})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# What the operator sees: every tenant's traffic (/stats' recent requests and
+# their cached tokens, /metrics) and the levers (/admin/*). With named keys,
+# only the admin key (transport.api_keys.ADMIN) reaches them.
+OPERATOR_PATHS = frozenset({"/stats", "/metrics"})
+OPERATOR_PREFIX = "/admin/"
+
+
+def is_operator_path(path: str) -> bool:
+    return path in OPERATOR_PATHS or path.startswith(OPERATOR_PREFIX)
 
 
 def is_loopback(host: str) -> bool:
@@ -60,9 +72,13 @@ def host_name(value: str) -> str:
 
 
 class SecurityMiddleware:
-    def __init__(self, app: ASGIApp, *, api_key: str | None = None, loopback_only: bool = False):
+    def __init__(
+        self, app: ASGIApp, *, api_key: str | None = None, keys: Keys | None = None, loopback_only: bool = False
+    ):
+        if api_key and keys is not None:
+            raise ValueError("give either api_key (one key) or keys (named keys), not both")
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.keys: Keys | None = SingleKey(api_key) if api_key else keys
         self.loopback_only = loopback_only
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -92,14 +108,27 @@ class SecurityMiddleware:
                         param="Host",
                         code="invalid_host",
                     )
-        if self.api_key is not None and scope.get("path") not in PUBLIC_PATHS and not self._authorized(headers):
-            return ApiError(
-                401,
-                "a valid API key is required: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
-                param="Authorization",
-                code="invalid_api_key",
-                headers={"www-authenticate": "Bearer"},
-            )
+        path = scope.get("path", "")
+        if self.keys is not None and path not in PUBLIC_PATHS:
+            who = self._key_name(headers)
+            if who is None:
+                return ApiError(
+                    401,
+                    "a valid API key is required: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                    param="Authorization",
+                    code="invalid_api_key",
+                    headers={"www-authenticate": "Bearer"},
+                )
+            if is_operator_path(path) and not self.keys.is_admin(who):
+                return ApiError(
+                    403,
+                    f"{path} shows or changes every tenant's state: it needs the admin key (the key named 'admin' "
+                    "in --api-keys)",
+                    "permission_error",
+                    param="Authorization",
+                    code="admin_key_required",
+                )
+            scope[SCOPE_KEY] = who  # read by transport.api_keys.key_name
         if scope.get("method") in BODY_METHODS:
             ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
             if ctype != b"application/json":
@@ -112,15 +141,18 @@ class SecurityMiddleware:
                 )
         return None
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        key = self.api_key
-        assert key is not None
+    def _key_name(self, headers: dict[bytes, bytes]) -> str | None:
+        """The name of the key the request carries (Bearer first, then x-api-key), or None."""
+        keys = self.keys
+        assert keys is not None
         auth = headers.get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key):
-            return True
+        if scheme.lower() == b"bearer":
+            name = keys.name_of(token.strip())
+            if name is not None:
+                return name
         alt = headers.get(b"x-api-key")
-        return alt is not None and hmac.compare_digest(alt.strip(), key)
+        return keys.name_of(alt.strip()) if alt is not None else None
 
 
 async def _reply(send: Any, err: ApiError) -> None:

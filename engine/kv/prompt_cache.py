@@ -78,6 +78,13 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int64).reshape(-1)
 
 
+def session_key(ns: str, session: str) -> str:
+    """A session's name within namespace ``ns``: two tenants that send the same
+    ``prompt_cache_key`` are two sessions (one cannot push the other's recent
+    entries out of its keep). The empty namespace keeps the bare name."""
+    return f"{ns}\0{session}" if ns else session
+
+
 def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     """``as_tokens(tokens).tobytes()`` (native int64), the index key; a list
     goes through ``array('q')``, several times faster than numpy for a list."""
@@ -392,7 +399,7 @@ class PromptCache:
         entry.order = self._order
         entry.last_used = self._stamp()
         if session is not None:
-            self.sessions.touch(session, entry, entry.last_used)
+            self.sessions.touch(session_key(ns, session), entry, entry.last_used)
         self.counters["hits"] += 1
         return view, p
 
@@ -434,7 +441,7 @@ class PromptCache:
         else:
             self._insert(key, entry)
             if session is not None:
-                self.sessions.touch(session, entry, entry.last_used)
+                self.sessions.touch(session_key(ns, session), entry, entry.last_used)
             self.bytes += nbytes
             while self.bytes > self.max_bytes:
                 victim = self._drop(self._victim())  # the fresh insert only if all the rest is kept for sessions

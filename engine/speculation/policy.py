@@ -30,7 +30,8 @@ plain decode, ``E = 1``.
   about positions 2..6), or as deep as the engine's latest judged round
   reached, and before any of its own drafts were judged as deep as the
   engine-wide acceptance pays for; in a batch, any depth (there the jump, not
-  the width, is the cost).
+  the width, is the cost). "Engine-wide" here means the requests of the same
+  cache namespace (``Learned``): one tenant's seeds never shape another's γ.
 * The cost model (``engine.speculation.costs.RoundCosts``) prices each verify shape
   as a ratio to the plain rounds at the same batch size measured within a
   few rounds of it — the same load on both sides of the ratio — times the
@@ -83,7 +84,7 @@ row chooses as if the others drafted like it. A fixed γ (``EngineConfig.num_dra
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,26 @@ ADAPTIVE_GAMMA_MAX = 6
 # prompt-lookup matches of 8+ tokens accepted their first draft 97–98% of the
 # time, those of 2–4 tokens 0–8% (bench.spec.agreement).
 WATCH_MATCH = 8
+
+
+# Namespaces whose learned seeds are kept (least recently seen dropped first): a
+# namespace dropped starts again from the priors, as a fresh engine does.
+MAX_NAMESPACES = 256
+
+
+@dataclass(slots=True)
+class Learned:
+    """What the policy learns across requests and seeds new rows with, kept per
+    cache namespace (``ns``: the request's key scope, docs/http.md "Keys that
+    isolate"): a request's first windows are shaped by the acceptance of earlier
+    requests' text, so a tenant's γ (and so its decode speed) must not say
+    whether another tenant's text copied. The round costs stay engine-wide: they
+    measure the device, not anyone's text."""
+
+    accept: list[float]  # acceptance per position, seeds new rows
+    watch_accept: list[float]  # of drafts proposed by watching rows (GammaPolicy.quorum)
+    probe_seed: int  # the probe spacing the latest probe verdict left
+    depth_seed: int = 0  # positions the latest judged round reached
 
 
 @dataclass(slots=True)
@@ -120,6 +141,7 @@ class RowPolicy:
     woken: bool = False  # another row chose to draft on condition that all do: choose, do not probe
     accepted_any: bool = False  # has any of its own drafts been accepted?
     watching: bool = False  # held in a batch: drafts γ_max only on a strong prompt-lookup match (watch_match)
+    learned: Learned | None = None  # its namespace's seeds, which its rounds teach (GammaPolicy.new_row)
 
 
 class GammaPolicy:
@@ -166,21 +188,22 @@ class GammaPolicy:
         # A drafter that costs nothing per step (prompt lookup) can watch a
         # held row in a batch instead of probing it: see ``_watch``.
         self.watch_match = watch_match
-        # Engine-wide acceptance per position of the drafts watching rows
-        # proposed (on matches of watch_match tokens): 97–98% for the first
-        # draft measured on SmolLM2, so the prior is 0.9 a position.
-        self.watch_accept = [0.9] * gamma_max
-        self.accept = [accept_prior] * gamma_max  # engine-wide, seeds new rows
-        # Engine-wide too: the probe spacing the latest probe verdict left, so a
-        # new request starts with it instead of re-learning it (on a drafter the
-        # target rejects, 5 probes per 160-token request instead of 2).
-        self.probe_seed = probe_first
-        # Engine-wide: positions the latest judged round reached (all of them
-        # when it accepted everything, else up to the first rejection). A new
-        # request may draft that deep from its first round: a 64-token request
-        # that deepened one position per round from γ = 1 spent a third of its
-        # rounds ramping up on text that accepted six drafts a round.
-        self.depth_seed = 0
+        # The prior acceptance per position of the drafts watching rows propose
+        # (on matches of watch_match tokens): 97–98% for the first draft
+        # measured on SmolLM2, so 0.9 a position.
+        self.watch_prior = 0.9
+        self.accept_prior = accept_prior
+        # What the requests so far taught, per cache namespace (``Learned``):
+        # acceptance per position (seeds new rows); the probe spacing the latest
+        # probe verdict left, so a new request starts with it instead of
+        # re-learning it (on a drafter the target rejects, 5 probes per
+        # 160-token request instead of 2); and the positions the latest judged
+        # round reached (all of them when it accepted everything, else up to
+        # the first rejection): a new request may draft that deep from its
+        # first round (a 64-token request that deepened one position per round
+        # from γ = 1 spent a third of its rounds ramping up on text that
+        # accepted six drafts a round).
+        self.learned_by_ns: OrderedDict[str, Learned] = OrderedDict()
         # Per shape, not one window over all rounds: in a batch a verify round is
         # rare (a probe every ~100 plain rounds), and a shared window of recent
         # rounds let the plain ones push it out before it could be used, so a
@@ -196,18 +219,66 @@ class GammaPolicy:
         self.together = False  # the latest choice counts on every row of the batch drafting
         self.live: dict[int, RowPolicy] = {}  # every speculating row (the Verifier's table)
 
+    # ---- what requests taught, per namespace --------------------------------
+    def learned(self, ns: str = "") -> Learned:
+        """The seeds of namespace ``ns`` (made from the priors on first use)."""
+        got = self.learned_by_ns.get(ns)
+        if got is None:
+            got = self.learned_by_ns[ns] = Learned(
+                accept=[self.accept_prior] * self.gamma_max,
+                watch_accept=[self.watch_prior] * self.gamma_max,
+                probe_seed=self.probe_first,
+            )
+            while len(self.learned_by_ns) > MAX_NAMESPACES:
+                self.learned_by_ns.popitem(last=False)
+        else:
+            self.learned_by_ns.move_to_end(ns)
+        return got
+
+    # The empty namespace's seeds under their old names (a server without keys
+    # has only that one; tests and stats read them).
+    @property
+    def accept(self) -> list[float]:
+        return self.learned().accept
+
+    @accept.setter
+    def accept(self, value: list[float]) -> None:
+        self.learned().accept = value
+
+    @property
+    def watch_accept(self) -> list[float]:
+        return self.learned().watch_accept
+
+    @property
+    def probe_seed(self) -> int:
+        return self.learned().probe_seed
+
+    @property
+    def depth_seed(self) -> int:
+        return self.learned().depth_seed
+
+    @depth_seed.setter
+    def depth_seed(self, value: int) -> None:
+        self.learned().depth_seed = value
+
     # ---- rows ------------------------------------------------------------
-    def new_row(self, fixed: int | None) -> RowPolicy:
+    def new_row(self, fixed: int | None, ns: str = "") -> RowPolicy:
+        """A row of cache namespace ``ns``: seeded from, and teaching, that namespace only."""
         if fixed is not None and not 0 <= fixed <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {fixed}")
         fixed = fixed if fixed is not None else self.fixed
+        seeds = self.learned(ns)
         return RowPolicy(
             fixed=fixed,
-            accept=list(self.accept),
+            accept=list(seeds.accept),
             seen=[0] * self.gamma_max,
-            probe_every=self.probe_seed,
-            depth_seed=self.depth_seed,
+            probe_every=seeds.probe_seed,
+            depth_seed=seeds.depth_seed,
+            learned=seeds,
         )
+
+    def _seeds(self, row: RowPolicy) -> Learned:
+        return row.learned if row.learned is not None else self.learned()
 
     def observe_round(self, row: RowPolicy, drafted: int, accepted: int) -> None:
         """A round drafted ``drafted`` tokens and the first ``accepted`` matched.
@@ -219,15 +290,17 @@ class GammaPolicy:
         never learned that its text accepts six in a row), and it forgets at
         ``accept_alpha`` per round like the moving average it replaces."""
         evaluated = min(drafted, accepted + 1)  # positions past the first mismatch were never judged
+        seeds = self._seeds(row)
         if row.watching:
+            w = seeds.watch_accept
             for j in range(min(evaluated, self.gamma_max)):
-                self.watch_accept[j] += self.accept_alpha * ((1.0 if j < accepted else 0.0) - self.watch_accept[j])
+                w[j] += self.accept_alpha * ((1.0 if j < accepted else 0.0) - w[j])
         row.accepted_any = row.accepted_any or accepted > 0
         if accepted < drafted:  # a rejection says how deep the text goes now
-            self.depth_seed = evaluated
+            seeds.depth_seed = evaluated
         else:  # all accepted: at least this deep (a request's last rounds draft fewer, cut by max_tokens)
-            self.depth_seed = max(self.depth_seed, drafted)
-        a, g = self.accept_alpha, self.accept
+            seeds.depth_seed = max(seeds.depth_seed, drafted)
+        a, g = self.accept_alpha, seeds.accept
         if not row.judged:
             row.judged, row.hits = [0.0] * self.gamma_max, [0.0] * self.gamma_max
         for j in range(min(evaluated, self.gamma_max)):
@@ -471,7 +544,7 @@ class GammaPolicy:
         if row.probing:  # the probe round just ran: keep its verdict
             row.probing = False
             row.probe_every = self.probe_first if g > 0 else min(self.probe_max, row.probe_every * 2)
-            self.probe_seed = row.probe_every
+            self._seeds(row).probe_seed = row.probe_every
         if g > 0:
             return (0, self.explore_rounds) if self._explore_plain(row) else (g, 0)
         spacing = self._probe_spacing()
@@ -526,7 +599,7 @@ class GammaPolicy:
         if b <= 1 or gamma <= 0 or row.fixed is not None or self.watch_match is None:
             return 0  # a draft model's probes must reach the Verifier to be judged at all
         plain = self._cost(b, 0)
-        e = self.expected_tokens(self.watch_accept if row.watching else self.effective_accept(row), gamma)
+        e = self.expected_tokens(self._seeds(row).watch_accept if row.watching else self.effective_accept(row), gamma)
         for n in range(1, b + 1):
             if n * e + (b - n) >= (1 + self.margin) * b * self._cost(b, n * gamma) / plain:
                 return n

@@ -128,3 +128,26 @@ def test_the_key_never_changes_what_a_lookup_serves(key):
     pc = tier(100, clock)
     pc.put(SESSION, "", feed(SESSION), session="k")
     assert pc.take(TURN2, "", session=key)[1] == len(SESSION)
+
+
+def test_one_tenants_session_key_does_not_touch_anothers():
+    """Under named API keys (issue #44) the same ``prompt_cache_key`` in two
+    namespaces is two sessions: bob's entries under alice's key name cannot
+    push alice's out of her session's keep."""
+
+    def alice_kept(bob_ns: str) -> bool:
+        clock = [0.0]
+        pc = tier(200, clock, session_keep=2)
+        mine = list(range(5000, 5030))
+        pc.put(mine, "key:alice", feed(mine), session="k")
+        for i in range(2):  # bob's two entries under the same session name
+            clock[0] += 1
+            p = list(range(7000 + 100 * i, 7030 + 100 * i))
+            pc.put(p, bob_ns, feed(p), session="k")
+        for other in others(4):
+            clock[0] += 1
+            pc.put(other, "", feed(other))
+        return pc.peek(mine + [1], "key:alice") > 0
+
+    assert alice_kept("key:bob")
+    assert not alice_kept("key:alice")  # the same namespace: one session, bob's two entries took the keep

@@ -82,3 +82,15 @@ def test_tiny_renders_tools_and_its_text_tokenizes_like_the_template():
     text = tok.render_chat(messages, tools)
     assert '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><|im_end|>' in text
     assert "<tool_response>\ndone\n</tool_response>" in text and '"name": "f"' in text.split("<tools>\n")[1]
+
+
+def test_an_answer_is_reused_only_in_the_scope_it_was_made_in():
+    """Under named API keys (issue #44) alice's answers never tokenize bob's
+    prompt: his prompt token count would tell that someone had that conversation."""
+    m = OutputMemory()
+    m.remember("<u>hi</u><a>Paris", encode("<u>hi</u><a>") + [1000, 1001], scope="key:alice")
+    text = "<u>hi</u><a>Paris</a>"
+    assert m.tokenize(text, encode, scope="key:bob") == (encode(text), None)
+    assert m.tokenize(text, encode) == (encode(text), None)  # nor the empty scope
+    ids, key = m.tokenize(text, encode, scope="key:alice")
+    assert key == "<u>hi</u><a>Paris" and ids[-6:-4] == [1000, 1001]
