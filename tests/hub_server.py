@@ -49,7 +49,9 @@ class FakeHub:
 
     def add(self, repo: str, files: dict[str, bytes]) -> str:
         self.repos[repo] = dict(files)
-        self.commits[repo] = hashlib.sha1(repo.encode() + b"".join(git_sha1(files[f]).encode() for f in sorted(files))).hexdigest()
+        self.commits[repo] = hashlib.sha1(
+            repo.encode() + b"".join(git_sha1(files[f]).encode() for f in sorted(files))
+        ).hexdigest()
         return self.commits[repo]
 
     def downloads(self) -> list[str]:

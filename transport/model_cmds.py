@@ -23,7 +23,9 @@ def add_parsers(sub: Any) -> None:
 
     ls = sub.add_parser("ls", help="list the models this machine can serve without downloading")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
-    ls.add_argument("--models-dir", default="~/.cache/ember/models", metavar="DIR", help="as `ember serve --models-dir`")
+    ls.add_argument(
+        "--models-dir", default="~/.cache/ember/models", metavar="DIR", help="as `ember serve --models-dir`"
+    )
     ls.set_defaults(run=list_models, parser=ls)
 
     rm = sub.add_parser("rm", help="delete a downloaded hub model or a converted GGUF directory")
@@ -48,7 +50,8 @@ def pull(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from engine.models import hub
 
-    logging.basicConfig(level="INFO", format="%(message)s")  # the [hub] found/pulled lines
+    logging.basicConfig(level="WARNING", format="%(message)s")
+    logging.getLogger("ember.hub").setLevel("INFO")  # its found/pulled lines, not every HTTP request
     ref = hub.parse(args.name)
     if ref is None:
         parser.error(f"{args.name!r} is not a hub name (ORG/NAME[@REVISION][:QUANT])")
@@ -92,7 +95,9 @@ def remove(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except hub.HubError as exc:
         return _fail(str(exc))
     what = f"{args.name} ({'hub cache' if kind == 'hub' else 'converted'}, {_gib(size)}"
-    what += f", with {len(dirs)} converted director{'y' if len(dirs) == 1 else 'ies'})" if kind == "hub" and dirs else ")"
+    what += (
+        f", with {len(dirs)} converted director{'y' if len(dirs) == 1 else 'ies'})" if kind == "hub" and dirs else ")"
+    )
     if not args.yes:
         try:
             answer = input(f"remove {what}? [y/N] ")

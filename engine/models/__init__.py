@@ -25,7 +25,7 @@ DRAFTERS: dict[str, pathlib.Path] = {
 }
 
 
-def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
+def resolve_model(name_or_path: str | pathlib.Path, *, pull: bool = True) -> pathlib.Path:
     """Map a bundled model name to its directory; anything else is a path.
 
     A short name of a packaged real model (``smollm2-135m``, ``gemma3-270m``:
@@ -33,7 +33,8 @@ def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
     mlx-lm directory, converting it on first use (``engine.mlx.gguf_convert``).
     A hub name (``ORG/NAME[@REVISION][:QUANT]``) that is not a local path is
     found in the hub cache or LM Studio's folder, else downloaded
-    (``engine.models.hub``; ``hub.HubError`` when it cannot be had).
+    (``engine.models.hub``; ``hub.HubError`` when it cannot be had, or when it
+    is not here and ``pull`` is False).
     Raises FileNotFoundError when the resulting directory does not exist.
     """
     key = str(name_or_path)
@@ -58,7 +59,7 @@ def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
 
         ref = hub.parse(key)
         if ref is not None:
-            return hub.resolve(ref)
+            return hub.resolve(ref, pull=pull)
     if not path.is_dir():
         raise FileNotFoundError(
             f"model {key!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}), "

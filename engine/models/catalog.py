@@ -78,9 +78,11 @@ def gguf_tag(path: pathlib.Path) -> str | None:
 
 def _gguf_tools(path: pathlib.Path) -> bool | None:
     """Whether the GGUF's own chat template (its metadata) mentions tools."""
-    with contextlib.suppress(Exception):  # the gguf package is the `models` extra; any unreadable file is "?"
+    try:
         import gguf
-
+    except ImportError:  # the `models` extra: without it a GGUF's template is "?"
+        return None
+    with contextlib.suppress(Exception):  # an unreadable file is "?" too
         field = gguf.GGUFReader(str(path)).fields.get("tokenizer.chat_template")
         return None if field is None else "tools" in str(field.contents())
     return None

@@ -142,7 +142,7 @@ def _bar_class(progress: Progress) -> Any:
 
     byte_bars = ("huggingface_hub.snapshot_download", "huggingface_hub.http_get")
 
-    class Bar(hf_tqdm):  # type: ignore[misc]
+    class Bar(hf_tqdm):
         def __init__(self, *args: Any, **kwargs: Any):
             self._ember_counts = kwargs.get("name") in byte_bars
             super().__init__(*args, **kwargs)
@@ -287,7 +287,9 @@ def _explain(ref: HubRef, exc: BaseException) -> HubError:
     if isinstance(exc, HfHubHTTPError):
         status = exc.response.status_code if exc.response is not None else "?"
         if status in (401, 403):
-            return HubError(f"{ref.repo_id}: access denied ({status}); set HF_TOKEN to a token that can read it ({token})")
+            return HubError(
+                f"{ref.repo_id}: access denied ({status}); set HF_TOKEN to a token that can read it ({token})"
+            )
         return HubError(f"{ref.repo_id}: the hub answered {status} at {constants.ENDPOINT}")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return HubError(f"disk full while downloading {ref.repo_id} into {hub_cache()}; free space and run again")
@@ -404,15 +406,17 @@ def fetch(ref: HubRef) -> pathlib.Path:
         except Exception as exc:  # noqa: BLE001 - every failure of the pull is one HubError line
             raise _explain(ref, exc) from exc
         _verify_new_blobs(ref, before)
-    log.info(
-        "[hub] pulled %s: %d bytes in %.1fs", ref, progress.done_bytes, time.monotonic() - progress.started
-    )
+    log.info("[hub] pulled %s: %d bytes in %.1fs", ref, progress.done_bytes, time.monotonic() - progress.started)
     return path
 
 
-def resolve(ref: HubRef) -> pathlib.Path:
-    """``ref``'s mlx-lm model directory (a GGUF file converted once)."""
-    path = fetch(ref)
+def resolve(ref: HubRef, *, pull: bool = True) -> pathlib.Path:
+    """``ref``'s mlx-lm model directory (a GGUF file converted once);
+    ``pull=False``: HubError rather than download what is not here."""
+    found = None if pull else local_path(ref)
+    if not pull and found is None:
+        raise _not_here(ref)
+    path = found or fetch(ref)
     if path.is_file():
         from engine.mlx.gguf_convert import cached_conversion
 

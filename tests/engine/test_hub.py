@@ -168,3 +168,22 @@ def test_progress_while_a_pull_runs(fake_hub):
         release.set()
         t.join(30)
     assert isinstance(result[0], pathlib.Path) and hub.in_flight() == []
+
+
+def test_disk_full_is_one_line_and_nothing_is_served(fake_hub, monkeypatch):
+    import errno
+
+    from huggingface_hub import file_download
+
+    real = file_download.http_get
+
+    def full_disk(url, temp_file, **kw):  # the write that finds the disk full, mid-file
+        if url.endswith("model.safetensors"):
+            temp_file.write(b"\0" * 1024)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(url, temp_file, **kw)
+
+    monkeypatch.setattr(file_download, "http_get", full_disk)
+    with pytest.raises(hub.HubError, match="disk full while downloading org/tiny into .*hub; free space"):
+        resolve_model("org/tiny")
+    assert hub.local_path(hub.parse("org/tiny")) is None and hub.in_flight() == []
