@@ -230,7 +230,13 @@ class Registry:
             with contextlib.suppress(Exception):
                 from engine.models import BUNDLED
 
-                size = _dir_size(BUNDLED[target]) if target in BUNDLED else _dir_size(pathlib.Path(target).expanduser())
+                path = BUNDLED.get(target) or pathlib.Path(target).expanduser()
+                if not path.exists():  # a hub name: its size where it already is (none before a pull)
+                    from engine.models import hub
+
+                    ref = hub.parse(target)
+                    path = (hub.local_path(ref) if ref is not None else None) or path
+                size = _dir_size(path)
         kw.setdefault("size_bytes", size)
         return ModelEntry(name=name, kind="chat", source=source, target=target, config=config, **kw)
 

@@ -39,7 +39,8 @@ class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[str, dict[str, bytes]] = {}
         self.commits: dict[str, str] = {}
-        self.gated: set[str] = set()
+        self.gated: set[str] = set()  # repos that answer 401 GatedRepo without `token`
+        self.token = "hf_fake_token"
         self.cut_once: set[tuple[str, str]] = set()
         self.corrupt: dict[tuple[str, str], bytes] = {}
         self.hold: dict[tuple[str, str], threading.Event] = {}
@@ -115,7 +116,7 @@ class FakeHub:
         self._error(h, 404, "RepoNotFound")
 
     def _repo_ok(self, h: http.server.BaseHTTPRequestHandler, repo: str, rev: str) -> bool:
-        if repo in self.gated:
+        if repo in self.gated and h.headers.get("Authorization") != f"Bearer {self.token}":
             self._error(h, 401, "GatedRepo")
             return False
         if repo not in self.repos:

@@ -116,7 +116,7 @@ def hub_rows() -> list[LocalModel]:
             if not revs:
                 continue
             snap = pathlib.Path(revs[0].snapshot_path)
-            if (snap / "config.json").is_file() and any(snap.glob("*.safetensors")):
+            if hub.is_mlx_dir(snap):
                 rows.append(describe(snap, repo.repo_id, "hub", repo.size_on_disk))
             else:
                 rows += _gguf_rows(snap, repo.repo_id, "hub")
@@ -130,7 +130,7 @@ def lmstudio_rows() -> list[LocalModel]:
             if not d.is_dir():
                 continue
             repo_id = f"{d.parent.name}/{d.name}"
-            if (d / "config.json").is_file() and any(d.glob("*.safetensors")):
+            if hub.is_mlx_dir(d):
                 rows.append(describe(d, repo_id, "lmstudio"))
             else:
                 rows += _gguf_rows(d, repo_id, "lmstudio")

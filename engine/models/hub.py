@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import logging
 import os
 import pathlib
@@ -118,6 +119,13 @@ class Progress:
     def __init__(self, name: str):
         self.name, self.done_bytes, self.total_bytes = name, 0, 0
         self.started = time.monotonic()
+        self._lock = threading.Lock()  # snapshot_download's file threads all count here
+
+    def add(self, n: int, total: int | None = None) -> None:
+        with self._lock:
+            self.done_bytes += n
+            if total:
+                self.total_bytes = max(self.total_bytes, total)
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.name, "done_bytes": self.done_bytes, "total_bytes": self.total_bytes}
@@ -147,12 +155,11 @@ def _bar_class(progress: Progress) -> Any:
             self._ember_counts = kwargs.get("name") in byte_bars
             super().__init__(*args, **kwargs)
             if self._ember_counts:
-                progress.done_bytes += int(kwargs.get("initial") or 0)
+                progress.add(int(kwargs.get("initial") or 0))
 
         def update(self, n: float | None = 1) -> bool | None:
             if self._ember_counts:
-                progress.done_bytes += int(n or 0)
-                progress.total_bytes = max(progress.total_bytes, int(self.total or 0))
+                progress.add(int(n or 0), int(self.total or 0))
             return super().update(n)
 
     return Bar
@@ -162,8 +169,20 @@ def _bar_class(progress: Progress) -> Any:
 # finding what is here
 
 
-def _is_mlx_dir(path: pathlib.Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+def is_mlx_dir(path: pathlib.Path) -> bool:
+    """A complete safetensors model: its config and every shard its index names
+    (a folder an interrupted download left without its tree listing has the
+    index and only some shards)."""
+    if not (path / "config.json").is_file():
+        return False
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return any(path.glob("*.safetensors"))
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return False
+    return bool(shards) and all((path / str(s)).is_file() for s in shards)
 
 
 def _pick_gguf(files: list[str], ref: HubRef) -> str:
@@ -224,7 +243,7 @@ def _local_hf(ref: HubRef) -> pathlib.Path | None:
             )
         except (LocalEntryNotFoundError, ValueError, OSError):
             path = None
-        if path is not None and _is_mlx_dir(path):
+        if path is not None and is_mlx_dir(path):
             return path
     snap = _snapshot_dir(ref)
     if snap is None:
@@ -240,7 +259,7 @@ def lmstudio_path(ref: HubRef) -> pathlib.Path | None:
         path = root / ref.repo_id
         if not path.is_dir():
             continue
-        if ref.quant is None and _is_mlx_dir(path):
+        if ref.quant is None and is_mlx_dir(path):
             return path
         try:
             return path / _pick_gguf(_files_under(path), ref)
@@ -377,7 +396,7 @@ def _download(ref: HubRef, bar: Any) -> pathlib.Path:
         path = pathlib.Path(
             snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=ALLOW_PATTERNS, tqdm_class=bar)
         )
-        if _is_mlx_dir(path):
+        if is_mlx_dir(path):
             return path
     # a quant tag, or no safetensors: a GGUF repo
     files = HfApi().list_repo_files(ref.repo_id, revision=ref.revision)

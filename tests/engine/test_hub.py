@@ -7,6 +7,7 @@ cache constants (read at its import) are patched to the local server and a temp 
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 import threading
 import time
@@ -24,7 +25,7 @@ TINY = {p.name: p.read_bytes() for p in sorted(BUNDLED["tiny"].iterdir()) if p.i
 
 @pytest.fixture
 def fake_hub(tmp_path, monkeypatch):
-    """(FakeHub, its URL) with huggingface_hub pointed at it and at an empty cache."""
+    """(FakeHub, its URL) with huggingface_hub pointed at it, an empty cache, and no token."""
     server = FakeHub()
     server.add("org/tiny", TINY)
     with server.serving() as url:
@@ -35,6 +36,8 @@ def fake_hub(tmp_path, monkeypatch):
         monkeypatch.setenv("LMSTUDIO_MODELS_DIR", str(tmp_path / "lmstudio"))
         monkeypatch.setattr(hub, "lmstudio_roots", lambda: [tmp_path / "lmstudio"])
         monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
         yield server, url
 
 
@@ -83,6 +86,14 @@ def test_unknown_repo_and_gated_repo_are_one_line_each(fake_hub):
     with pytest.raises(hub.HubError, match="org/gated is gated: .*set HF_TOKEN") as e:
         resolve_model("org/gated")
     assert "\n" not in str(e.value)
+
+
+def test_hf_token_opens_a_gated_repo(fake_hub, monkeypatch):
+    server, _ = fake_hub
+    server.add("org/gated", TINY)
+    server.gated.add("org/gated")
+    monkeypatch.setenv("HF_TOKEN", server.token)
+    _same_as_tiny(resolve_model("org/gated"))
 
 
 def test_a_corrupted_file_fails_the_pull_and_nothing_is_served(fake_hub):
@@ -140,6 +151,15 @@ def test_lm_studio_folder_is_a_place_a_model_already_is(fake_hub, tmp_path):
     for name, data in TINY.items():
         (d / name).write_bytes(data)
     assert resolve_model("lmstudio-community/tiny-MLX") == d
+    half = tmp_path / "lmstudio" / "lmstudio-community" / "sharded-MLX"  # an index naming a shard not there
+    half.mkdir()
+    (half / "config.json").write_text("{}")
+    (half / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (half / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert hub.local_path(hub.parse("lmstudio-community/sharded-MLX")) is None
+    (half / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    assert hub.local_path(hub.parse("lmstudio-community/sharded-MLX")) == half
     g = tmp_path / "lmstudio" / "lmstudio-community" / "x-GGUF"
     g.mkdir()
     (g / "x-Q8_0.gguf").write_bytes(b"GGUF")
@@ -187,3 +207,28 @@ def test_disk_full_is_one_line_and_nothing_is_served(fake_hub, monkeypatch):
     with pytest.raises(hub.HubError, match="disk full while downloading org/tiny into .*hub; free space"):
         resolve_model("org/tiny")
     assert hub.local_path(hub.parse("org/tiny")) is None and hub.in_flight() == []
+
+
+def test_a_gguf_pulled_by_quant_tag_is_converted_listed_and_removed_with_its_conversion(
+    fake_hub, tmp_path, monkeypatch
+):
+    pytest.importorskip("gguf", reason="the GGUF reader is the `models` / `test` extra")
+    from engine.models import catalog
+    from tests.engine.test_gguf_convert import write_llama_gguf
+
+    server, _ = fake_hub
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "ember"))
+    write_llama_gguf(tmp_path / "m-Q8_0.gguf", qtype=None)
+    server.add("org/m-GGUF", {"m-Q8_0.gguf": (tmp_path / "m-Q8_0.gguf").read_bytes(), "m-F16.gguf": b"GGUF-other"})
+    path = resolve_model("org/m-GGUF:Q8_0")
+    assert path.parent == tmp_path / "ember" / "gguf" and (path / "model.safetensors").is_file()
+    assert [p.rsplit("/", 1)[1] for p in server.downloads()] == ["m-Q8_0.gguf"]
+    rows = {r.name: r for r in catalog.list_models()}
+    assert rows["org/m-GGUF"].format == "gguf Q8_0" and rows["org/m-GGUF"].source == "hub"
+    assert rows[str(path)].source == "converted" and rows[str(path)].format.startswith("gguf→mlx")
+    kind, dirs, _ = catalog.removal("org/m-GGUF:Q8_0")
+    assert kind == "hub" and dirs == [path]
+    catalog.remove("org/m-GGUF")
+    assert not path.exists() and "org/m-GGUF" not in {r.name for r in catalog.list_models()}
+    with pytest.raises(hub.HubError, match="ships with Ember"):
+        catalog.removal("tiny")

@@ -50,6 +50,7 @@ def _env(tmp_path, url: str, **extra: str) -> dict[str, str]:
         **env,
         OPT_OUT: "1",
         "HF_ENDPOINT": url,
+        "HF_HOME": str(tmp_path / "hf_home"),  # no token file of this machine's
         "HF_HUB_CACHE": str(tmp_path / "hub"),
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "EMBER_CACHE_DIR": str(tmp_path / "ember"),
