@@ -312,7 +312,9 @@ def _explain(ref: HubRef, exc: BaseException) -> HubError:
         return HubError(f"{ref.repo_id}: the hub answered {status} at {constants.ENDPOINT}")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return HubError(f"disk full while downloading {ref.repo_id} into {hub_cache()}; free space and run again")
-    if isinstance(exc, LocalEntryNotFoundError) or offline():
+    # httpx's network errors (huggingface_hub 1.x: httpx, 2.x: httpx2), named rather than imported
+    unreachable = any(c.__name__ in ("TransportError", "TimeoutException") for c in type(exc).__mro__)
+    if isinstance(exc, LocalEntryNotFoundError) or unreachable or offline():
         return _not_here(ref)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return HubError(f"downloading {ref.repo_id} failed: {type(exc).__name__}: {first}")

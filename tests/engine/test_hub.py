@@ -232,3 +232,15 @@ def test_a_gguf_pulled_by_quant_tag_is_converted_listed_and_removed_with_its_con
     assert not path.exists() and "org/m-GGUF" not in {r.name for r in catalog.list_models()}
     with pytest.raises(hub.HubError, match="ships with Ember"):
         catalog.removal("tiny")
+
+
+def test_an_unreachable_hub_is_the_not_downloaded_line(fake_hub, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    with pytest.raises(hub.HubError, match="org/tiny is not downloaded .* the hub cannot be reached"):
+        resolve_model("org/tiny")
