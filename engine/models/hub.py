@@ -299,7 +299,8 @@ def _explain(ref: HubRef, exc: BaseException) -> HubError:
         return HubError(f"{ref.repo_id} has no revision {ref.revision!r} on {constants.ENDPOINT}")
     if isinstance(exc, RepositoryNotFoundError):
         return HubError(
-            f"no model {ref.repo_id} on {constants.ENDPOINT} (404; a private or gated repo needs HF_TOKEN: {token})"
+            f"no model {ref.repo_id} on {constants.ENDPOINT} (404) and no directory of that name here; "
+            f"a private or gated repo needs HF_TOKEN ({token})"
         )
     if isinstance(exc, RemoteEntryNotFoundError):
         return HubError(f"{ref.repo_id}: a file it lists is missing on {constants.ENDPOINT} (404)")

@@ -81,6 +81,8 @@ def test_unknown_repo_and_gated_repo_are_one_line_each(fake_hub):
     with pytest.raises(hub.HubError) as e:
         resolve_model("org/nope")
     assert "no model org/nope" in str(e.value) and url in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(hub.HubError, match="org/tiny has no revision 'v9'"):
+        resolve_model("org/tiny@v9")
     server.add("org/gated", TINY)
     server.gated.add("org/gated")
     with pytest.raises(hub.HubError, match="org/gated is gated: .*set HF_TOKEN") as e:
