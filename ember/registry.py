@@ -78,8 +78,8 @@ def parse_keep_alive(value: float | str | None) -> float | None | str:
 
 
 class ModelNotFound(LookupError):
-    def __init__(self, name: str, names: list[str]):
-        super().__init__(f"the model {name!r} does not exist; this server serves: {', '.join(names)}")
+    def __init__(self, name: str, names: list[str], why: str | None = None):
+        super().__init__(why or f"the model {name!r} does not exist; this server serves: {', '.join(names)}")
         self.name, self.names = name, names
 
 
@@ -191,6 +191,7 @@ class Registry:
         load_timeout_s: float = LOAD_TIMEOUT_S,
         max_load_waiters: int = MAX_LOAD_WAITERS,
         short_names: bool = True,
+        allow_pulls: tuple[str, ...] = (),
     ):
         self.base = base
         self.base_ports = ports or Ports()
@@ -203,6 +204,8 @@ class Registry:
         self.load_timeout_s = load_timeout_s
         self.max_load_waiters = max_load_waiters
         self.aliases = dict(aliases or {})
+        # hub names (ORG/NAME) a request may download: glob patterns, "*" for any (--allow-pulls)
+        self.allow_pulls = tuple(allow_pulls)
         self.entries: dict[str, ModelEntry] = {}
         self.default = default
         self._tg: Any = None
@@ -227,7 +230,13 @@ class Registry:
             with contextlib.suppress(Exception):
                 from engine.models import BUNDLED
 
-                size = _dir_size(BUNDLED[target]) if target in BUNDLED else _dir_size(pathlib.Path(target).expanduser())
+                path = BUNDLED.get(target) or pathlib.Path(target).expanduser()
+                if not path.exists():  # a hub name: its size where it already is (none before a pull)
+                    from engine.models import hub
+
+                    ref = hub.parse(target)
+                    path = (hub.local_path(ref) if ref is not None else None) or path
+                size = _dir_size(path)
         kw.setdefault("size_bytes", size)
         return ModelEntry(name=name, kind="chat", source=source, target=target, config=config, **kw)
 
@@ -254,21 +263,21 @@ class Registry:
             )
         )
 
+    def _chat_config(self, target: str, name: str) -> EngineConfig:
+        """A model beside --model: its settings, with prompt lookup (which works with any
+        model) but not --model's own draft model."""
+        base_draft = self.base.draft_model if (self.base.draft_model or "").startswith("ngram") else None
+        base_gamma = self.base.num_draft_tokens if base_draft else None  # (needs a drafter)
+        return msgspec.structs.replace(
+            self.base, model=target, model_name=name, draft_model=base_draft, num_draft_tokens=base_gamma
+        )
+
     def _add_known(self, models_dir: str | None) -> None:
         from engine.mlx.embed import SHORT_NAMES
         from engine.mlx.gguf_models import PACKAGED, installed
         from engine.models import BUNDLED
 
-        # Prompt lookup works with any model; a draft model is the --model's own.
-        base_draft = self.base.draft_model if (self.base.draft_model or "").startswith("ngram") else None
-
-        base_gamma = self.base.num_draft_tokens if base_draft else None  # (needs a drafter)
-
-        def chat_config(target: str, name: str) -> EngineConfig:
-            return msgspec.structs.replace(
-                self.base, model=target, model_name=name, draft_model=base_draft, num_draft_tokens=base_gamma
-            )
-
+        chat_config = self._chat_config
         for name in BUNDLED:
             if name != self.base.model:  # --model under its served name is the default entry (aliased above)
                 self.add_chat(name, chat_config(name, name), source="bundled")
@@ -304,7 +313,32 @@ class Registry:
             target = next((t for pat, t in self.aliases.items() if fnmatch.fnmatchcase(name, pat)), None)
         if target is not None and target in self.entries:
             return self.entries[target]
+        hub_entry = self._hub_entry(name)
+        if hub_entry is not None:
+            return hub_entry
         raise ModelNotFound(name, self.names())
+
+    def _hub_entry(self, name: str) -> ModelEntry | None:
+        """A Hugging Face name (ORG/NAME[:QUANT]) becomes an entry when the model is on
+        this machine already (hub cache, LM Studio), or when ``allow_pulls`` lets a
+        request download it: the load (``_open``, on a worker thread) pulls it, and
+        other models keep serving meanwhile. A request never downloads unasked: an
+        uncached name without the flag is ModelNotFound (the routes' 404)."""
+        if self.base.backend != "mlx" or os.path.exists(os.path.expanduser(name)):
+            return None
+        from engine.models import hub
+
+        ref = hub.parse(name)
+        if ref is None:
+            return None
+        if hub.local_path(ref) is None and not any(fnmatch.fnmatchcase(ref.repo_id, p) for p in self.allow_pulls):
+            raise ModelNotFound(
+                name,
+                self.names(),
+                f"the model {name!r} is not downloaded on this server; `ember pull {name}` fetches it, "
+                "or start the server with --allow-pulls to let requests download hub models",
+            )
+        return self.add_chat(name, self._chat_config(name, name), source="hub")
 
     # ---- running ---------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -393,6 +427,8 @@ class Registry:
                     f"the model {entry.name!r} did not finish loading within {self.load_timeout_s:g} s; try again"
                 )
             if entry.state == "available" and entry.error is not None:
+                if entry.source == "hub" and not entry.loads:  # a failed pull: forget the name, as if never asked
+                    self.entries.pop(entry.name, None)
                 raise ModelLoadFailed(f"the model {entry.name!r} failed to load: {entry.error}")
 
     async def load(self, name: str) -> ModelEntry:

@@ -18,6 +18,7 @@ import re
 from collections.abc import Mapping
 
 from engine.config import EngineConfig
+from engine.models import hub
 
 
 def cache_root(environ: Mapping[str, str] | None = None) -> str:
@@ -37,7 +38,11 @@ def model_key(
     model: str, *, kv_bits: int | None = None, kv_group_size: int | None = None, window: int | None = None
 ) -> str:
     """A folder name for one model and KV layout: readable, and distinct per layout."""
-    spec = os.path.abspath(os.path.expanduser(model)) if os.sep in model or model.startswith(".") else model
+    spec = model
+    if os.sep in model or model.startswith("."):
+        spec = os.path.abspath(os.path.expanduser(model))
+        if not os.path.exists(spec) and hub.parse(model) is not None:
+            spec = model  # a hub name (ORG/NAME): one folder whatever the working directory
     tail = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(spec.rstrip(os.sep)) or "model")[:48]
     if kv_group_size == 64:  # the default group size names the same layout as no flag at all
         kv_group_size = None

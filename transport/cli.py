@@ -4,6 +4,7 @@
     ember generate --prompt TEXT [--max-tokens N] ...                stream one completion to stdout
     ember convert FILE.gguf OUTDIR [--dtype float32|...]             a GGUF file → an mlx-lm model directory
     ember launch claude|codex|opencode [--model M] [-- ARGS]         an agent client on Ember (transport/launch.py)
+    ember pull ORG/NAME[:QUANT] | ember ls | ember rm ORG/NAME       models on this machine (transport/model_cmds.py)
 
 Bad flags, an invalid combination, or a model that does not load exit with
 status 2 and one line saying why. ``serve`` prints its URL once the model is
@@ -34,7 +35,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         help="smollm2-135m or gemma3-270m (the `models` extra), tiny (bundled toy), a .gguf file, an mlx-lm "
-        "model directory, or scripted:SCRIPT.json (the scripted test model); default: smollm2-135m when installed, else tiny",
+        "model directory, a Hugging Face name ORG/NAME[@REVISION][:QUANT] (from the hub cache or LM Studio's "
+        "folder, else downloaded), or scripted:SCRIPT.json (the scripted test model); default: smollm2-135m when installed, else tiny",
     )
     p.add_argument(
         "--draft-model",
@@ -181,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=MODEL",
         help="serve MODEL under NAME too; NAME may be a glob, e.g. 'claude-haiku-*=smollm2-135m' (repeatable)",
     )
+    s.add_argument(
+        "--allow-pulls",
+        nargs="?",
+        const="*",
+        metavar="ORG/NAME,...",
+        help="let a request whose model names a hub model not downloaded here download it (default: such a "
+        "request is a 404); with a list, only those repos (globs allowed)",
+    )
     s.add_argument("--model-load-timeout", type=float, default=300.0, metavar="SECONDS", help=argparse.SUPPRESS)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=serve, parser=s)
@@ -217,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
         "q8/q4 re-quantize the dequantized weights as MLX affine (group 64)",
     )
     c.set_defaults(run=convert, parser=c)
+
+    from transport.model_cmds import add_parsers
+
+    add_parsers(sub)
     return parser
 
 
@@ -271,13 +285,17 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     except InvalidRequest as exc:
         parser.error(f"{exc} ({exc.param})" if exc.param else str(exc))
     if config.backend == "mlx":
-        from engine.models import resolve_model
+        from engine.models import hub, resolve_model
 
         try:
-            resolve_model(config.model)
+            ref = None if os.path.exists(os.path.expanduser(config.model)) else hub.parse(config.model)
+            if ref is not None:
+                hub.preflight(ref)  # a download happens as the engine loads: /health shows its progress
+            else:
+                resolve_model(config.model)
             if config.draft_model and not config.draft_model.startswith("ngram"):  # ngram:MIN:MAX too
                 resolve_model(config.draft_model)
-        except (FileNotFoundError, ValueError) as exc:  # ValueError: a GGUF that cannot convert
+        except (FileNotFoundError, ValueError, hub.HubError) as exc:  # ValueError: a GGUF that cannot convert
             parser.error(str(exc))
     return config
 
@@ -415,6 +433,7 @@ def registry_kw(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
         "pins": tuple(args.pin),
         "aliases": aliases,
         "load_timeout_s": args.model_load_timeout,
+        "allow_pulls": tuple(p.strip() for p in (args.allow_pulls or "").split(",") if p.strip()),
     }
 
 
@@ -537,6 +556,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def _serve(server: Any, sock: socket.socket, state: Any, url: str, note: str = "") -> int:
+    from ember.registry import ModelLoadFailed
+
     _drain_first(server, state)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     # uvicorn has no "listening" event, and the engine loads in the background:
@@ -544,7 +565,9 @@ async def _serve(server: Any, sock: socket.socket, state: Any, url: str, note: s
     while not task.done() and (state.phase == "starting" or not server.started):
         await asyncio.sleep(0.05)
     if state.phase == "failed":
-        print(f"ember: error: the engine did not start: {state.error!r}", file=sys.stderr, flush=True)
+        # a load failure already names its cause in one line (a hub model: HubError's message)
+        why = str(state.error) if isinstance(state.error, ModelLoadFailed) else repr(state.error)
+        print(f"ember: error: the engine did not start: {why}", file=sys.stderr, flush=True)
         server.should_exit = True
         await task
         return 2

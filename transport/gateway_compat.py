@@ -203,11 +203,11 @@ def _model_path(host: ServerState) -> dict[str, str]:
     which its HTTP router does not need."""
     if host.config.backend != "mlx":
         return {}
-    from engine.models import resolve_model
+    from engine.models import hub, resolve_model
 
-    try:
-        return {"model_path": str(resolve_model(host.config.model))}
-    except FileNotFoundError:
+    try:  # never a download here, on the event loop: a hub model not pulled yet has no path
+        return {"model_path": str(resolve_model(host.config.model, pull=False))}
+    except (FileNotFoundError, hub.HubError):
         return {}
 
 

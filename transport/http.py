@@ -40,6 +40,7 @@ from ember.registry import (
 )
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
+from engine.models import hub
 from transport import anthropic_api, chat_turn, embeddings_api, reasoning, responses_api
 from transport.api_keys import Keys
 from transport.choices import ChoiceStream, submit_choices
@@ -433,8 +434,14 @@ async def model_unload(request: Request, host: ServerState) -> Response:
 
 
 async def health(request: Request, host: ServerState) -> Response:
+    """``{"status": ...}``; while a hub model downloads (``--model ORG/NAME`` at start, or a
+    request's pull), ``"pulls": [{"model", "done_bytes", "total_bytes"}]`` too."""
     status, code = host.health()
-    return JSONResponse({"status": status}, code)
+    body: dict[str, Any] = {"status": status}
+    pulls = hub.in_flight()
+    if pulls:
+        body["pulls"] = pulls
+    return JSONResponse(body, code)
 
 
 def _plain(obj: Any) -> Any:

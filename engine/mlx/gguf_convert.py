@@ -404,9 +404,11 @@ def cached_conversion(
     gguf_path: str | os.PathLike[str], dtype: str | None = None, *, root: pathlib.Path | None = None
 ) -> pathlib.Path:
     """The converted directory for ``gguf_path``, converting on first use."""
-    path = pathlib.Path(gguf_path).expanduser().resolve()
+    given = pathlib.Path(gguf_path).expanduser()
+    path = given.resolve()
     dtype = dtype or default_dtype()
-    target = (root or cache_root()) / f"{path.stem}-{file_key(path, dtype)}"
+    # named for the path given, not its target: a hub cache file is a link to a blob named by its sha256
+    target = (root or cache_root()) / f"{given.stem}-{file_key(path, dtype)}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

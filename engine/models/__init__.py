@@ -25,12 +25,16 @@ DRAFTERS: dict[str, pathlib.Path] = {
 }
 
 
-def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
+def resolve_model(name_or_path: str | pathlib.Path, *, pull: bool = True) -> pathlib.Path:
     """Map a bundled model name to its directory; anything else is a path.
 
     A short name of a packaged real model (``smollm2-135m``, ``gemma3-270m``:
     ``engine.mlx.gguf_models``) or a ``.gguf`` file resolves to its converted
     mlx-lm directory, converting it on first use (``engine.mlx.gguf_convert``).
+    A hub name (``ORG/NAME[@REVISION][:QUANT]``) that is not a local path is
+    found in the hub cache or LM Studio's folder, else downloaded
+    (``engine.models.hub``; ``hub.HubError`` when it cannot be had, or when it
+    is not here and ``pull`` is False).
     Raises FileNotFoundError when the resulting directory does not exist.
     """
     key = str(name_or_path)
@@ -50,10 +54,17 @@ def resolve_model(name_or_path: str | pathlib.Path) -> pathlib.Path:
             )
         return path
     path = pathlib.Path(name_or_path).expanduser()
+    if not path.exists():
+        from engine.models import hub
+
+        ref = hub.parse(key)
+        if ref is not None:
+            return hub.resolve(ref, pull=pull)
     if not path.is_dir():
         raise FileNotFoundError(
             f"model {key!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}), "
-            f"a packaged one ({', '.join(sorted(PACKAGED))}), a .gguf file nor an existing directory"
+            f"a packaged one ({', '.join(sorted(PACKAGED))}), a .gguf file, an existing directory "
+            "nor a Hugging Face name (ORG/NAME)"
         )
     return path
 
