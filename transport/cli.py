@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     ssd.add_argument(
         "--ssd-cache",
         metavar="DIR",
-        help="directory of the SSD prompt-cache tier (default: on, under ~/.cache/ember/kv/; transport/ssd_default.py)",
+        help="directory of the SSD prompt-cache tier (default: auto, a folder per model under "
+        "$EMBER_CACHE_DIR/kv, else ~/.cache/ember/kv; ember/ssd_tier.py)",
     )
     ssd.add_argument("--no-ssd-cache", action="store_true", help="serve without the SSD prompt-cache tier")
     s.add_argument(
@@ -194,7 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--model", help="the model a started server serves (as `ember serve --model`)")
     la.add_argument("--host", default="127.0.0.1")
     la.add_argument("--port", type=int, default=8000, help="reuse the server answering here, or start one here")
-    la.add_argument("--ssd-cache", metavar="DIR", help="SSD prompt-cache tier (default: ~/.cache/ember/ssd)")
+    la.add_argument(
+        "--ssd-cache",
+        metavar="DIR",
+        help="SSD prompt-cache tier of a started server (default: serve's, ember/ssd_tier.py)",
+    )
     la.add_argument("--served-model-name", help="the name a started server reports")
     la.add_argument("--bin", help="the client's executable (default: found on PATH)")
     # the client's own arguments follow `--` (split off in main: argparse's subparsers keep no remainder)
@@ -263,6 +268,10 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         config = EngineConfig(**fields).validate()
     except InvalidRequest as exc:
         parser.error(f"{exc} ({exc.param})" if exc.param else str(exc))
+    if hasattr(args, "no_ssd_cache"):  # `serve`: the folder and cap decided now, stated in its start line
+        from ember.ssd_tier import resolve_ssd
+
+        config, args.ssd_note = resolve_ssd(config, cap_given=args.ssd_cache_max is not None)
     if config.backend == "mlx":
         from engine.models import resolve_model
 
@@ -290,37 +299,16 @@ def _default_drafter(args: argparse.Namespace, fields: dict[str, Any]) -> None:
 
 
 def _default_ssd(args: argparse.Namespace, fields: dict[str, Any]) -> None:
-    """``serve`` turns the SSD tier on unless told otherwise (transport/ssd_default.py);
-    ``generate`` and the embedded Engine keep it off. ``args.ssd_note`` is what the
-    start line says about it."""
+    """``serve`` turns the SSD tier on unless told otherwise: its folder is
+    ``"auto"``, which ``ember.ssd_tier.resolve_ssd`` decides (the one rule
+    ``ember launch`` and the embedded ``Engine`` follow too); ``generate`` and
+    the embedded Engine keep it off."""
     if not hasattr(args, "no_ssd_cache"):
         return  # not `serve`
-    if fields.get("ssd_cache_dir"):
-        cap = fields.get("ssd_cache_max_gib", 32.0)
-        args.ssd_note = f"SSD prompt cache {fields['ssd_cache_dir']}, cap {cap:g} GiB"
-        return
-    if args.no_ssd_cache or fields.get("prompt_cache_gib") == 0:  # the SSD tier needs the RAM tier
-        args.ssd_note = "SSD prompt cache off"
-        return
-    from transport.ssd_default import default_ssd
+    if not args.no_ssd_cache and not fields.get("ssd_cache_dir"):
+        from engine.config import SSD_AUTO
 
-    found = default_ssd(
-        fields["model"],
-        kv_bits=fields.get("kv_bits"),
-        kv_group_size=fields.get("kv_group_size"),
-        window=fields.get("max_kv_size"),
-    )
-    if found is None:
-        args.ssd_note = "SSD prompt cache off (too little free disk space)"
-        return
-    fields["ssd_cache_dir"] = found.dir
-    if "ssd_cache_max_gib" not in fields:
-        fields["ssd_cache_max_gib"] = found.cap_gib
-    args.ssd_note = (
-        found.describe()
-        if fields["ssd_cache_max_gib"] == found.cap_gib
-        else (f"SSD prompt cache {found.dir}, cap {fields['ssd_cache_max_gib']:g} GiB")
-    )
+        fields["ssd_cache_dir"] = SSD_AUTO
 
 
 def default_model(args: argparse.Namespace) -> str:
@@ -367,21 +355,25 @@ def _import_mlx_on_main_thread(config: Any) -> None:
 # launch
 
 
-def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from transport.launch import launch as run_client
-
-    rest = list(args.client_args)
+def launch_serve_args(args: argparse.Namespace) -> list[str]:
+    """The ``ember serve`` flags ``launch`` passes to a server it starts."""
     serve_args: list[str] = []
     if args.model:
         serve_args += ["--model", args.model]
     if args.served_model_name:
         serve_args += ["--served-model-name", args.served_model_name]
+    return serve_args
+
+
+def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from transport.launch import launch as run_client
+
     return run_client(
         args.client,
-        rest,
+        list(args.client_args),
         host=args.host,
         port=args.port,
-        serve_args=serve_args,
+        serve_args=launch_serve_args(args),
         ssd_cache=args.ssd_cache,
         binary=args.bin,
     )

@@ -34,9 +34,11 @@ provider ``http_headers``, OpenCode's provider ``headers``): behind the SGLang
 Model Gateway with ``--policy manual`` every request of the session goes to the
 replica that holds its prefix (docs/distributed.md); a single server ignores it.
 
-The server it starts has the SSD prompt-cache tier on (``--ssd-cache`` under
-``$XDG_CACHE_HOME/ember/ssd``, default ``~/.cache/ember/ssd``), so a session
-resumed after a restart still starts warm.
+The server it starts has ``ember serve``'s SSD prompt-cache tier, decided by
+the same function (``ember.ssd_tier.resolve_ssd``: one folder per model under
+``$EMBER_CACHE_DIR/kv``, else ``~/.cache/ember/kv``), so a session resumed
+after a restart still starts warm, a launched session finds the cache a served
+one left, and two models never share a folder; ``--ssd-cache DIR`` overrides it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.cache_dir import cache_root
+
 CLIENTS = ("claude", "codex", "opencode")
 DUMMY_KEY = "ember"
 # the header sglang-router's ``manual`` policy routes by: one key, one replica
@@ -66,9 +70,16 @@ def routing_key() -> str:
 
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> pathlib.Path:
-    env = os.environ if environ is None else environ
-    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or str(pathlib.Path.home()), ".cache")
-    return pathlib.Path(base) / "ember"
+    return pathlib.Path(cache_root(environ))
+
+
+def server_args(serve_args: Sequence[str], host: str, ssd_cache: str | None = None) -> list[str]:
+    """The flags of the ``ember serve`` a launch starts: no SSD folder of its
+    own unless asked, so ``serve``'s default decides it (ember/ssd_tier.py)."""
+    args = [*serve_args, "--host", host]
+    if ssd_cache and "--ssd-cache" not in args:
+        args += ["--ssd-cache", ssd_cache]
+    return args
 
 
 def api_key(environ: Mapping[str, str]) -> str | None:
@@ -256,11 +267,7 @@ def launch(
     try:
         found = served_model(url, key=key)
         if found is None:
-            ssd = ssd_cache or str(cache_dir(environ) / "ssd")
-            args = [*serve_args, "--host", host]
-            if "--ssd-cache" not in args:
-                args += ["--ssd-cache", ssd]
-            proc, url = start_server(args, port, env=environ)
+            proc, url = start_server(server_args(serve_args, host, ssd_cache), port, env=environ)
             found = served_model(url, key=key)
             if found is None:
                 proc.terminate()

@@ -88,7 +88,9 @@ def test_claude_gets_every_model_slot_the_context_and_a_started_server(tmp_path)
     assert env["ANTHROPIC_API_KEY"]
     # the server it started was up while the client ran, reports the context, and had the SSD tier on
     assert dump["models"]["data"][0]["context_length"] == 100000
-    assert (tmp_path / "cache" / "ember" / "ssd").is_dir()
+    # ... in serve's own folder for the model (ember/ssd_tier.py), not one of launch's
+    assert f"SSD prompt cache {os.path.join(os.environ['EMBER_KV_CACHE_DIR'], script.name)}-" in res.stderr, res.stderr
+    assert not (tmp_path / "cache" / "ember" / "ssd").exists()
 
 
 def test_codex_gets_a_responses_provider_and_a_running_server_is_reused(tmp_path):
