@@ -34,7 +34,7 @@ from actors.runtime import Actor
 from actors.scheduler import Scheduler
 from actors.scheduler_core import RowDelta, SchedulerConfig, SchedulerCore
 from ember.spec_build import Speculation, build_speculation
-from ember.ssd_tier import ssd_on
+from ember.ssd_tier import demote_idle_s, ssd_on
 from engine.config import EngineConfig, FakeGPUConfig
 from engine.eventlog import EventLog
 from engine.kv.cold_store import ColdStore
@@ -301,7 +301,7 @@ def _cold_tier(config: EngineConfig, ports: Ports, scheduler: Scheduler) -> Cold
         clock,
         io=ports.io or run_in_thread,
         scheduler=scheduler.ref,
-        demote_idle_s=300.0 if config.ssd_demote_idle_s is None else config.ssd_demote_idle_s,
+        demote_idle_s=demote_idle_s(config),
         wall=ports.wall,
     )
     scheduler.subscribe(cold.ref)

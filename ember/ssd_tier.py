@@ -51,11 +51,17 @@ GIB = 1024**3
 DEFAULT_CAP_GIB = 32.0  # EngineConfig.ssd_cache_max_gib, the cap an explicit folder gets
 FREE_FRACTION = 0.10  # never take more than a tenth of the free space
 MIN_CAP_GIB = 0.25  # below this the tier is not worth its writes: it stays off
+DEMOTE_IDLE_S = 300.0  # a RAM entry idle this long is demoted to SSD, unless told otherwise
 
 
 def ssd_on(config: EngineConfig) -> bool:
     """Whether ``config`` (resolved) runs an SSD tier: a folder, and the RAM tier it spills from."""
     return bool(config.ssd_cache_dir) and config.ssd_cache_dir != SSD_AUTO and config.prompt_cache_gib > 0
+
+
+def demote_idle_s(config: EngineConfig) -> float:
+    """How long a RAM entry stays idle before it is demoted to SSD (``--ssd-demote-idle``)."""
+    return DEMOTE_IDLE_S if config.ssd_demote_idle_s is None else config.ssd_demote_idle_s
 
 
 def _free_bytes(path: str, disk_usage: Callable[[str], object]) -> int:

@@ -78,7 +78,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ssd_cache_dir: str | None = None
     ssd_cache_max_gib: float = 32.0
     ssd_cache_verify: bool = True  # per-tensor xxh3 on every restore (docs/cold-tier.md: its measured cost)
-    ssd_demote_idle_s: float | None = None  # None: 300 when the SSD tier is on
+    ssd_demote_idle_s: float | None = None  # None: ember.ssd_tier.DEMOTE_IDLE_S
     # a cached prefix shorter than this is not reused (RAM or SSD): it would save
     # a few tokens of prefill and cost a cache copy or a disk read, and keep the
     # row out of a batched prefill (rows prefill together from the same offset)

@@ -154,9 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--models-dir",
-        default="~/.cache/ember/models",
         metavar="DIR",
-        help="more models to serve on demand: every mlx-lm directory, .gguf file and sentence-transformers directory here",
+        help="more models to serve on demand: every mlx-lm directory, .gguf file and sentence-transformers directory here "
+        "(default: models/ under the cache root, $EMBER_CACHE_DIR else ~/.cache/ember)",
     )
     s.add_argument(
         "--keep-alive",
@@ -218,33 +218,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# serve/generate flag dest → the EngineConfig field it sets
+ENGINE_FIELDS = {
+    "batch": "max_batch",
+    "max_queue": "max_queue",
+    "prompt_cache": "prompt_cache_gib",
+    "ssd_cache": "ssd_cache_dir",
+    "ssd_cache_max": "ssd_cache_max_gib",
+    "ssd_demote_idle": "ssd_demote_idle_s",
+    "spill_queue": "spill_queue_gib",
+    "min_cached_prefix": "min_cached_prefix",
+    "draft_model": "draft_model",
+    "num_draft_tokens": "num_draft_tokens",
+    "served_model_name": "model_name",
+    "max_kv_size": "max_kv_size",
+    "kv_bits": "kv_bits",
+    "kv_group_size": "kv_group_size",
+    "attention_streams": "attention_streams",
+}
+
+
 def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """Flags → a validated ``EngineConfig``; a problem is ``parser.error`` (exit 2)."""
     from engine.config import EngineConfig
 
-    mapping = {
-        "batch": "max_batch",
-        "max_queue": "max_queue",
-        "prompt_cache": "prompt_cache_gib",
-        "ssd_cache": "ssd_cache_dir",
-        "ssd_cache_max": "ssd_cache_max_gib",
-        "ssd_demote_idle": "ssd_demote_idle_s",
-        "spill_queue": "spill_queue_gib",
-        "min_cached_prefix": "min_cached_prefix",
-        "draft_model": "draft_model",
-        "num_draft_tokens": "num_draft_tokens",
-        "served_model_name": "model_name",
-        "max_kv_size": "max_kv_size",
-        "kv_bits": "kv_bits",
-        "kv_group_size": "kv_group_size",
-        "attention_streams": "attention_streams",
-    }
     fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": default_model(args)}
     if not args.fake_gpu and fields["model"].startswith("scripted:"):  # the scripted test model (engine.fake.scripted)
         fields.update(backend="scripted", model=fields["model"].removeprefix("scripted:"))
         if not os.path.isfile(fields["model"]):
             parser.error(f"no script file {fields['model']!r} (--model scripted:PATH)")
-    for flag, field in mapping.items():
+    for flag, field in ENGINE_FIELDS.items():
         value = getattr(args, flag, None)
         if value is not None:
             fields[field] = value
@@ -393,8 +396,10 @@ def registry_kw(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
         aliases[name] = model
     if args.max_memory is not None and not args.max_memory > 0:
         parser.error("--max-memory must be a positive number of GiB")
+    from engine.cache_dir import cache_root
+
     return {
-        "models_dir": args.models_dir,
+        "models_dir": args.models_dir or os.path.join(cache_root(), "models"),
         "keep_alive_s": None if args.keep_alive < 0 else args.keep_alive,
         "max_memory": None if args.max_memory is None else int(args.max_memory * (1 << 30)),
         "pins": tuple(args.pin),
