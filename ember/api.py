@@ -33,6 +33,7 @@ from actors.gateway import Drain, Submit
 from actors.runtime import Actor, Failure
 from ember.assemble import Parts, assemble, load_ports, preload_mlx
 from ember.spec_build import check_request
+from ember.ssd_tier import resolve_ssd
 from ember.stream import Completion, RequestStream
 from engine.config import EngineConfig
 from engine.errors import EngineDead, InvalidRequest
@@ -98,7 +99,8 @@ class Engine:
         them gracefully (drain, flush) on exit. ``ports`` (or the single ports
         as keywords) replace what the config would choose: a backend, a clock,
         a disk… (``engine.ports.Ports``)."""
-        config = (config or EngineConfig()).validate()
+        # "auto": serve's folder and cap (ember.ssd_tier, the one rule)
+        config, _ = resolve_ssd((config or EngineConfig()).validate())
         ports = _with(ports, backend=backend, device=device, clock=clock, events=events)
         ports = load_ports(config, ports)
         assert ports.clock is not None and ports.events is not None and ports.device is not None

@@ -34,6 +34,7 @@ from actors.runtime import Actor
 from actors.scheduler import Scheduler
 from actors.scheduler_core import RowDelta, SchedulerConfig, SchedulerCore
 from ember.spec_build import Speculation, build_speculation
+from ember.ssd_tier import demote_idle_s, ssd_on
 from engine.config import EngineConfig, FakeGPUConfig
 from engine.eventlog import EventLog
 from engine.kv.cold_store import ColdStore
@@ -180,7 +181,7 @@ def assemble(config: EngineConfig, ports: Ports) -> Parts:
     clock, backend, device, events = ports.clock, ports.backend, ports.device, ports.events
     assert clock is not None and backend is not None and device is not None and events is not None, "load_ports first"
     settings = settings_from(config)
-    durable = bool(config.ssd_cache_dir) and config.prompt_cache_gib > 0  # the SSD tier needs the RAM tier
+    durable = ssd_on(config)  # a folder, and the RAM tier it spills from
     coord: DurabilityCoordinator | None = None  # made below; the RAM tier's hooks reach it once it runs
 
     def on_put(tokens: list[int], ns: str) -> None:
@@ -300,7 +301,7 @@ def _cold_tier(config: EngineConfig, ports: Ports, scheduler: Scheduler) -> Cold
         clock,
         io=ports.io or run_in_thread,
         scheduler=scheduler.ref,
-        demote_idle_s=300.0 if config.ssd_demote_idle_s is None else config.ssd_demote_idle_s,
+        demote_idle_s=demote_idle_s(config),
         wall=ports.wall,
     )
     scheduler.subscribe(cold.ref)

@@ -44,6 +44,7 @@ from ember.api import Engine
 from ember.assemble import load_ports
 from ember.embed import EmbeddingEngine
 from ember.ssd_folders import model_ssd_dir
+from ember.ssd_tier import ssd_on
 from engine.config import EngineConfig
 from engine.kv.budget import SsdBudget, scan_offline
 from engine.ports import Ports, run_in_thread, run_inline
@@ -195,7 +196,7 @@ class Registry:
     ):
         self.base = base
         self.base_ports = ports or Ports()
-        if base.ssd_cache_dir and base.prompt_cache_gib > 0 and self.base_ports.ssd_budget is None:
+        if ssd_on(base) and self.base_ports.ssd_budget is None:
             budget = SsdBudget(int(base.ssd_cache_max_gib * GIB))
             self.base_ports = dataclasses.replace(self.base_ports, ssd_budget=budget)
         self.ssd_budget = self.base_ports.ssd_budget

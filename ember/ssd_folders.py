@@ -1,7 +1,7 @@
 """Where each model's SSD prompt-cache files live (the folder names, no I/O).
 
 ``ember serve``'s default tier is one folder per model key under the KV root
-(``transport/ssd_default.py``): ``<kv root>/<model-key>``. A server that holds
+(``ember/ssd_tier.py``): ``<kv root>/<model-key>``. A server that holds
 many models (``ember/registry.py``) gives every model its own folder the same
 way, so a model's cache is in one place whether it is ``--model`` or loaded on
 demand, and two models whose configs share a fingerprint (two fine-tunes of one
@@ -17,16 +17,9 @@ import os
 import re
 from collections.abc import Mapping
 
+from engine.cache_dir import cache_root
 from engine.config import EngineConfig
 from engine.models import hub
-
-
-def cache_root(environ: Mapping[str, str] | None = None) -> str:
-    """Ember's cache root (the rule of engine/mlx/gguf_convert.py and calibration_cache.py)."""
-    env = os.environ if environ is None else environ
-    return env.get("EMBER_CACHE_DIR") or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember"
-    )
 
 
 def kv_root(environ: Mapping[str, str] | None = None) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+SSD_AUTO = "auto"  # EngineConfig.ssd_cache_dir: the default folder and cap (ember.ssd_tier)
+
 
 # The fake GPU's settings (engine.fake.gpu), here beside the rest of the engine's:
 # a config names its backend's knobs without importing the backend.
@@ -70,10 +72,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     step_timeout_s: float | None = None
     # tiered prompt cache
     prompt_cache_gib: float = 2.0  # RAM tier cap; 0 disables
+    # None: no SSD tier; "auto" (SSD_AUTO): one folder per model under the
+    # cache root, cap lowered to a tenth of free space; a path: that folder.
+    # Decided once, by ember.ssd_tier.resolve_ssd (serve, launch, Engine.open)
     ssd_cache_dir: str | None = None
     ssd_cache_max_gib: float = 32.0
     ssd_cache_verify: bool = True  # per-tensor xxh3 on every restore (docs/cold-tier.md: its measured cost)
-    ssd_demote_idle_s: float | None = None  # None: 300 when the SSD tier is on
+    ssd_demote_idle_s: float | None = None  # None: ember.ssd_tier.DEMOTE_IDLE_S
     # a cached prefix shorter than this is not reused (RAM or SSD): it would save
     # a few tokens of prefill and cost a cache copy or a disk read, and keep the
     # row out of a batched prefill (rows prefill together from the same offset)
@@ -119,7 +124,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest("kv_group_size must be 32, 64 or 128", "kv_group_size")
         if self.prompt_cache_gib < 0:
             raise InvalidRequest("prompt_cache_gib must be >= 0", "prompt_cache_gib")
-        if self.ssd_cache_dir and self.prompt_cache_gib == 0:
+        if self.ssd_cache_dir and self.ssd_cache_dir != SSD_AUTO and self.prompt_cache_gib == 0:
             raise InvalidRequest(
                 "the SSD cache needs the RAM tier: --prompt-cache 0 with --ssd-cache", "prompt_cache_gib"
             )

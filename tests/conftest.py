@@ -33,7 +33,7 @@ def pytest_configure(config):
     global _skip_log_here
     _skip_log_here = not _is_xdist_worker(config)  # the controller sees every worker's reports
     # `ember serve` keeps an SSD prompt cache under ~/.cache/ember/kv by default
-    # (transport/ssd_default.py): the suite's servers (in-process and the
+    # (ember/ssd_tier.py): the suite's servers (in-process and the
     # subprocesses, which inherit the variable) write into a temp dir instead,
     # one per xdist worker, so two workers' servers never share a cache.
     inherited = os.environ.get("EMBER_KV_CACHE_DIR", "")

@@ -21,7 +21,7 @@ from engine.errors import InvalidRequest
 from engine.types import Constraint, SamplingParams
 from transport import generic_tools, reasoning
 from transport.output_memory import OutputMemory
-from transport.request_io import collect
+from transport.request_io import collect, event_stream
 from transport.tool_calls import CallSplitter, Count, markup_of
 from transport.tools import ToolSetup
 
@@ -192,14 +192,12 @@ async def respond(
     """Send the answer — SSE or one body — and remember its ids for the next turn."""
     from starlette.responses import Response
 
-    from transport.sse import EventStream
-
     def on_finish(text: str, ids: list[int]) -> None:
         remember(engine, prompt, text, ids)
 
     if streaming:
         recording = Recording(renderer, on_finish)
-        return EventStream(stream, recording, keepalive_s=host.keepalive_s, on_tokens=timer.tokens, on_end=timer.done)
+        return event_stream(host, stream, recording, timer)
     completion = await collect(stream, request.receive, timer)
     if completion is None:
         return Response(status_code=400)  # the client left; nothing is sent

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     ssd.add_argument(
         "--ssd-cache",
         metavar="DIR",
-        help="directory of the SSD prompt-cache tier (default: on, under ~/.cache/ember/kv/; transport/ssd_default.py)",
+        help="directory of the SSD prompt-cache tier (default: auto, a folder per model under "
+        "$EMBER_CACHE_DIR/kv, else ~/.cache/ember/kv; ember/ssd_tier.py)",
     )
     ssd.add_argument("--no-ssd-cache", action="store_true", help="serve without the SSD prompt-cache tier")
     s.add_argument(
@@ -161,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--models-dir",
-        default="~/.cache/ember/models",
         metavar="DIR",
-        help="more models to serve on demand: every mlx-lm directory, .gguf file and sentence-transformers directory here",
+        help="more models to serve on demand: every mlx-lm directory, .gguf file and sentence-transformers directory here "
+        "(default: models/ under the cache root, $EMBER_CACHE_DIR else ~/.cache/ember)",
     )
     s.add_argument(
         "--keep-alive",
@@ -210,7 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--model", help="the model a started server serves (as `ember serve --model`)")
     la.add_argument("--host", default="127.0.0.1")
     la.add_argument("--port", type=int, default=8000, help="reuse the server answering here, or start one here")
-    la.add_argument("--ssd-cache", metavar="DIR", help="SSD prompt-cache tier (default: ~/.cache/ember/ssd)")
+    la.add_argument(
+        "--ssd-cache",
+        metavar="DIR",
+        help="SSD prompt-cache tier of a started server (default: serve's, ember/ssd_tier.py)",
+    )
     la.add_argument("--served-model-name", help="the name a started server reports")
     la.add_argument("--bin", help="the client's executable (default: found on PATH)")
     # the client's own arguments follow `--` (split off in main: argparse's subparsers keep no remainder)
@@ -234,33 +239,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# serve/generate flag dest → the EngineConfig field it sets
+ENGINE_FIELDS = {
+    "batch": "max_batch",
+    "max_queue": "max_queue",
+    "prompt_cache": "prompt_cache_gib",
+    "ssd_cache": "ssd_cache_dir",
+    "ssd_cache_max": "ssd_cache_max_gib",
+    "ssd_demote_idle": "ssd_demote_idle_s",
+    "spill_queue": "spill_queue_gib",
+    "min_cached_prefix": "min_cached_prefix",
+    "draft_model": "draft_model",
+    "num_draft_tokens": "num_draft_tokens",
+    "served_model_name": "model_name",
+    "max_kv_size": "max_kv_size",
+    "kv_bits": "kv_bits",
+    "kv_group_size": "kv_group_size",
+    "attention_streams": "attention_streams",
+}
+
+
 def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """Flags → a validated ``EngineConfig``; a problem is ``parser.error`` (exit 2)."""
     from engine.config import EngineConfig
 
-    mapping = {
-        "batch": "max_batch",
-        "max_queue": "max_queue",
-        "prompt_cache": "prompt_cache_gib",
-        "ssd_cache": "ssd_cache_dir",
-        "ssd_cache_max": "ssd_cache_max_gib",
-        "ssd_demote_idle": "ssd_demote_idle_s",
-        "spill_queue": "spill_queue_gib",
-        "min_cached_prefix": "min_cached_prefix",
-        "draft_model": "draft_model",
-        "num_draft_tokens": "num_draft_tokens",
-        "served_model_name": "model_name",
-        "max_kv_size": "max_kv_size",
-        "kv_bits": "kv_bits",
-        "kv_group_size": "kv_group_size",
-        "attention_streams": "attention_streams",
-    }
     fields: dict[str, Any] = {"backend": "fake" if args.fake_gpu else "mlx", "model": default_model(args)}
     if not args.fake_gpu and fields["model"].startswith("scripted:"):  # the scripted test model (engine.fake.scripted)
         fields.update(backend="scripted", model=fields["model"].removeprefix("scripted:"))
         if not os.path.isfile(fields["model"]):
             parser.error(f"no script file {fields['model']!r} (--model scripted:PATH)")
-    for flag, field in mapping.items():
+    for flag, field in ENGINE_FIELDS.items():
         value = getattr(args, flag, None)
         if value is not None:
             fields[field] = value
@@ -284,6 +292,10 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         config = EngineConfig(**fields).validate()
     except InvalidRequest as exc:
         parser.error(f"{exc} ({exc.param})" if exc.param else str(exc))
+    if hasattr(args, "no_ssd_cache"):  # `serve`: the folder and cap decided now, stated in its start line
+        from ember.ssd_tier import resolve_ssd
+
+        config, args.ssd_note = resolve_ssd(config, cap_given=args.ssd_cache_max is not None)
     if config.backend == "mlx":
         from engine.models import hub, resolve_model
 
@@ -315,37 +327,16 @@ def _default_drafter(args: argparse.Namespace, fields: dict[str, Any]) -> None:
 
 
 def _default_ssd(args: argparse.Namespace, fields: dict[str, Any]) -> None:
-    """``serve`` turns the SSD tier on unless told otherwise (transport/ssd_default.py);
-    ``generate`` and the embedded Engine keep it off. ``args.ssd_note`` is what the
-    start line says about it."""
+    """``serve`` turns the SSD tier on unless told otherwise: its folder is
+    ``"auto"``, which ``ember.ssd_tier.resolve_ssd`` decides (the one rule
+    ``ember launch`` and the embedded ``Engine`` follow too); ``generate`` and
+    the embedded Engine keep it off."""
     if not hasattr(args, "no_ssd_cache"):
         return  # not `serve`
-    if fields.get("ssd_cache_dir"):
-        cap = fields.get("ssd_cache_max_gib", 32.0)
-        args.ssd_note = f"SSD prompt cache {fields['ssd_cache_dir']}, cap {cap:g} GiB"
-        return
-    if args.no_ssd_cache or fields.get("prompt_cache_gib") == 0:  # the SSD tier needs the RAM tier
-        args.ssd_note = "SSD prompt cache off"
-        return
-    from transport.ssd_default import default_ssd
+    if not args.no_ssd_cache and not fields.get("ssd_cache_dir"):
+        from engine.config import SSD_AUTO
 
-    found = default_ssd(
-        fields["model"],
-        kv_bits=fields.get("kv_bits"),
-        kv_group_size=fields.get("kv_group_size"),
-        window=fields.get("max_kv_size"),
-    )
-    if found is None:
-        args.ssd_note = "SSD prompt cache off (too little free disk space)"
-        return
-    fields["ssd_cache_dir"] = found.dir
-    if "ssd_cache_max_gib" not in fields:
-        fields["ssd_cache_max_gib"] = found.cap_gib
-    args.ssd_note = (
-        found.describe()
-        if fields["ssd_cache_max_gib"] == found.cap_gib
-        else (f"SSD prompt cache {found.dir}, cap {fields['ssd_cache_max_gib']:g} GiB")
-    )
+        fields["ssd_cache_dir"] = SSD_AUTO
 
 
 def default_model(args: argparse.Namespace) -> str:
@@ -392,21 +383,25 @@ def _import_mlx_on_main_thread(config: Any) -> None:
 # launch
 
 
-def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from transport.launch import launch as run_client
-
-    rest = list(args.client_args)
+def launch_serve_args(args: argparse.Namespace) -> list[str]:
+    """The ``ember serve`` flags ``launch`` passes to a server it starts."""
     serve_args: list[str] = []
     if args.model:
         serve_args += ["--model", args.model]
     if args.served_model_name:
         serve_args += ["--served-model-name", args.served_model_name]
+    return serve_args
+
+
+def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from transport.launch import launch as run_client
+
     return run_client(
         args.client,
-        rest,
+        list(args.client_args),
         host=args.host,
         port=args.port,
-        serve_args=serve_args,
+        serve_args=launch_serve_args(args),
         ssd_cache=args.ssd_cache,
         binary=args.bin,
     )
@@ -426,8 +421,10 @@ def registry_kw(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
         aliases[name] = model
     if args.max_memory is not None and not args.max_memory > 0:
         parser.error("--max-memory must be a positive number of GiB")
+    from engine.cache_dir import cache_root
+
     return {
-        "models_dir": args.models_dir,
+        "models_dir": args.models_dir or os.path.join(cache_root(), "models"),
         "keep_alive_s": None if args.keep_alive < 0 else args.keep_alive,
         "max_memory": None if args.max_memory is None else int(args.max_memory * (1 << 30)),
         "pins": tuple(args.pin),

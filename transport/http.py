@@ -53,9 +53,8 @@ from transport.metrics import CONTENT_TYPE, Metrics, TokenTimer
 from transport.openai_bodies import ModelCard, ModelList
 from transport.openai_schema import decode_request
 from transport.render import ChatRenderer, CompletionRenderer
-from transport.request_io import collect, endpoint, message_texts, read_body, request_namespace
+from transport.request_io import collect, endpoint, event_stream, message_texts, read_body, request_namespace
 from transport.security import SecurityMiddleware
-from transport.sse import EventStream
 from transport.ui_routes import routes as ui_routes
 
 log = logging.getLogger("ember.http")
@@ -355,14 +354,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
         return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
     completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
     if req.stream:
-        return EventStream(
-            stream,
-            completion_renderer,
-            keepalive_s=host.keepalive_s,
-            on_tokens=timer.tokens,
-            on_end=timer.done,
-            send_timeout_s=host.send_timeout_s,
-        )
+        return event_stream(host, stream, completion_renderer, timer)
     completion = await collect(stream, request.receive, timer)
     if completion is None:
         return Response(status_code=400)  # the client left; nothing is sent

@@ -21,15 +21,24 @@ status; a server it started stops with it.
 - **OpenCode**: an ``OPENCODE_CONFIG`` file with an ``ember`` provider
   (OpenAI-compatible) and the model's limits.
 
+With ``EMBER_API_KEY`` set (the key ``ember serve`` requires by default),
+the probe of ``/v1/models`` sends it, a server it starts inherits it, and the
+client is given it: Claude Code as ``ANTHROPIC_API_KEY``, Codex and OpenCode
+by reading ``EMBER_API_KEY`` (Codex's ``env_key``, OpenCode's
+``{env:EMBER_API_KEY}``), so the key is never written to a file. Without it
+they get a dummy key, which a server without ``--api-key`` ignores.
+
 Each launch is one session with one routing key, sent as the header
 ``X-SMG-Routing-Key`` (Claude Code's ``ANTHROPIC_CUSTOM_HEADERS``, Codex's
 provider ``http_headers``, OpenCode's provider ``headers``): behind the SGLang
 Model Gateway with ``--policy manual`` every request of the session goes to the
 replica that holds its prefix (docs/distributed.md); a single server ignores it.
 
-The server it starts has the SSD prompt-cache tier on (``--ssd-cache`` under
-``$XDG_CACHE_HOME/ember/ssd``, default ``~/.cache/ember/ssd``), so a session
-resumed after a restart still starts warm.
+The server it starts has ``ember serve``'s SSD prompt-cache tier, decided by
+the same function (``ember.ssd_tier.resolve_ssd``: one folder per model under
+``$EMBER_CACHE_DIR/kv``, else ``~/.cache/ember/kv``), so a session resumed
+after a restart still starts warm, a launched session finds the cache a served
+one left, and two models never share a folder; ``--ssd-cache DIR`` overrides it.
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.cache_dir import cache_root
+
 CLIENTS = ("claude", "codex", "opencode")
 DUMMY_KEY = "ember"
 # the header sglang-router's ``manual`` policy routes by: one key, one replica
@@ -59,16 +70,40 @@ def routing_key() -> str:
 
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> pathlib.Path:
-    env = os.environ if environ is None else environ
-    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or str(pathlib.Path.home()), ".cache")
-    return pathlib.Path(base) / "ember"
+    return pathlib.Path(cache_root(environ))
 
 
-def served_model(url: str, timeout_s: float = 2.0) -> tuple[str, int | None] | None:
-    """(name, context length) of the server answering at ``url``, or None."""
+def server_args(serve_args: Sequence[str], host: str, ssd_cache: str | None = None) -> list[str]:
+    """The flags of the ``ember serve`` a launch starts: no SSD folder of its
+    own unless asked, so ``serve``'s default decides it (ember/ssd_tier.py)."""
+    args = [*serve_args, "--host", host]
+    if ssd_cache and "--ssd-cache" not in args:
+        args += ["--ssd-cache", ssd_cache]
+    return args
+
+
+def api_key(environ: Mapping[str, str]) -> str | None:
+    """The key the server wants, as ``ember serve`` reads it (``--api-key``'s default)."""
+    return environ.get("EMBER_API_KEY") or None
+
+
+class KeyRefused(Exception):
+    """The server answering at the URL wants an API key this launch does not have."""
+
+
+def served_model(url: str, timeout_s: float = 2.0, key: str | None = None) -> tuple[str, int | None] | None:
+    """(name, context length) of the server answering at ``url``, or None when
+    none answers; ``KeyRefused`` when one answers 401 to ``key``."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=timeout_s) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{url}/v1/models", headers=headers), timeout=timeout_s
+        ) as r:
             card = json.load(r)["data"][0]
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise KeyRefused(url) from None
+        return None
     except (OSError, ValueError, KeyError, IndexError):
         return None
     ctx = card.get("context_length") or card.get("max_model_len")
@@ -108,7 +143,7 @@ def client_env(
     if client == "claude":
         env.update(
             ANTHROPIC_BASE_URL=url,
-            ANTHROPIC_API_KEY=env.get("EMBER_API_KEY") or DUMMY_KEY,
+            ANTHROPIC_API_KEY=api_key(env) or DUMMY_KEY,
             ANTHROPIC_MODEL=model,
             ANTHROPIC_SMALL_FAST_MODEL=model,
             ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
@@ -137,12 +172,13 @@ def client_env(
         codex_home.mkdir(parents=True, exist_ok=True)
         (codex_home / "config.toml").write_text(codex_config(url, model, context, session))
         env["CODEX_HOME"] = str(codex_home)
-        env.setdefault("EMBER_API_KEY", DUMMY_KEY)
+        env["EMBER_API_KEY"] = api_key(env) or DUMMY_KEY  # its provider's env_key
     elif client == "opencode":
         path = home / "opencode.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(opencode_config(url, model, context, session), indent=2))
         env["OPENCODE_CONFIG"] = str(path)
+        env["EMBER_API_KEY"] = api_key(env) or DUMMY_KEY  # its provider's apiKey reads it
     else:
         raise ValueError(f"unknown client {client!r} ({', '.join(CLIENTS)})")
     return env
@@ -170,7 +206,8 @@ def codex_config(url: str, model: str, context: int, session: str | None = None)
 
 
 def opencode_config(url: str, model: str, context: int, session: str | None = None) -> dict[str, Any]:
-    options: dict[str, Any] = {"baseURL": f"{url}/v1", "apiKey": DUMMY_KEY}
+    # OpenCode substitutes {env:NAME} when it reads its config: the key stays out of the file
+    options: dict[str, Any] = {"baseURL": f"{url}/v1", "apiKey": "{env:EMBER_API_KEY}"}
     if session:
         options["headers"] = {ROUTING_HEADER: session}
     return {
@@ -188,10 +225,13 @@ def opencode_config(url: str, model: str, context: int, session: str | None = No
     }
 
 
-def start_server(serve_args: Sequence[str], port: int, timeout_s: float = 900) -> tuple[subprocess.Popen[str], str]:
-    """``ember serve SERVE_ARGS --port PORT``; returns once it printed its URL."""
+def start_server(
+    serve_args: Sequence[str], port: int, timeout_s: float = 900, env: Mapping[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """``ember serve SERVE_ARGS --port PORT`` (in ``env``: its ``EMBER_API_KEY`` is
+    the key it requires); returns once it printed its URL."""
     argv = [sys.executable, "-m", "transport.cli", "serve", *serve_args, "--port", str(port)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=None if env is None else dict(env))
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     for line in proc.stdout:
@@ -223,20 +263,24 @@ def launch(
         return 2
     url = f"http://{host}:{port}"
     proc = None
-    found = served_model(url)
-    if found is None:
-        ssd = ssd_cache or str(cache_dir(environ) / "ssd")
-        args = [*serve_args, "--host", host]
-        if "--ssd-cache" not in args:
-            args += ["--ssd-cache", ssd]
-        proc, url = start_server(args, port)
-        found = served_model(url)
+    key = api_key(environ)  # a server started here reads the same variable
+    try:
+        found = served_model(url, key=key)
         if found is None:
+            proc, url = start_server(server_args(serve_args, host, ssd_cache), port, env=environ)
+            found = served_model(url, key=key)
+            if found is None:
+                proc.terminate()
+                print(f"ember launch: the server at {url} does not answer /v1/models", file=sys.stderr)
+                return 1
+        else:
+            print(f"ember launch: reusing the server at {url}", file=sys.stderr)
+    except KeyRefused:
+        if proc is not None:
             proc.terminate()
-            print(f"ember launch: the server at {url} does not answer /v1/models", file=sys.stderr)
-            return 1
-    else:
-        print(f"ember launch: reusing the server at {url}", file=sys.stderr)
+        have = "refuses EMBER_API_KEY" if key else "wants an API key: set EMBER_API_KEY to it"
+        print(f"ember launch: the server at {url} {have}", file=sys.stderr)
+        return 1
     model, context = found
     context = context or 8192
     env = client_env(client, url, model, context, environ, cache_dir(environ) / "launch")

@@ -23,7 +23,7 @@ from transport.api_keys import key_name
 from transport.choices import ChoiceStream
 from transport.errors import ApiError, from_engine_error
 from transport.metrics import TokenTimer
-from transport.sse import Disconnect
+from transport.sse import Disconnect, EventStream, Renderer
 
 Handler = Callable[[Request, Any], Awaitable[Response]]
 
@@ -63,6 +63,22 @@ def request_namespace(request: Request) -> str:
     can hit or fill — the prompt cache's tiers, the speculation seeds, the
     output memory, stored responses — is scoped by it."""
     return cache_namespace(key_scope=key_name(request))
+
+
+def event_stream(host: Any, stream: Any, renderer: Renderer, timer: TokenTimer) -> EventStream:
+    """A streaming answer with the server's per-stream rules: the keep-alive
+    interval and the send deadline (``--send-timeout``: a client that stops
+    reading is aborted, or it would hold its batch slot until max_tokens).
+    Every streaming route (completions, chat, Messages, Responses) builds its
+    stream here, so a rule added to one reaches all four."""
+    return EventStream(
+        stream,
+        renderer,
+        keepalive_s=host.keepalive_s,
+        send_timeout_s=host.send_timeout_s,
+        on_tokens=timer.tokens,
+        on_end=timer.done,
+    )
 
 
 def message_texts(messages: list[Any]) -> list[str]:

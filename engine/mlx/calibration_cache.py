@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from engine.cache_dir import cache_root
 from engine.mlx.cpu_layout import CALIBRATION_ROWS, LAYOUT_ROWS, CpuChoice
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,7 @@ def quiet_now(load: float | None, cores: int) -> bool:
 
 
 def cache_dir(environ: Mapping[str, str] = os.environ) -> pathlib.Path:
-    base = environ.get("EMBER_CACHE_DIR") or os.path.join(
-        environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember"
-    )
-    return pathlib.Path(base) / "cpu"
+    return pathlib.Path(cache_root(environ)) / "cpu"
 
 
 def _cpu_model() -> str:

@@ -38,6 +38,8 @@ from typing import Any, cast
 
 import numpy as np
 
+from engine.cache_dir import cache_root as ember_cache_root
+
 log = logging.getLogger("ember.gguf")
 
 CONVERTER_VERSION = 1  # bump when the output of convert() changes
@@ -368,10 +370,7 @@ def convert(
 
 
 def cache_root() -> pathlib.Path:
-    base = os.environ.get("EMBER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember"
-    )
-    return pathlib.Path(base) / "gguf"
+    return pathlib.Path(ember_cache_root()) / "gguf"
 
 
 def file_key(path: pathlib.Path, dtype: str, block: int = 1 << 20) -> str:

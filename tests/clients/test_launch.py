@@ -17,7 +17,7 @@ from tests.live_server import ember_serve
 pytestmark = pytest.mark.slow
 
 FAKE_CLIENT = r"""#!PYTHON
-import json, os, sys, urllib.request
+import json, os, sys, urllib.error, urllib.request
 env = dict(os.environ)
 files = {}
 for key in ("CODEX_HOME", "OPENCODE_CONFIG"):
@@ -26,9 +26,16 @@ for key in ("CODEX_HOME", "OPENCODE_CONFIG"):
         files[key] = open(path).read()
 url = env.get("ANTHROPIC_BASE_URL") or "URL_UNKNOWN"
 models = None
+keyless = None  # the status the server gives a request without the key
 if url != "URL_UNKNOWN":
-    models = json.load(urllib.request.urlopen(url + "/v1/models"))
-json.dump({"argv": sys.argv[1:], "env": env, "files": files, "models": models}, open(os.environ["DUMP"], "w"))
+    # as Claude Code sends its key
+    req = urllib.request.Request(url + "/v1/models", headers={"x-api-key": env["ANTHROPIC_API_KEY"]})
+    models = json.load(urllib.request.urlopen(req))
+    try:
+        keyless = urllib.request.urlopen(url + "/v1/models").status
+    except urllib.error.HTTPError as exc:
+        keyless = exc.code
+json.dump({"argv": sys.argv[1:], "env": env, "files": files, "models": models, "keyless": keyless}, open(os.environ["DUMP"], "w"))
 sys.exit(7)
 """
 
@@ -48,10 +55,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, client, *extra):
+def _launch(tmp_path, client, *extra, key=None):
     fake, script = _fake(tmp_path)
     env = {**os.environ, "DUMP": str(tmp_path / "dump.json"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("EMBER_API_KEY", None)
+    if key is not None:
+        env["EMBER_API_KEY"] = key
     argv = [sys.executable, "-m", "transport.cli", "launch", client, "--bin", str(fake), *extra]
     res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     return res, json.loads((tmp_path / "dump.json").read_text()), script
@@ -79,7 +88,9 @@ def test_claude_gets_every_model_slot_the_context_and_a_started_server(tmp_path)
     assert env["ANTHROPIC_API_KEY"]
     # the server it started was up while the client ran, reports the context, and had the SSD tier on
     assert dump["models"]["data"][0]["context_length"] == 100000
-    assert (tmp_path / "cache" / "ember" / "ssd").is_dir()
+    # ... in serve's own folder for the model (ember/ssd_tier.py), not one of launch's
+    assert f"SSD prompt cache {os.path.join(os.environ['EMBER_KV_CACHE_DIR'], script.name)}-" in res.stderr, res.stderr
+    assert not (tmp_path / "cache" / "ember" / "ssd").exists()
 
 
 def test_codex_gets_a_responses_provider_and_a_running_server_is_reused(tmp_path):
@@ -136,3 +147,33 @@ def test_auto_compaction_is_off_where_the_context_cannot_hold_claude_codes_reser
     )
     # the user's own choice stands
     assert client_env("claude", "u", "m", 8192, {"DISABLE_AUTO_COMPACT": "0"}, tmp_path)["DISABLE_AUTO_COMPACT"] == "0"
+
+
+KEY = "sk-launch-test"
+
+
+def test_with_ember_api_key_set_a_started_server_requires_it_and_claude_is_given_it(tmp_path):
+    fake, script = _fake(tmp_path)
+    res, dump, _ = _launch(tmp_path, "claude", "--model", f"scripted:{script}", "--port", str(_free_port()), key=KEY)
+    assert res.returncode == 7, res.stderr  # the probe sent the key: the client ran
+    assert dump["env"]["ANTHROPIC_API_KEY"] == KEY
+    assert dump["models"]["data"][0]["id"] == "scripted"  # with the key it was given
+    assert dump["keyless"] == 401  # the started server did require it
+
+
+@pytest.mark.parametrize("client", ["codex", "opencode"])
+def test_with_ember_api_key_set_a_reused_server_is_probed_with_it_and_the_client_reads_it(tmp_path, client):
+    fake, script = _fake(tmp_path)
+    with ember_serve("--model", f"scripted:{script}", "--api-key", KEY) as (proc, url):
+        res, dump, _ = _launch(tmp_path, client, "--port", url.rsplit(":", 1)[1], key=KEY)
+        assert res.returncode == 7, res.stderr
+        assert "reusing the server" in res.stderr
+        # no key: a clear error, not a second server on a busy port
+        bad, _, _ = _launch(tmp_path, client, "--port", url.rsplit(":", 1)[1], key="")
+        assert bad.returncode == 1 and "set EMBER_API_KEY" in bad.stderr, bad.stderr
+    assert dump["env"]["EMBER_API_KEY"] == KEY
+    if client == "codex":
+        assert tomllib.loads(dump["files"]["CODEX_HOME"])["model_providers"]["ember"]["env_key"] == "EMBER_API_KEY"
+    else:
+        options = json.loads(dump["files"]["OPENCODE_CONFIG"])["provider"]["ember"]["options"]
+        assert options["apiKey"] == "{env:EMBER_API_KEY}" and KEY not in dump["files"]["OPENCODE_CONFIG"]
