@@ -170,6 +170,10 @@ class Engine:
                     await actor.stopped.wait()
             self._actor_scope.cancel()
 
+    def in_flight(self) -> int:
+        """Requests admitted and not finished (ember.served.Served)."""
+        return int(self.gateway.stats()["in_flight"])
+
     async def drain(self) -> bool:
         """The first half of a graceful stop, for a server to run before it stops
         listening: admit nothing new (``status`` says draining, so /health and new

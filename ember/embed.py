@@ -74,6 +74,18 @@ class EmbeddingEngine:
     def status(self) -> str:
         return "ready" if self.ready else "draining"
 
+    def in_flight(self) -> int:
+        """Requests running now (ember.served.Served)."""
+        return self._in_flight
+
+    async def drain(self) -> bool:
+        """Admit nothing new and let the running requests finish (ember.served.Served);
+        there is nothing to flush."""
+        self.ready = False
+        while self._in_flight:
+            await anyio.sleep(0.005)
+        return True
+
     def tokenize(self, text: str) -> list[int]:
         return self.encoder.tokenize(text)
 

@@ -43,6 +43,8 @@ import msgspec
 from ember.api import Engine
 from ember.assemble import load_ports
 from ember.embed import EmbeddingEngine
+from ember.model_state import ModelEvent, ModelState, next_state
+from ember.served import Served
 from ember.ssd_folders import model_ssd_dir
 from ember.ssd_tier import ssd_on
 from engine.config import EngineConfig
@@ -108,7 +110,7 @@ class ModelEntry:
     keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S  # None: forever
     pinned: bool = False
     # runtime
-    state: str = "available"  # available, loading, loaded, unloading
+    state: ModelState = ModelState.AVAILABLE  # ember.model_state: changed only by fire()
     engine: Any = None
     last_used: float = 0.0
     loaded_at: float | None = None
@@ -120,6 +122,10 @@ class ModelEntry:
     _stop: anyio.Event | None = None
     _stopped: anyio.Event | None = None
     waiters: int = 0
+
+    def fire(self, event: ModelEvent) -> None:
+        """The one place a model's state changes (ember.model_state.TRANSITIONS)."""
+        self.state = next_state(self.state, event)
 
     def context_length(self) -> int | None:
         if self.engine is not None:
@@ -439,7 +445,8 @@ class Registry:
     async def _start_load(self, entry: ModelEntry) -> None:
         assert self._tg is not None, "Registry.run is not running"
         await self._make_room(entry)
-        entry.state, entry.error = "loading", None
+        entry.fire(ModelEvent.LOAD)
+        entry.error = None
         entry._ready, entry._stop, entry._stopped = anyio.Event(), anyio.Event(), anyio.Event()
         self._tg.start_soon(self._hold, entry)
 
@@ -470,7 +477,7 @@ class Registry:
         try:
             async with self._open(entry) as engine:
                 entry.engine = engine
-                entry.state = "loaded"
+                entry.fire(ModelEvent.OPENED)
                 entry.loads += 1
                 entry.load_s = time.perf_counter() - t0
                 entry.loaded_at = entry.last_used = self._now()
@@ -479,16 +486,15 @@ class Registry:
                 self._poke()
                 log.info("[registry] loaded %s in %.2fs memory=%s", entry.name, entry.load_s, entry.memory)
                 await entry._stop.wait()
-                entry.state = "unloading"
-                if hasattr(engine, "drain"):
-                    await engine.drain()  # running requests finish, write-behind flushes
+                entry.fire(ModelEvent.STOP)
+                await engine.drain()  # running requests finish, write-behind flushes
         except Exception as exc:  # noqa: BLE001 - a failed load is the requests' 5xx, not the server's death
             entry.error = f"{type(exc).__name__}: {exc}"
             log.error("[registry] %s failed: %s", entry.name, entry.error)
         finally:
             entry.engine = None
             entry.memory = {}
-            entry.state = "available"
+            entry.fire(ModelEvent.CLOSED)
             entry._ready.set()
             entry._stopped.set()
             self._poke()
@@ -584,11 +590,9 @@ class Registry:
         }
 
 
-def busy(engine: Any) -> bool:
-    if isinstance(engine, EmbeddingEngine):
-        return engine._in_flight > 0
+def busy(engine: Served) -> bool:
     try:
-        return bool(engine.gateway.stats()["in_flight"])
+        return engine.in_flight() > 0
     except Exception:  # noqa: BLE001 - a dead engine is not busy
         return False
 
