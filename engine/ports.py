@@ -71,6 +71,10 @@ class Tokenizer(Protocol):
 
     def decode(self, tokens: list[int]) -> str: ...
 
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered chat template's text as tokens (its special tokens read as such)."""
+        ...
+
     def detokenizer(self) -> Detokenizer: ...
 
     def apply_chat_template(

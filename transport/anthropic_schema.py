@@ -40,6 +40,15 @@ from transport.tools import Tool, ToolChoice, ToolSetup, check_tool, compile_sch
 Note = Callable[[str, str], None]  # (field, action), for the envelope counter
 
 
+# Anthropic's tool_choice types -> Ember's ToolChoice modes
+_CHOICE_MODES: dict[str, Literal["none", "auto", "required", "named"]] = {
+    "auto": "auto",
+    "any": "required",
+    "tool": "named",
+    "none": "none",
+}
+
+
 class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
@@ -337,7 +346,7 @@ class _Prompt(_Strict, kw_only=True):
             for i, t in enumerate(self.tool_defs())
         ]
         c = self.tool_choice
-        mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[c.type] if c else "auto"
+        mode = _CHOICE_MODES[c.type] if c else "auto"
         parallel = not (c is not None and c.disable_parallel_tool_use)
         return ToolSetup.of(tools, ToolChoice(mode=mode, name=c.name if c else None), parallel, "tool_choice")
 

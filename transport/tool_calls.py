@@ -261,7 +261,7 @@ class CallSplitter:
             args = args[: close.start()] if close else args
             if len(args) > self._args_sent:
                 out.append(CallArgs(index=start.index, text=args[self._args_sent :]))
-            end = CallEnd(index=start.index, id=start.id, name=start.name, arguments=args)
+            end: CallEnd | None = CallEnd(index=start.index, id=start.id, name=start.name, arguments=args)
             if complete and not _is_json(args):  # streamed already: it goes out, and is counted
                 log.warning("[tools] a tool call's arguments are not JSON: %.80r", args)
                 self._note("markers", "parse_failures")
@@ -271,8 +271,8 @@ class CallSplitter:
             return
         else:
             end = self._parse_whole(body, out)
-            if end is None:
-                return
+        if end is None:
+            return
         out.append(end)
         self.calls.append(end)
         self._note("markers", "calls")
