@@ -62,7 +62,7 @@ def run_model(
         for client, task, repo in plan:
             print(f"[agent_tasks] {client} / {model} / {task.name} ...", file=sys.stderr, flush=True)
             s = run_session(client, clients[client], task, served, repo, proxy, max_output, timeout_s, model)
-            verdict = "pass" if s.passed else f"FAIL ({s.model_fault or '; '.join(s.ember)})"
+            verdict = "pass" if s.passed else f"FAIL, {s.outcome}: {s.reason or '; '.join(s.ember)}"
             print(
                 f"[agent_tasks]   {verdict}; turns {s.turns}, calls {s.tool_calls}, prompt {s.prompt_tokens}, "
                 f"cached {s.cached_tokens}, {s.wall_s:.0f} s, exit {s.exit_code}; ember faults {len(s.ember)}",

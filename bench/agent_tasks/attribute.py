@@ -12,8 +12,10 @@ Ember's faults (any one in a session is counted, pass or fail, and makes the har
 - ``cache lost``: a turn that continues an earlier turn of the same conversation (same system, tools
   and first message, a longer prompt) found less than half of that earlier prompt in the cache.
 
-Otherwise a failed task is the model's: no tool call at all, a time cap reached, or calls that did not
-do the task (the judge's detail says what the file system showed).
+Otherwise a failed task is the model's: no tool call at all, or calls that did not do the task (the
+judge's detail says what the file system showed). A session stopped at its time cap with a clean wire
+is counted apart (``time cap``): on a slow machine the first prefill of a client's system prompt can
+outlast the cap, and that says nothing about the model's choices.
 """
 
 from __future__ import annotations
@@ -114,12 +116,29 @@ class Session:
         return sum(ex.cached_tokens or 0 for ex in self.exchanges if ex.is_turn)
 
     @property
-    def model_fault(self) -> str:
-        """Why the model failed the task ("" when it passed, or when the failure is Ember's)."""
-        if self.passed or self.ember:
+    def finished_turns(self) -> int:
+        return sum(1 for ex in self.exchanges if ex.is_turn and ex.ended in ("complete", "body"))
+
+    @property
+    def outcome(self) -> str:
+        """pass, or whose the failure is: ``ember`` (any fault on the wire), ``time cap`` (the session
+        ran out of time with the wire clean: too slow to say what the model would have done), ``model``."""
+        if self.passed:
+            return "pass"
+        if self.ember:
+            return "ember"
+        return "time cap" if self.timed_out else "model"
+
+    @property
+    def reason(self) -> str:
+        """Why a failure that is not Ember's failed ("" otherwise)."""
+        if self.outcome == "time cap":
+            return (
+                f"time cap: {self.finished_turns} of {self.turns} turns finished, "
+                f"{self.tool_calls} calls ({self.detail})"
+            )
+        if self.outcome != "model":
             return ""
-        if self.timed_out:
-            return f"time cap reached after {self.turns} turns ({self.detail})"
         if self.tool_calls == 0:
             return f"no tool call ({self.detail})"
         return f"{self.tool_calls} calls, wrong result: {self.detail}"

@@ -20,24 +20,27 @@ def counts_table(sessions: Sequence[Session]) -> str:
     for client, model in keys:
         mine = [s for s in sessions if (s.client, s.model) == (client, model)]
         passed = sum(s.passed for s in mine)
-        by_model = sum(1 for s in mine if not s.passed and not s.ember)
-        by_ember = sum(1 for s in mine if not s.passed and s.ember)
+        by = {k: sum(1 for s in mine if s.outcome == k) for k in ("model", "ember", "time cap")}
         faults = sum(len(s.ember) for s in mine)
-        rows.append(f"| {client} | `{model}` | {passed}/{len(mine)} | {by_model} | {by_ember} | {faults} |")
+        rows.append(
+            f"| {client} | `{model}` | {passed}/{len(mine)} | {by['model']} | {by['ember']} | {by['time cap']} "
+            f"| {faults} |"
+        )
     return "\n".join(rows)
 
 
 def sessions_table(sessions: Sequence[Session]) -> str:
     rows = [
-        "| client | model | task | result | turns | tool calls | prompt tok | cached tok | wall s | model's choice | Ember's fault |"
+        "| client | model | task | result | turns | tool calls | prompt tok | cached tok | wall s | why (not Ember) "
+        "| Ember's fault |"
     ]
     rows.append("|---|---|---|---|--:|--:|--:|--:|--:|---|---|")
     for s in sessions:
-        result = "pass" if s.passed else "FAIL"
+        result = "pass" if s.passed else f"FAIL ({s.outcome})"
         ember = "; ".join(s.ember)
         rows.append(
             f"| {s.client} | `{s.model}` | {s.task} | {result} | {s.turns} | {s.tool_calls} | {s.prompt_tokens} | "
-            f"{s.cached_tokens} | {s.wall_s:.0f} | {_cell(s.model_fault)} | {_cell(ember)} |"
+            f"{s.cached_tokens} | {s.wall_s:.0f} | {_cell(s.reason)} | {_cell(ember)} |"
         )
     return "\n".join(rows)
 

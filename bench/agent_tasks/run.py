@@ -62,7 +62,8 @@ def ember_server(model: str, run_dir: pathlib.Path, max_output: int) -> Iterator
     args += ["--default-max-tokens", str(max_output)]
     proc, url = start_server(args, 0)
     # start_server read stdout up to the URL; drain the rest so a chatty server never blocks on a full pipe
-    threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True).start()
+    drain = threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True)
+    drain.start()
     try:
         yield url
     finally:
@@ -72,6 +73,9 @@ def ember_server(model: str, run_dir: pathlib.Path, max_output: int) -> Iterator
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        drain.join(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def session_env(home: pathlib.Path, extra: dict[str, str]) -> dict[str, str]:

@@ -197,17 +197,20 @@ def _session(passed: bool, exchanges: list[Exchange], timed_out: bool = False) -
     return judge_session(Session("claude", "m", "hello", passed, "no hello.py", 0, timed_out, 1.0, exchanges))
 
 
-def test_a_failure_is_the_models_unless_ember_faulted():
+def test_a_failure_is_the_models_unless_ember_faulted_or_time_ran_out():
     called = _turn(tool_calls=[ToolCall("Write", '{"file_path": "x"}')])
-    assert _session(False, [_turn(text="I can't")]).model_fault.startswith("no tool call")
-    assert _session(False, [called]).model_fault.startswith("1 calls, wrong result")
-    assert _session(False, [called], timed_out=True).model_fault.startswith("time cap reached after 1 turns")
+    silent = _session(False, [_turn(text="I can't")])
+    assert silent.outcome == "model" and silent.reason.startswith("no tool call")
+    assert _session(False, [called]).reason.startswith("1 calls, wrong result")
+    cut = _session(False, [called, _turn(ended="client_gone")], timed_out=True)
+    assert cut.outcome == "time cap" and cut.reason.startswith("time cap: 1 of 2 turns finished, 1 calls")
     broken = _session(False, [_turn(status=503, error_body="overloaded")])
-    assert broken.model_fault == "" and broken.ember == ["HTTP 503 POST /v1/messages: overloaded"]
+    assert broken.outcome == "ember" and broken.reason == ""
+    assert broken.ember == ["HTTP 503 POST /v1/messages: overloaded"]
     passed = _session(True, [called])
-    assert passed.model_fault == "" and passed.tool_calls == 1
-    table = counts_table([passed, broken, _session(False, [called])])
-    assert "| claude | `m` | 1/3 | 1 | 1 | 1 |" in table
+    assert passed.outcome == "pass" and passed.tool_calls == 1
+    table = counts_table([passed, broken, _session(False, [called]), cut])
+    assert "| claude | `m` | 1/4 | 1 | 1 | 1 | 1 |" in table
     assert "## Ember's faults" in report([broken]) and "## Ember's faults" not in report([passed])
 
 

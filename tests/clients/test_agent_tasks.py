@@ -4,7 +4,8 @@ The scripted test checks the harness itself: a model that solves the task, so ev
 with no Ember fault. The real-model test runs Qwen2.5-Coder-0.5B, which chooses its own tool calls:
 its failing the task is allowed (reported, with the model's reason), an Ember fault is not, and the
 session must have carried at least one whole tool call to the client (a session that never reached
-a tool call proves nothing about the wire).
+a tool call proves nothing about the wire). A session the time cap stopped before any call came back
+skips with its numbers: on a loaded CPU the first prefill of a client's prompt can outlast the cap.
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ def test_a_real_model_finishes_or_fails_a_task_with_no_ember_fault(qwen, client)
     task = BY_NAME["hello"]
     repo = make_repo(task, repo_dir(run_dir, REAL_MODEL, client, task))
     s = run_session(client, exe, task, REAL_MODEL, repo, proxy, REPLY_TOKENS, 600)
-    print(f"{client}: passed={s.passed} model's reason={s.model_fault!r} turns={s.turns} calls={s.tool_calls}")
+    print(f"{client}: {s.outcome} {s.reason!r} turns={s.turns} calls={s.tool_calls} wall={s.wall_s:.0f}s")
     assert not s.ember, _report(s)
+    if s.timed_out and s.tool_calls == 0:
+        # a clean wire, but the cap ran out before a call came back: on a loaded CPU the first prefill
+        # of the client's prompt alone can outlast it (measured: docs/bench/agent-tasks.md)
+        pytest.skip(
+            f"{client}: the 600 s cap ran out after {s.finished_turns} of {s.turns} turns "
+            f"({s.prompt_tokens} prompt tokens) with no tool call back yet: too slow to judge"
+        )
     assert s.tool_calls >= 1, "no tool call reached the client: " + _report(s)
