@@ -27,7 +27,7 @@ import shutil
 import sys
 import tempfile
 
-from bench.agent_tasks.attribute import Session
+from bench.agent_tasks.attribute import Session, judge_session, session_from_dict
 from bench.agent_tasks.clients import CLIENTS
 from bench.agent_tasks.report import report
 from bench.agent_tasks.run import SCRIPTED, ember_server, repo_dir, run_session, write_solving_script
@@ -86,7 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", metavar="DIR", help="keep the repositories and homes here (default: a temp folder)")
     ap.add_argument("--out", help="also write the Markdown report here")
     ap.add_argument("--json", help="also write every session with what crossed the wire here")
+    ap.add_argument("--from-json", metavar="FILE", help="run nothing: attribute and report a run --json saved")
     args = ap.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(pathlib.Path(args.from_json).read_text())
+        again = [judge_session(session_from_dict(d)) for d in saved["sessions"]]
+        text = report(again, saved["header"] + f" _Attributed again from `{args.from_json}`._")
+        print(text)
+        if args.out:
+            pathlib.Path(args.out).write_text(text)
+        return 1 if any(s.ember for s in again) else 0
     unknown = [t for t in args.tasks.split(",") if t not in BY_NAME]
     if unknown:
         ap.error(f"--tasks: unknown {', '.join(unknown)} (known: {', '.join(BY_NAME)})")
@@ -122,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         pathlib.Path(args.out).write_text(text)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps([dataclasses.asdict(s) for s in sessions], indent=1))
+        saved = {"header": header, "sessions": [dataclasses.asdict(s) for s in sessions]}
+        pathlib.Path(args.json).write_text(json.dumps(saved, indent=1))
     return 1 if any(s.ember for s in sessions) else 0
 
 

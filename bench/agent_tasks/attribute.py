@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
-from bench.agent_tasks.wire import Exchange
+from bench.agent_tasks.wire import Exchange, ToolCall
 
 CACHE_KEPT_MIN = 0.5  # of the earlier turn's prompt that a continuation must find cached
 
@@ -142,6 +143,12 @@ class Session:
         if self.tool_calls == 0:
             return f"no tool call ({self.detail})"
         return f"{self.tool_calls} calls, wrong result: {self.detail}"
+
+
+def session_from_dict(d: dict[str, Any]) -> Session:
+    """A session saved by ``--json`` (``dataclasses.asdict``), to attribute again."""
+    exchanges = [Exchange(**{**e, "tool_calls": [ToolCall(**c) for c in e["tool_calls"]]}) for e in d["exchanges"]]
+    return Session(**{**d, "exchanges": exchanges})
 
 
 def judge_session(session: Session) -> Session:

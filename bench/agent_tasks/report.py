@@ -13,9 +13,10 @@ def _cell(s: str) -> str:
 
 def counts_table(sessions: Sequence[Session]) -> str:
     rows = [
-        "| client | model | passed | failed: model's choice | failed: Ember's fault | Ember faults (all sessions) |"
+        "| client | model | passed | failed: model's choice | failed: Ember's fault | failed: time cap "
+        "| Ember faults (all sessions) |",
+        "|---|---|--:|--:|--:|--:|--:|",
     ]
-    rows.append("|---|---|--:|--:|--:|--:|")
     keys = list(dict.fromkeys((s.client, s.model) for s in sessions))
     for client, model in keys:
         mine = [s for s in sessions if (s.client, s.model) == (client, model)]

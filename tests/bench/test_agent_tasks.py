@@ -14,9 +14,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from bench.agent_tasks.attribute import Session, ember_faults, judge_session, named_tool_in_text
+from bench.agent_tasks.attribute import Session, ember_faults, judge_session, named_tool_in_text, session_from_dict
 from bench.agent_tasks.clients import CLIENTS, client_args, client_env, scripted_call
-from bench.agent_tasks.report import counts_table, report
+from bench.agent_tasks.report import counts_table, report, sessions_table
 from bench.agent_tasks.run import write_solving_script
 from bench.agent_tasks.tasks import BY_NAME, TASKS, make_repo
 from bench.agent_tasks.wire import Exchange, Recorder, StreamReader, ToolCall, proxy_app
@@ -211,7 +211,19 @@ def test_a_failure_is_the_models_unless_ember_faulted_or_time_ran_out():
     assert passed.outcome == "pass" and passed.tool_calls == 1
     table = counts_table([passed, broken, _session(False, [called]), cut])
     assert "| claude | `m` | 1/4 | 1 | 1 | 1 | 1 |" in table
+    header, rule, row = table.splitlines()
+    assert header.count("|") == rule.count("|") == row.count("|")
+    lines = sessions_table([cut]).splitlines()
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].replace("\\|", "").count("|")
     assert "## Ember's faults" in report([broken]) and "## Ember's faults" not in report([passed])
+
+
+def test_a_saved_session_is_attributed_again_the_same(tmp_path):
+    import dataclasses
+
+    s = _session(False, [_turn(prompt_tokens=10, cached_tokens=0), _turn(text='{"name": "Bash", "arguments": {}}')])
+    again = judge_session(session_from_dict(json.loads(json.dumps(dataclasses.asdict(s)))))
+    assert again.ember == s.ember == ["call not parsed: text names 'Bash'"] and again.outcome == "ember"
 
 
 def test_every_client_has_its_arguments_budget_and_shell_call():
