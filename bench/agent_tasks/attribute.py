@@ -117,6 +117,17 @@ class Session:
         return sum(ex.cached_tokens or 0 for ex in self.exchanges if ex.is_turn)
 
     @property
+    def abandoned(self) -> int:
+        """Streams the client hung up on and then asked again (a retry): not a fault on the wire, but
+        what a client does when it waits too long (Codex: no event for its idle timeout, 300 s)."""
+        turns = [ex for ex in self.exchanges if ex.is_turn]
+        return sum(
+            1
+            for i, ex in enumerate(turns)
+            if ex.ended == "client_gone" and any(later.t_start >= (ex.t_end or 0) for later in turns[i + 1 :])
+        )
+
+    @property
     def finished_turns(self) -> int:
         return sum(1 for ex in self.exchanges if ex.is_turn and ex.ended in ("complete", "body"))
 
@@ -134,8 +145,9 @@ class Session:
     def reason(self) -> str:
         """Why a failure that is not Ember's failed ("" otherwise)."""
         if self.outcome == "time cap":
+            retried = f", the client gave up on {self.abandoned} and retried" if self.abandoned else ""
             return (
-                f"time cap: {self.finished_turns} of {self.turns} turns finished, "
+                f"time cap: {self.finished_turns} of {self.turns} turns finished{retried}, "
                 f"{self.tool_calls} calls ({self.detail})"
             )
         if self.outcome != "model":

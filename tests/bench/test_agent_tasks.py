@@ -204,6 +204,9 @@ def test_a_failure_is_the_models_unless_ember_faulted_or_time_ran_out():
     assert _session(False, [called]).reason.startswith("1 calls, wrong result")
     cut = _session(False, [called, _turn(ended="client_gone")], timed_out=True)
     assert cut.outcome == "time cap" and cut.reason.startswith("time cap: 1 of 2 turns finished, 1 calls")
+    gave_up = _turn(ended="client_gone", t_end=300.0)
+    retry = _session(False, [gave_up, _turn(t_start=301.0, ended="client_gone")], timed_out=True)
+    assert retry.abandoned == 1 and "the client gave up on 1 and retried" in retry.reason
     broken = _session(False, [_turn(status=503, error_body="overloaded")])
     assert broken.outcome == "ember" and broken.reason == ""
     assert broken.ember == ["HTTP 503 POST /v1/messages: overloaded"]
