@@ -61,7 +61,8 @@ def run_model(
     with ember_server(served, run_dir, max_output) as url, Proxy(url) as proxy:
         for client, task, repo in plan:
             print(f"[agent_tasks] {client} / {model} / {task.name} ...", file=sys.stderr, flush=True)
-            s = run_session(client, clients[client], task, served, repo, proxy, max_output, timeout_s, model)
+            label = pathlib.Path(model).name if os.sep in model else model  # a model directory by its name
+            s = run_session(client, clients[client], task, served, repo, proxy, max_output, timeout_s, label)
             verdict = "pass" if s.passed else f"FAIL, {s.outcome}: {s.reason or '; '.join(s.ember)}"
             print(
                 f"[agent_tasks]   {verdict}; turns {s.turns}, calls {s.tool_calls}, prompt {s.prompt_tokens}, "
