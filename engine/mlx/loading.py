@@ -17,8 +17,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
-from engine.mlx.blas import blas_threads
 from engine.mlx import qmm_linear
+from engine.mlx.blas import blas_threads
 from engine.mlx.calibration_cache import cached_calibration, calibration_key
 from engine.mlx.cpu_layout import CpuChoice, PretransposedLinear, apply_choice, calibrate, wants_pretranspose
 from engine.mlx.model_identity import config_fingerprint, context_length, weights_digest

@@ -59,7 +59,14 @@ def quantized_matmul(
     macs = xs.shape[0] * N * K
     threads = _state["threads"] if macs >= THREAD_MIN_MACS else 1
     y = qmm_kernel.qmm_t(
-        lib, xs, np.asarray(w), np.asarray(scales), np.asarray(biases), bits=bits, group_size=group_size, threads=threads
+        lib,
+        xs,
+        np.asarray(w),
+        np.asarray(scales),
+        np.asarray(biases),
+        bits=bits,
+        group_size=group_size,
+        threads=threads,
     )
     calls["kernel"] += 1
     return mx.array(y).reshape(*x.shape[:-1], N)
@@ -70,7 +77,13 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = quantized_matmul(
-            x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size, bits=self.bits, mode=self.mode
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
         )
         if y is None:
             calls["mlx"] += 1
@@ -85,7 +98,13 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         y = quantized_matmul(
-            x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size, bits=self.bits, mode=self.mode
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
         )
         if y is None:
             calls["mlx"] += 1
@@ -97,6 +116,12 @@ _SWAP: dict[type, type] = {nn.QuantizedLinear: KernelQuantizedLinear, nn.Quantiz
 _BACK = {v: k for k, v in _SWAP.items()}
 
 
+def use(lib: ctypes.CDLL | None, *, threads: int | None = None) -> None:
+    """The kernel ``quantized_matmul`` calls (None: none, MLX's everywhere), on ``threads`` (default: every core)."""
+    _state["lib"] = lib
+    _state["threads"] = threads or _threads()
+
+
 def install(model: Any, lib: ctypes.CDLL | None = None, *, threads: int | None = None) -> int:
     """Route ``model``'s quantized layers through the kernel (``lib``, else
     ``qmm_kernel.load()``); returns how many layers now take it (0 where the
@@ -104,8 +129,7 @@ def install(model: Any, lib: ctypes.CDLL | None = None, *, threads: int | None =
     lib = lib if lib is not None else qmm_kernel.load()
     if lib is None or mx.default_device() != mx.cpu:
         return 0
-    _state["lib"] = lib
-    _state["threads"] = threads or _threads()
+    use(lib, threads=threads)
     done = 0
     for m in model.modules():
         cls = _SWAP.get(type(m))

@@ -209,54 +209,59 @@ DEFINE_ROWS(2)
 DEFINE_ROWS(4)
 DEFINE_ROWS(8)
 
-typedef struct {
-  job_t job;
-  int bits;
-} task_t;
-
 static void run_job(const job_t* J, int bits) {
   if (bits == 4) rows_4(J);
   else if (bits == 8) rows_8(J);
   else rows_2(J);
 }
 
+/* Threads take chunks of CHUNK rows off a shared counter, not fixed shares:
+ * on a machine shared with other work one core may be slower than the other,
+ * and a fixed split waits for the slower. A row's result does not depend on
+ * which thread computes it. */
+#define CHUNK 64
+typedef struct {
+  job_t base;
+  int bits;
+  int64_t chunks;
+  int64_t next; /* the next chunk to take (atomic) */
+} pool_t;
+
 static void* run(void* a) {
-  task_t* t = a;
-  run_job(&t->job, t->bits);
+  pool_t* p = a;
+  for (;;) {
+    int64_t c = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
+    if (c >= p->chunks) break;
+    job_t j = p->base;
+    j.n0 = c * CHUNK;
+    j.n1 = c == p->chunks - 1 ? p->base.N : j.n0 + CHUNK; /* the last takes the rows past the last block */
+    run_job(&j, p->bits);
+  }
   return 0;
 }
 
 /* The entry point. x: M x K, w: N x K*bits/32 words, scales and biases: N x
  * K/group_size, y: M x N, all C-contiguous. Returns 0, or -1 for what it does
  * not handle (bits other than 2, 4, 8; K not whole groups; a group not whole
- * words). Up to `nthreads` threads, each whole blocks of 8 rows. */
+ * words). Up to `nthreads` threads. */
 int qmm_t(float* y, const float* x, const uint32_t* w, const float* scales, const float* biases, int64_t M,
           int64_t N, int64_t K, int bits, int group_size, int nthreads) {
   if ((bits != 2 && bits != 4 && bits != 8) || group_size <= 0 || K % group_size || group_size % (32 / bits))
     return -1;
   if (M <= 0 || N <= 0) return 0;
-  job_t base = {y, x, w, scales, biases, M, N, K, group_size, 0, N};
-  const int64_t blocks = N / 8;
+  pool_t pool = {{y, x, w, scales, biases, M, N, K, group_size, 0, N}, bits, 0, 0};
+  pool.chunks = N / CHUNK > 0 ? N / CHUNK : 1;
   if (nthreads > 16) nthreads = 16;
-  if (nthreads > blocks) nthreads = (int)blocks;
+  if (nthreads > pool.chunks) nthreads = (int)pool.chunks;
   if (nthreads <= 1) {
-    run_job(&base, bits);
+    run_job(&pool.base, bits);
     return 0;
   }
   pthread_t th[16];
-  task_t tasks[16];
-  for (int t = 0; t < nthreads; t++) {
-    tasks[t].job = base;
-    tasks[t].bits = bits;
-    tasks[t].job.n0 = 8 * (blocks * t / nthreads);
-    tasks[t].job.n1 = t == nthreads - 1 ? N : 8 * (blocks * (t + 1) / nthreads);
-  }
   int started[16] = {0};
-  for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&th[t], 0, run, &tasks[t]) == 0;
-  run(&tasks[0]);
-  for (int t = 1; t < nthreads; t++) {
+  for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&th[t], 0, run, &pool) == 0;
+  run(&pool); /* this thread works too; a thread that could not start leaves its chunks to the others */
+  for (int t = 1; t < nthreads; t++)
     if (started[t]) pthread_join(th[t], 0);
-    else run(&tasks[t]); /* no thread to be had: this one does those rows too */
-  }
   return 0;
 }
