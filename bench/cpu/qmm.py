@@ -4,7 +4,7 @@ the C kernel (engine.mlx.qmm_kernel), side by side in one process:
     python -m bench.cpu.qmm [--rounds 3] [--out docs/bench/cpu-qmm.md]
 
 (a) Per matrix, at Qwen2.5-Coder-1.5B's shapes (q/o 1536x1536, k/v 256x1536,
-gate/up 8960x1536, down 1536x8960, lm_head 151936x1536) and M rows (1 and 8):
+gate/up 8960x1536, down 1536x8960, lm_head 151936x1536) and M rows (1 and 8; gate/up also at 128, a prefill chunk):
 ``x @ W.T`` in float32, ``mx.quantized_matmul`` and the kernel (through
 ``engine.mlx.qmm_linear``, as a model calls it: the sync, the views, the copy
 back) at 4 and 8 bits, group 64; ms, GB/s of weights and whether the kernel's
@@ -111,7 +111,7 @@ def _matrix_arms(x: Any, w: Any, q: dict[int, Any]) -> dict[str, Callable[[], An
     return {"f32": lambda: mx.eval(mx.matmul(x, w.T)), "mlx8": mlx(8), "k8": kernel(8), "mlx4": mlx(4), "k4": kernel(4)}
 
 
-def per_matrix(rounds: int, rows: list[int]) -> tuple[str, bool]:
+def per_matrix(rounds: int, rows: list[int], prefill: int = 0) -> tuple[str, bool]:
     import mlx.core as mx
     import numpy as np
 
@@ -127,7 +127,7 @@ def per_matrix(rounds: int, rows: list[int]) -> tuple[str, bool]:
         q = {bits: mx.quantize(w, group_size=GROUP, bits=bits) for bits in (8, 4)}
         mx.eval(q)
         nbytes = {bits: sum(a.nbytes for a in q[bits]) for bits in q}
-        for M in rows:
+        for M in rows + ([prefill] if name == "gate/up" and prefill else []):
             x = mx.random.normal((M, K))
             mx.eval(x)
 
@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu.qmm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", default="1,8", help="M of the per-matrix table")
+    ap.add_argument("--prefill-rows", type=int, default=128, help="also gate/up at this M (a prefill chunk; 0: not)")
     ap.add_argument("--batches", default="1,8", help="decode batches of the model table")
     ap.add_argument("--skip-model", action="store_true", help="only the per-matrix table")
     ap.add_argument("--out", help="also write the report (markdown) here")
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     load0, started = _load(), time.time()
     bw = bandwidth_gbs()
     print(f"  bandwidth {bw:.1f} GB/s, load {_load()}", file=sys.stderr, flush=True)
-    table_a, same = per_matrix(args.rounds, [int(r) for r in args.rows.split(",")])
+    table_a, same = per_matrix(args.rounds, [int(r) for r in args.rows.split(",")], args.prefill_rows)
     parts = [
         f"Memory read bandwidth measured here: {bw:.1f} GB/s (numpy sum over 1 GiB on {os.cpu_count()} threads).",
         "",
