@@ -209,7 +209,7 @@ def decode(rounds: int, batches: list[int], bw: float) -> tuple[str, list[str]]:
     import mlx.core as mx
 
     notes = []
-    need = 7.2e9 + 3.2e9 + 2e9
+    need = 7.2e9 + 3.2e9 + 6e9  # 6 GB to spare: the machine may be shared
     together = _mem_available() > need
     results: dict[tuple[str, int], float] = {}
     wbytes: dict[str, int] = {}
