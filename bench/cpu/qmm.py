@@ -18,9 +18,9 @@ bytes a token / the bandwidth this script measures: a threaded numpy sum over
 a 1 GiB array).
 
 Arms alternate order every round (round 0 warms up and is dropped); medians.
-The float32 model (7.1 GB) is held beside the quantized ones only where the
-machine has the memory; otherwise it is timed in a phase of its own, and the
-output says so.
+The float32 model (7.1 GB) is timed in a phase of its own before the
+quantized ones (the machine may be shared: the script waits for memory, and
+skips what does not fit, saying so).
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ def per_matrix(rounds: int, rows: list[int], prefill: int = 0) -> tuple[str, boo
            "| kernel 8-bit GB/s | kernel 4-bit GB/s | MLX/kernel 8 | MLX/kernel 4 | float32/kernel 4 |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, (N, K) in SHAPES.items():
+        _room(N * K * 6, name)
         w = mx.random.normal((N, K)) * 0.02
         mx.eval(w)
         q = {bits: mx.quantize(w, group_size=GROUP, bits=bits) for bits in (8, 4)}
@@ -205,58 +206,69 @@ def _step(model: Any, batch: int, kernel: bool, quantized: bool = True) -> Calla
     return once
 
 
+def _room(need: float, what: str, wait_s: float = 180.0) -> bool:
+    """Whether ``need`` bytes (and 2 GB to spare: the machine may be shared) are
+    available, waiting up to ``wait_s`` for other work to give them back."""
+    deadline = time.time() + wait_s
+    while _mem_available() < need + 2e9:
+        if time.time() > deadline:
+            return False
+        print(
+            f"  waiting for memory for {what}: {_mem_available() / 1e9:.1f} GB available", file=sys.stderr, flush=True
+        )
+        time.sleep(10)
+    return True
+
+
 def decode(rounds: int, batches: list[int], bw: float, with_f32: bool = True) -> tuple[str, list[str]]:
+    """Float32 in a phase of its own (7.1 GB), then the quantized models, both
+    bit widths together where memory allows, else one at a time; within a
+    phase the arms alternate."""
     import mlx.core as mx
 
     notes = []
-    f32_gb, spare = 7.2e9, 4e9  # the float32 model, and what is left to the machine's other work
-    together = _mem_available() > f32_gb + 3.2e9 + spare
     results: dict[tuple[str, int], float] = {}
     wbytes: dict[str, int] = {}
-
-    def run_f32() -> Any:
-        model = _model(None)
-        wbytes["float32"] = _weight_bytes(model)
-        return model
-
-    f32 = None
     if not with_f32:
         notes.append("float32 model not timed (--no-float32-model)")
-    elif not together and _mem_available() < f32_gb + spare:
-        notes.append(
-            f"float32 model not timed: {_mem_available() / 1e9:.1f} GB available, "
-            f"{(f32_gb + spare) / 1e9:.1f} GB needed (the machine is shared); the per-matrix table compares it"
-        )
-    elif not together:
-        notes.append(
-            f"float32 timed in a phase of its own: {_mem_available() / 1e9:.1f} GB available, "
-            f"{(f32_gb + 3.2e9 + spare) / 1e9:.1f} GB needed to hold it beside the quantized models"
-        )
-        f32 = run_f32()
+    elif not _room(7.2e9, "the float32 model"):
+        notes.append(f"float32 model not timed: {_mem_available() / 1e9:.1f} GB available (the machine is shared)")
+    else:
+        f32 = _model(None)
+        wbytes["float32"] = _weight_bytes(f32)
         for batch in batches:
             f32_arm = {"float32": _step(f32, batch, False, quantized=False)}
             results.update({(k, batch): v for k, v in _alternate(f32_arm, rounds).items()})
-        del f32
+        del f32, f32_arm
         gc.collect()
         mx.clear_cache()
-        f32 = None
-    q8, q4 = _model(8), _model(4)
-    wbytes["8-bit"], wbytes["4-bit"] = _weight_bytes(q8), _weight_bytes(q4)
-    if together and with_f32:
-        f32 = run_f32()
-    print(f"  models built, load {_load()}", file=sys.stderr, flush=True)
-    for batch in batches:
-        arms: dict[str, Callable[[], Any]] = {}
-        if f32 is not None:
-            arms["float32"] = _step(f32, batch, False, quantized=False)
-        if batch == 1:
-            arms["MLX 8-bit"] = _step(q8, batch, False)
-        arms["kernel 8-bit"] = _step(q8, batch, True)
-        if batch == 1:
-            arms["MLX 4-bit"] = _step(q4, batch, False)
-        arms["kernel 4-bit"] = _step(q4, batch, True)
-        results.update({(k, batch): v for k, v in _alternate(arms, rounds).items()})
-        print(f"  decode batch {batch} done, load {_load()}", file=sys.stderr, flush=True)
+        notes.append("float32 timed in a phase of its own (7.1 GB: not held beside the quantized models)")
+        print(f"  float32 done, load {_load()}", file=sys.stderr, flush=True)
+    phases = [[8, 4]] if _room(3.2e9, "both quantized models", wait_s=0) else [[8], [4]]
+    if len(phases) > 1:
+        notes.append("8-bit and 4-bit timed in phases of their own (memory)")
+    for phase in phases:
+        if not _room(2.0e9 * len(phase), "/".join(map(str, phase)) + "-bit models"):
+            notes.append(f"{'/'.join(map(str, phase))}-bit not timed: {_mem_available() / 1e9:.1f} GB available")
+            continue
+        models = {bits: _model(bits) for bits in phase}
+        for bits, m in models.items():
+            wbytes[f"{bits}-bit"] = _weight_bytes(m)
+        for batch in batches:
+            arms: dict[str, Callable[[], Any]] = {}
+            for bits, m in models.items():
+                if batch == 1:  # MLX's arms cost ~8x at batch 8 (the per-matrix table has them)
+                    arms[f"MLX {bits}-bit"] = _step(m, batch, False)
+                arms[f"kernel {bits}-bit"] = _step(m, batch, True)
+            results.update({(k, batch): v for k, v in _alternate(arms, rounds).items()})
+            print(
+                f"  {'/'.join(map(str, phase))}-bit decode batch {batch} done, load {_load()}",
+                file=sys.stderr,
+                flush=True,
+            )
+        del models, arms
+        gc.collect()
+        mx.clear_cache()
     out = ["| weights | batch | weight GB a step | step ms | tok/s | fraction of the floor | vs float32 |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for batch in batches:
         base = results.get(("float32", batch))

@@ -51,7 +51,8 @@ def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
         flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
         params = (v for _, v in flat if mx.issubdtype(v.dtype, mx.floating))
         key = calibration_key(
-            model=f"{path.resolve()}:{digest}",
+            # the kernel changes what the calibration times: its choice is another entry
+            model=f"{path.resolve()}:{digest}" + (":qmm-kernel" if qmm_layers else ""),
             dtype=str(next(params, mx.array(0.0)).dtype),
             blas=blas,
             allow_pretranspose=allow,
