@@ -61,6 +61,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # kernel built at first use (engine.mlx.softmax_kernel: MLX's softmax bit
     # for bit, vectorized, on attention_streams threads); False: MLX's own
     softmax_kernel: bool = True
+    # on MLX's CPU backend, quantized layers (mlx-lm's QuantizedLinear, a tied
+    # QuantizedEmbedding head) take a C kernel built at first use
+    # (engine.mlx.qmm_kernel: MLX's quantized_matmul bit for bit, vectorized,
+    # on all cores); False: MLX's own (one core, scalar)
+    qmm_kernel: bool = True
     # KV cache options as mlx-lm has them (docs/compat-matrix.md): a sliding
     # window of this many tokens for models without their own cache layout
     # (mlx-lm's --max-kv-size, without attention sinks), and KV quantized to

@@ -71,6 +71,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="on MLX's CPU backend, long attention calls take their softmax in a C kernel built at first use, "
         "bit for bit MLX's (default: on; --no-softmax-kernel keeps MLX's own)",
     )
+    p.add_argument(
+        "--qmm-kernel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on MLX's CPU backend, quantized layers take a C kernel built at first use, bit for bit MLX's "
+        "quantized_matmul on all cores (default: on; --no-qmm-kernel keeps MLX's own)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,6 +283,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         fields["ssd_cache_verify"] = args.ssd_cache_verify
     if getattr(args, "softmax_kernel", None) is not None:
         fields["softmax_kernel"] = args.softmax_kernel
+    if getattr(args, "qmm_kernel", None) is not None:
+        fields["qmm_kernel"] = args.qmm_kernel
     _default_ssd(args, fields)
     _default_drafter(args, fields)
     share = getattr(args, "prefill_share", None)

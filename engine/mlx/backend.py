@@ -233,6 +233,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
                 backend.attention_parts, backend.softmax_kernel = 1, None
         backend.counters["attention_streams"] = backend.attention_parts
         backend.counters["softmax_kernel"] = int(backend.softmax_kernel is not None)
+        backend.counters["qmm_kernel_layers"] = loaded.qmm_layers  # engine.mlx.qmm_kernel, installed by read_model
         if loaded.cpu_choice is not None:
             backend.cpu_threads = loaded.cpu_choice
             backend.cpu_choice = loaded.cpu_choice.as_dict()

@@ -1,6 +1,8 @@
 """Loading a model for the MLX backend: ``mlx_lm.load``, then on MLX's CPU
 backend the weight layout and OpenBLAS thread counts measured on this model
-(``engine.mlx.cpu_layout``, cached on disk); and the ``ModelInfo`` the engine
+(``engine.mlx.cpu_layout``, cached on disk), with quantized layers routed
+through ``engine.mlx.qmm_kernel`` first (so the calibration times the model as
+it will run); and the ``ModelInfo`` the engine
 keys its caches by (the fingerprint covers the KV scheme: cache kinds, dtype,
 weights, window and quantization)."""
 
@@ -15,6 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
+from engine.mlx import qmm_linear
 from engine.mlx.blas import blas_threads
 from engine.mlx.calibration_cache import cached_calibration, calibration_key
 from engine.mlx.cpu_layout import CpuChoice, PretransposedLinear, apply_choice, calibrate, wants_pretranspose
@@ -30,6 +33,7 @@ class LoadedModel(NamedTuple):
     config: dict[str, Any]
     weights_digest: str
     cpu_choice: CpuChoice | None  # None off MLX's CPU backend
+    qmm_layers: int = 0  # quantized layers taking engine.mlx.qmm_kernel (MLX's CPU backend)
 
 
 def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
@@ -38,13 +42,17 @@ def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
 
     model, tokenizer, model_config = load(str(path), return_config=True)
     choice = None
+    qmm_layers = 0
     digest = weights_digest(path)
     if wants_pretranspose():  # MLX's CPU backend: layout and thread counts measured on this model, cached
+        if config.qmm_kernel:
+            qmm_layers = qmm_linear.install(model)
         blas, allow = blas_threads(), config.cpu_pretranspose
         flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
         params = (v for _, v in flat if mx.issubdtype(v.dtype, mx.floating))
         key = calibration_key(
-            model=f"{path.resolve()}:{digest}",
+            # the kernel changes what the calibration times: its choice is another entry
+            model=f"{path.resolve()}:{digest}" + (":qmm-kernel" if qmm_layers else ""),
             dtype=str(next(params, mx.array(0.0)).dtype),
             blas=blas,
             allow_pretranspose=allow,
@@ -55,7 +63,7 @@ def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
             lambda c: apply_choice(model, c, allow_pretranspose=allow),
         )
         log.info("[mlx] CPU choices for %s: %s", path.name, choice.as_dict())
-    return LoadedModel(model, tokenizer, model_config, digest, choice)
+    return LoadedModel(model, tokenizer, model_config, digest, choice, qmm_layers)
 
 
 def pretransposed_linears(model: Any) -> int:

@@ -21,28 +21,19 @@ fails, ``load()`` returns None and attention stays MLX's own
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
 import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import numpy as np
 
-from engine.mlx.calibration_cache import cache_dir
+from engine.mlx import cc_build
 
 log = logging.getLogger("ember.mlx")
 
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "softmax_rows.c"
-# -ffp-contract=off: a contracted a*b+c rounds once where MLX rounds twice;
-# no -ffast-math: it would reorder the row's sum. -fno-trapping-math lets the
-# vectorizer turn the exp's selects into blends (the values are the same).
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
-LIBS = ["-lpthread", "-lm"]
+FLAGS = cc_build.FLAGS  # -ffp-contract=off, no -ffast-math: see engine.mlx.cc_build
+LIBS = cc_build.LIBS
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -50,46 +41,14 @@ _tried = False
 unavailable: str | None = None  # why load() returned None, once it has
 
 
-def _cpu_key() -> str:
-    """What ``-march=native`` depends on: the CPU's model and flags."""
-    text = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    text += line
-                if line.strip() == "":
-                    break
-    except OSError:
-        pass
-    return text or platform.processor() or platform.machine()
-
-
 def library_path(directory: pathlib.Path | None = None) -> pathlib.Path:
     """Where the built kernel for this source, these flags and this CPU lives."""
-    digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
-    digest.update(" ".join(FLAGS + LIBS).encode())
-    digest.update(_cpu_key().encode())
-    return (directory or cache_dir()) / "kernels" / f"softmax_rows-{digest.hexdigest()[:16]}.so"
+    return cc_build.library_path(SOURCE, directory)
 
 
 def build(target: pathlib.Path, compiler: str | None = None) -> None:
     """Compile the kernel into ``target`` (atomically: two processes may build at once)."""
-    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise OSError(f"{cc} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    cc_build.build(SOURCE, target, compiler)
 
 
 def _open(path: pathlib.Path) -> ctypes.CDLL:
@@ -106,18 +65,7 @@ def load(directory: pathlib.Path | None = None) -> ctypes.CDLL | None:
     with _lock:
         if _tried and directory is None:
             return _lib
-        lib: ctypes.CDLL | None = None
-        reason: str | None = None
-        if os.environ.get("EMBER_SOFTMAX_KERNEL", "1") == "0":
-            reason = "EMBER_SOFTMAX_KERNEL=0"
-        else:
-            try:
-                path = library_path(directory)
-                if not path.exists():
-                    build(path)
-                lib = _open(path)
-            except (OSError, subprocess.SubprocessError) as exc:
-                reason = str(exc) or type(exc).__name__
+        lib, reason = cc_build.open_or_build("EMBER_SOFTMAX_KERNEL", lambda: library_path(directory), build, _open)
         if directory is None:
             _lib, _tried, unavailable = lib, True, reason
         if reason:

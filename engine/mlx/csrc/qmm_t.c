@@ -1,0 +1,267 @@
+/* y = x @ dequantize(w)^T for MLX's affine quantization, float32, bit for bit
+ * MLX's CPU quantized_matmul (mlx/backend/cpu/quantized.cpp at MLX 0.32,
+ * _qmm_t), but vectorized and on several threads.
+ *
+ * Why: on x86 MLX's CPU SIMD layer has one lane (simd/base_simd.h), so its
+ * _qmm_t_simd path is compiled out and quantized_matmul runs the scalar
+ * _qmm_t, one weight at a time, on the one thread of the CPU stream: a
+ * Qwen2.5-1.5B token takes seconds (issues #41, #45). Its arithmetic, per
+ * output y[m][n]:
+ *
+ *     sum = 0
+ *     for k in 0..K-1 (in order):  sum += x[m][k] * (scale[n][k/gs] * q[n][k] + bias[n][k/gs])
+ *
+ * every product and sum rounded on its own (the wheel is built without FMA
+ * contraction), and one output's sum strictly in k order. The same statements
+ * give the same bits, so this kernel keeps them and vectorizes across
+ * outputs instead: 8 rows n in the 8 lanes of a vector, each lane running its
+ * own row's sum in k order. A block of 8 rows x 8 packed words is loaded and
+ * transposed (lane r of word-vector j = row r's word j), so each shift+mask
+ * gives the next k for all 8 rows. Built by engine.mlx.qmm_kernel with
+ * -ffp-contract=off (a fused multiply-add would round once where MLX rounds
+ * twice) and without -ffast-math (it would reorder the sums).
+ *
+ * A tile is NB blocks of 8 rows x MB rows of x: NB*MB independent sums keep
+ * the adders busy (one sum is a chain of dependent adds). Threads split the
+ * output rows; a row's result does not depend on the split.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <pthread.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+#ifndef PREFETCH
+#define PREFETCH 128 /* words: 512 bytes */
+#endif
+#define AI static inline __attribute__((always_inline))
+
+AI v8f splat(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
+
+typedef struct {
+  float* y;
+  const float* x;
+  const uint32_t* w;
+  const float* s;
+  const float* b;
+  int64_t M, N, K, gs;
+  int64_t n0, n1; /* this job's rows: [n0, n1) */
+} job_t;
+
+/* out[j] lane r = src[r * stride + j], j, r < 8 */
+AI void transpose8(const uint32_t* src, int64_t stride, v8u out[8]) {
+#if defined(__AVX__)
+  __m256 r0 = _mm256_loadu_ps((const float*)(src + 0 * stride));
+  __m256 r1 = _mm256_loadu_ps((const float*)(src + 1 * stride));
+  __m256 r2 = _mm256_loadu_ps((const float*)(src + 2 * stride));
+  __m256 r3 = _mm256_loadu_ps((const float*)(src + 3 * stride));
+  __m256 r4 = _mm256_loadu_ps((const float*)(src + 4 * stride));
+  __m256 r5 = _mm256_loadu_ps((const float*)(src + 5 * stride));
+  __m256 r6 = _mm256_loadu_ps((const float*)(src + 6 * stride));
+  __m256 r7 = _mm256_loadu_ps((const float*)(src + 7 * stride));
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  out[0] = (v8u)_mm256_permute2f128_ps(s0, s4, 0x20);
+  out[1] = (v8u)_mm256_permute2f128_ps(s1, s5, 0x20);
+  out[2] = (v8u)_mm256_permute2f128_ps(s2, s6, 0x20);
+  out[3] = (v8u)_mm256_permute2f128_ps(s3, s7, 0x20);
+  out[4] = (v8u)_mm256_permute2f128_ps(s0, s4, 0x31);
+  out[5] = (v8u)_mm256_permute2f128_ps(s1, s5, 0x31);
+  out[6] = (v8u)_mm256_permute2f128_ps(s2, s6, 0x31);
+  out[7] = (v8u)_mm256_permute2f128_ps(s3, s7, 0x31);
+#else
+  for (int j = 0; j < 8; j++)
+    for (int r = 0; r < 8; r++) out[j][r] = src[r * stride + j];
+#endif
+}
+
+/* One tile: rows n .. n + 8*NB of y, rows m .. m + MB of x. */
+AI void tile(const job_t* J, int64_t n, int64_t m, const int BITS, const int NB, const int MB) {
+  const int PF = 32 / BITS;
+  const uint32_t MASK = (1u << BITS) - 1u;
+  const int64_t K = J->K, KW = K / PF, gs = J->gs, G = K / gs, N = J->N;
+  const float* x = J->x + m * K;
+  /* fixed sizes (NB <= 8, MB <= 4): with the loops unrolled the sums live in registers */
+  v8f acc[8][4];
+  v8f sc[8] = {0}, bi[8] = {0};
+  v8u tw[8][8];
+#pragma GCC unroll 8
+  for (int nb = 0; nb < NB; nb++)
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; mb++) acc[nb][mb] = splat(0.0f);
+  int64_t next_group = 0, g = 0;
+  for (int64_t kw = 0; kw < KW; kw += 8) {
+    const int nw = KW - kw < 8 ? (int)(KW - kw) : 8;
+    for (int nb = 0; nb < NB; nb++) {
+      const uint32_t* src = J->w + (n + 8 * nb) * KW + kw;
+      /* a tile reads 8*NB rows side by side, more streams than the hardware
+         prefetcher follows: ask for each row's line PREFETCH words ahead */
+      if ((kw & 15) == 0)
+        for (int r = 0; r < 8; r++) __builtin_prefetch(src + r * KW + PREFETCH);
+      if (nw == 8) {
+        transpose8(src, KW, tw[nb]);
+      } else {
+        for (int j = 0; j < nw; j++)
+          for (int r = 0; r < 8; r++) tw[nb][j][r] = src[r * KW + j];
+      }
+    }
+    for (int j = 0; j < nw; j++) {
+      const int64_t k0 = (kw + j) * PF;
+      if (k0 == next_group) { /* a new group: its scale and bias for the tile's rows */
+#pragma GCC unroll 8
+        for (int nb = 0; nb < NB; nb++) {
+          float ts[8], tb[8];
+          for (int r = 0; r < 8; r++) {
+            ts[r] = J->s[(n + 8 * nb + r) * G + g];
+            tb[r] = J->b[(n + 8 * nb + r) * G + g];
+          }
+          memcpy(&sc[nb], ts, sizeof ts);
+          memcpy(&bi[nb], tb, sizeof tb);
+        }
+        next_group += gs;
+        g++;
+      }
+#pragma GCC unroll 1
+      for (int p = 0; p < PF; p++) {
+        v8f xk[4];
+#pragma GCC unroll 16
+        for (int mb = 0; mb < MB; mb++) xk[mb] = splat(x[mb * K + k0 + p]);
+#pragma GCC unroll 16
+        for (int nb = 0; nb < NB; nb++) {
+          v8u q = (tw[nb][j] >> (unsigned)(BITS * p)) & MASK;
+          v8f d = __builtin_convertvector((v8i)q, v8f);
+          d = sc[nb] * d; /* MLX: scale * w + bias, two roundings */
+          d = d + bi[nb];
+#pragma GCC unroll 16
+          for (int mb = 0; mb < MB; mb++) acc[nb][mb] += xk[mb] * d;
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int nb = 0; nb < NB; nb++)
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; mb++) memcpy(J->y + (m + mb) * N + n + 8 * nb, &acc[nb][mb], sizeof(v8f));
+}
+
+/* Rows that do not fill a block of 8: MLX's loop as it is. */
+static void rows_scalar(const job_t* J, int bits, int64_t n0, int64_t n1) {
+  const int PF = 32 / bits;
+  const uint32_t MASK = (1u << bits) - 1u;
+  const int64_t K = J->K, KW = K / PF, gs = J->gs, G = K / gs;
+  for (int64_t m = 0; m < J->M; m++)
+    for (int64_t n = n0; n < n1; n++) {
+      const float* x = J->x + m * K;
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; k++) {
+        float scale = J->s[n * G + k / gs], bias = J->b[n * G + k / gs];
+        uint32_t q = (J->w[n * KW + k / PF] >> (bits * (k % PF))) & MASK;
+        sum += x[k] * (scale * (float)q + bias);
+      }
+      J->y[m * J->N + n] = sum;
+    }
+}
+
+/* Tiles of NB blocks along the job's rows (then single blocks for what is
+ * left), MB rows of x at a time (then fewer for what is left). */
+#define DEFINE_ROWS(BITS)                                                                        \
+  static void rows_##BITS(const job_t* J) {                                                      \
+    int64_t n = J->n0;                                                                           \
+    const int64_t end = J->n0 + ((J->n1 - J->n0) & ~(int64_t)7);                                 \
+    while (n < end) {                                                                            \
+      const int64_t left = (end - n) / 8;                                                        \
+      int64_t m = 0;                                                                             \
+      int step;                                                                                  \
+      if (J->M == 1 && left >= 8) {                                                              \
+        tile(J, n, 0, BITS, 8, 1);                                                               \
+        step = 8;                                                                                \
+      } else if (J->M == 2 && left >= 4) {                                                       \
+        tile(J, n, 0, BITS, 4, 2);                                                               \
+        step = 4;                                                                                \
+      } else if (J->M == 3 && left >= 2) {                                                       \
+        tile(J, n, 0, BITS, 2, 3);                                                               \
+        step = 2;                                                                                \
+      } else if (J->M >= 4 && left >= 2) {                                                       \
+        for (; m + 4 <= J->M; m += 4) tile(J, n, m, BITS, 2, 4);                                 \
+        for (; m < J->M; m++) tile(J, n, m, BITS, 2, 1);                                         \
+        step = 2;                                                                                \
+      } else {                                                                                   \
+        for (; m + 4 <= J->M; m += 4) tile(J, n, m, BITS, 1, 4);                                 \
+        for (; m < J->M; m++) tile(J, n, m, BITS, 1, 1);                                         \
+        step = 1;                                                                                \
+      }                                                                                          \
+      n += 8 * (int64_t)step;                                                                    \
+    }                                                                                            \
+    if (end < J->n1) rows_scalar(J, BITS, end, J->n1);                                           \
+  }
+DEFINE_ROWS(2)
+DEFINE_ROWS(4)
+DEFINE_ROWS(8)
+
+static void run_job(const job_t* J, int bits) {
+  if (bits == 4) rows_4(J);
+  else if (bits == 8) rows_8(J);
+  else rows_2(J);
+}
+
+/* Threads take chunks of CHUNK rows off a shared counter, not fixed shares:
+ * on a machine shared with other work one core may be slower than the other,
+ * and a fixed split waits for the slower. A row's result does not depend on
+ * which thread computes it. */
+#define CHUNK 64
+typedef struct {
+  job_t base;
+  int bits;
+  int64_t chunks;
+  int64_t next; /* the next chunk to take (atomic) */
+} pool_t;
+
+static void* run(void* a) {
+  pool_t* p = a;
+  for (;;) {
+    int64_t c = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
+    if (c >= p->chunks) break;
+    job_t j = p->base;
+    j.n0 = c * CHUNK;
+    j.n1 = c == p->chunks - 1 ? p->base.N : j.n0 + CHUNK; /* the last takes the rows past the last block */
+    run_job(&j, p->bits);
+  }
+  return 0;
+}
+
+/* The entry point. x: M x K, w: N x K*bits/32 words, scales and biases: N x
+ * K/group_size, y: M x N, all C-contiguous. Returns 0, or -1 for what it does
+ * not handle (bits other than 2, 4, 8; K not whole groups; a group not whole
+ * words). Up to `nthreads` threads. */
+int qmm_t(float* y, const float* x, const uint32_t* w, const float* scales, const float* biases, int64_t M,
+          int64_t N, int64_t K, int bits, int group_size, int nthreads) {
+  if ((bits != 2 && bits != 4 && bits != 8) || group_size <= 0 || K % group_size || group_size % (32 / bits))
+    return -1;
+  if (M <= 0 || N <= 0) return 0;
+  pool_t pool = {{y, x, w, scales, biases, M, N, K, group_size, 0, N}, bits, 0, 0};
+  pool.chunks = N / CHUNK > 0 ? N / CHUNK : 1;
+  if (nthreads > 16) nthreads = 16;
+  if (nthreads > pool.chunks) nthreads = (int)pool.chunks;
+  if (nthreads <= 1) {
+    run_job(&pool.base, bits);
+    return 0;
+  }
+  pthread_t th[16];
+  int started[16] = {0};
+  for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&th[t], 0, run, &pool) == 0;
+  run(&pool); /* this thread works too; a thread that could not start leaves its chunks to the others */
+  for (int t = 1; t < nthreads; t++)
+    if (started[t]) pthread_join(th[t], 0);
+  return 0;
+}

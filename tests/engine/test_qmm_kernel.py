@@ -1,0 +1,252 @@
+"""The C quantized matmul (engine.mlx.qmm_kernel) compared bit for bit with
+``mx.quantized_matmul``, the layers around it (engine.mlx.qmm_linear) with
+mlx-lm's own forward, and the backend with it on against mlx-lm's generation."""
+
+from __future__ import annotations
+
+import pathlib
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import qwen2
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.mlx import qmm_kernel as qk
+from engine.mlx import qmm_linear as ql
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the kernel is for MLX's CPU backend only")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    got = qk.load()
+    # a machine that runs this suite has a C compiler (pip builds with it); a
+    # kernel that stopped building is a regression, not a skip
+    assert got is not None, qk.unavailable
+    return got
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a).view(np.uint32)
+
+
+def _case(seed: int, M: int, N: int, K: int, bits: int, gs: int, scale: float = 1.0):
+    rng = np.random.default_rng(seed)
+    w = mx.array((rng.standard_normal((N, K)) * scale).astype(np.float32))
+    wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32))
+    want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits)
+    return x, wq, s, b, want
+
+
+def _kernel(lib, x, wq, s, b, bits, gs, threads=2) -> np.ndarray:
+    return qk.qmm_t(
+        lib, np.asarray(x), np.asarray(wq), np.asarray(s), np.asarray(b), bits=bits, group_size=gs, threads=threads
+    )
+
+
+# N not a multiple of 8 (the scalar tail), K words not a multiple of 8 (the
+# gathered tail), groups that split a word block (4-bit, 32), one thread and more
+@pytest.mark.parametrize(
+    ("M", "N", "K", "bits", "gs", "threads"),
+    [
+        (1, 1536, 1536, 4, 64, 2),
+        (1, 256, 1536, 8, 64, 2),
+        (8, 520, 896, 4, 128, 2),
+        (8, 264, 896, 8, 32, 3),
+        (3, 70, 256, 4, 32, 2),
+        (16, 136, 640, 8, 128, 1),
+        (5, 40, 96, 2, 32, 2),
+        (7, 24, 8960, 4, 128, 2),
+        (4, 17, 64, 8, 32, 1),
+        (2, 9, 320, 4, 64, 4),
+        (33, 80, 192, 4, 64, 2),  # a prefill-sized call: the same loop, in chunks of rows
+    ],
+)
+def test_kernel_is_mlx_quantized_matmul_bit_for_bit(lib, M, N, K, bits, gs, threads):
+    x, wq, s, b, want = _case(M * N + K, M, N, K, bits, gs)
+    got = _kernel(lib, x, wq, s, b, bits, gs, threads)
+    assert np.array_equal(_bits(got), _bits(want))
+    assert np.array_equal(_bits(got), _bits(_kernel(lib, x, wq, s, b, bits, gs, threads=1)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_row_count_from_1_to_16(lib, bits):
+    for M in range(1, 17):
+        x, wq, s, b, want = _case(M, M, 136, 512, bits, 64, scale=3.0)
+        assert np.array_equal(_bits(_kernel(lib, x, wq, s, b, bits, 64)), _bits(want)), M
+
+
+def test_random_shapes(lib):
+    rng = np.random.default_rng(7)
+    for _ in range(12):
+        bits = int(rng.choice([2, 4, 8]))
+        gs = int(rng.choice([32, 64, 128]))
+        M, N, K = int(rng.integers(1, 17)), int(rng.integers(1, 300)), gs * int(rng.integers(1, 12))
+        x, wq, s, b, want = _case(int(rng.integers(1 << 30)), M, N, K, bits, gs, scale=float(rng.uniform(0.01, 50)))
+        got = _kernel(lib, x, wq, s, b, bits, gs, threads=int(rng.integers(1, 4)))
+        assert np.array_equal(_bits(got), _bits(want)), (M, N, K, bits, gs)
+
+
+def test_rejects_what_it_does_not_handle(lib):
+    x, wq, s, b, _ = _case(0, 2, 16, 128, 4, 64)
+    xs, ws, ss, bs = (np.asarray(a) for a in (x, wq, s, b))
+    with pytest.raises(ValueError, match="bits"):
+        qk.qmm_t(lib, xs, ws, ss, bs, bits=3, group_size=64)
+    with pytest.raises(ValueError, match="shapes"):
+        qk.qmm_t(lib, xs, ws, ss, bs, bits=8, group_size=64)
+    with pytest.raises(ValueError, match="float32 x"):
+        qk.qmm_t(lib, xs.astype(np.float16), ws, ss, bs, bits=4, group_size=64)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        qk.qmm_t(lib, np.asfortranarray(np.ones((2, 128), np.float32)), ws, ss, bs, bits=4, group_size=64)
+
+
+def _qwen2(tie: bool, bits: int, gs: int) -> qwen2.Model:
+    mx.random.seed(3)
+    args = qwen2.ModelArgs(
+        model_type="qwen2",
+        hidden_size=256,
+        num_hidden_layers=2,
+        intermediate_size=640,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=512,
+        rope_theta=1e6,
+        tie_word_embeddings=tie,
+    )
+    model = qwen2.Model(args)
+    nn.quantize(model, group_size=gs, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and every step's logits: one prefill, then one token a forward."""
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)
+    tokens, rows = [], []
+    for _ in range(n):
+        rows.append(np.array(logits[0, -1]))
+        tokens.append(int(mx.argmax(logits[0, -1])))
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)
+    return tokens, rows
+
+
+@pytest.mark.parametrize(("tie", "bits", "gs"), [(False, 4, 64), (True, 8, 32), (False, 8, 128)])
+def test_hooked_qwen2_is_mlx_lm_bit_for_bit(lib, tie, bits, gs):
+    model = _qwen2(tie, bits, gs)
+    prompt = [1, 5, 9, 33, 100, 7, 250, 3, 17]
+    want, want_logits = _greedy(model, prompt, 12)
+    matmuls = 2 * 7 + 1  # q k v o gate up down a layer, and the head (tied: the embedding's as_linear)
+    layers = matmuls + (0 if tie else 1)  # an untied embedding changes class too (its lookup stays MLX's)
+    assert ql.install(model, lib) == layers
+    before = ql.calls["kernel"]
+    try:
+        got, got_logits = _greedy(model, prompt, 12)
+    finally:
+        assert ql.uninstall(model) == layers
+    assert ql.calls["kernel"] - before == 13 * matmuls
+    assert got == want
+    for a, b in zip(got_logits, want_logits):
+        assert np.array_equal(_bits(a), _bits(b))
+    assert not any(type(m).__module__ == ql.__name__ for m in model.modules())  # uninstall put them back
+
+
+def test_what_the_kernel_does_not_take_stays_mlx(lib):
+    layer = nn.QuantizedLinear(128, 48, bias=True, group_size=64, bits=4)
+    x = mx.random.normal((3, 128))
+    want = layer(x)
+    assert ql.install(layer, lib) == 1
+    try:
+        mlx_before = ql.calls["mlx"]
+        assert np.array_equal(_bits(layer(x)), _bits(want))  # the bias is added after the kernel, as MLX does
+        assert ql.calls["mlx"] == mlx_before
+        half = x.astype(mx.float16)  # a dtype the kernel does not take
+        assert np.array_equal(np.asarray(layer(half)), np.asarray(nn.QuantizedLinear.__call__(layer, half)))
+        assert ql.calls["mlx"] == mlx_before + 1
+    finally:
+        ql.uninstall(layer)
+
+
+def test_switched_off_leaves_mlx_lm(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_QMM_KERNEL", "0")
+    assert qk.load(tmp_path) is None
+    monkeypatch.setattr(qk, "load", lambda directory=None: None)
+    model = _qwen2(False, 4, 64)
+    assert ql.install(model) == 0
+    assert all(type(m).__module__.startswith("mlx.") for m in model.modules() if "Quantized" in type(m).__name__)
+
+
+def test_no_compiler_means_mlx(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(OSError):
+        qk.build(tmp_path / "k.so")
+    assert not list(tmp_path.glob("*.tmp"))
+    monkeypatch.setattr(qk, "library_path", lambda directory=None: pathlib.Path(tmp_path / "kernels" / "x.so"))
+    assert qk.load(tmp_path) is None  # logged, and the model keeps MLX's quantized_matmul
+
+
+def test_builds_into_the_cache_once(tmp_path):
+    assert qk.load(tmp_path) is not None
+    built = list((tmp_path / "kernels").glob("qmm_t-*.so"))
+    assert len(built) == 1 and built[0] == qk.library_path(tmp_path)
+    mtime = built[0].stat().st_mtime_ns
+    assert qk.load(tmp_path) is not None
+    assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+def test_config_and_flag():
+    from engine.config import EngineConfig
+    from transport.cli import build_parser, engine_config
+
+    assert EngineConfig().qmm_kernel is True
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "tiny", "--no-qmm-kernel"])
+    assert engine_config(args, parser).qmm_kernel is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on", [True, False], ids=["kernel", "switched-off"])
+def test_backend_on_a_quantized_model_decodes_as_mlx_lm(tmp_path_factory, lib, on):
+    """The bundled tiny model converted to MLX 4-bit: the backend's greedy
+    decode (prefill chunks, run-ahead) equals mlx-lm's generate_step on its
+    own load of the same directory, kernel on or off."""
+    from mlx_lm import convert, load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from engine.config import EngineConfig
+    from engine.mlx.backend import load_mlx_backend
+    from engine.models import resolve_model
+    from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan
+    from engine.types import SamplingParams
+
+    path = tmp_path_factory.mktemp("q4") / "tiny-4bit"
+    convert(str(resolve_model("tiny")), mlx_path=str(path), quantize=True, q_bits=4, q_group_size=64, dtype="float32")
+    backend, device = load_mlx_backend(EngineConfig(backend="mlx", model=str(path), qmm_kernel=on))
+    try:
+        assert backend.counters["qmm_kernel_layers"] == (6 * 7 + 1 if on else 0)
+        prompt = backend.tokenizer.encode("def add(a, b):\n    return a + b\n\nclass Point:\n")
+        oracle = device.call(lambda: load(str(path))[0])
+        assert not any(type(m).__module__ == ql.__name__ for m in oracle.modules())
+        ref = device.call(
+            lambda: [t for t, _ in generate_step(mx.array(prompt), oracle, max_tokens=16, sampler=make_sampler(0.0))]
+        )
+        backend.max_ahead = 2
+        step = lambda **kw: device.call(backend.step, StepPlan(**kw))  # noqa: E731
+        step(open=[OpenRow(1, SamplingParams(max_tokens=10_000, ignore_eos=True))])
+        body = prompt[:-1]
+        for i in range(0, len(body), 8):
+            assert not step(prefill=[PrefillChunk(1, body[i : i + 8])]).errors
+        out, tok = [], prompt[-1]
+        for _ in range(16):
+            tok = step(decode=[DecodeRow(1, tok)]).tokens[1]
+            out.append(tok)
+            device.call(backend.run_ahead, lambda: True)
+        step(close=[1])
+        assert out == ref
+    finally:
+        device.close()
