@@ -8,7 +8,7 @@ The model's GGUF is dequantized once to float32 (``resolve_model`` of the packag
 the way ``ember convert --dtype`` writes it: ``bfloat16``/``float16`` by ``set_dtype``, ``q8``/``q4``
 by ``nn.quantize`` (MLX affine, group 64, what ``mlx_lm.convert -q`` writes). Each format is run as
 ``ember serve`` runs it: MLX's CPU kernels plus, where Ember installs one for that format, its own
-(``engine.mlx.qmm_kernel`` for q8/q4 when present; ``--no-ember-kernels`` measures MLX alone).
+(``engine.mlx.qmm_linear`` for q8/q4; ``--no-ember-kernels`` measures MLX alone).
 
 Per format:
 * **decode**: tok/s of a greedy decode of ``--tokens`` steps after a short prompt (median over rounds,
@@ -120,13 +120,10 @@ def _make(base_path: str, fmt: str, kernels: bool) -> Any:
     elif fmt != "float32":
         model.set_dtype(getattr(mx, fmt))
     mx.eval(model.parameters())
-    if kernels:
-        try:
-            from engine.mlx import qmm_kernel  # type: ignore[attr-defined]
+    if kernels and fmt in ("q8", "q4"):
+        from engine.mlx import qmm_linear
 
-            qmm_kernel.install_model(model)
-        except (ImportError, AttributeError):
-            pass
+        qmm_linear.install(model)  # what read_model does on MLX's CPU backend
     return model
 
 
