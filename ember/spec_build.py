@@ -138,7 +138,7 @@ def _mlx_core(config: Any, backend: Any, device: Any) -> DrafterCore:
             "(loading the target twice only doubles its memory)",
             "draft_model",
         )
-    model = device.call(MlxDraftModel, path)
+    model = device.call(MlxDraftModel, path, config.qmm_kernel)
     if not _shares_tokenizer(backend.tokenizer, model):
         raise InvalidRequest(f"draft model {path} does not share the target's tokenizer", "draft_model")
     return ModelDrafterCore(model, name=str(config.draft_model))

@@ -56,7 +56,7 @@ class MlxDraftModel:
 
     prefill_chunk = 512
 
-    def __init__(self, path: str | pathlib.Path):
+    def __init__(self, path: str | pathlib.Path, qmm_kernel: bool = True):
         import mlx.core as mx
         from mlx_lm.generate import generation_stream
 
@@ -85,6 +85,10 @@ class MlxDraftModel:
                 self.model, config = load_model(self.path)
             self.tokenizer = None
             self.vocab_sha256 = config.get("ember_vocab_sha256")
+        if qmm_kernel and mx.default_device() == mx.cpu:
+            from engine.mlx import qmm_linear
+
+            qmm_linear.install(self.model)  # a quantized drafter's layers as the target's (bit for bit MLX's)
         # A small-head drafter's argmax is an index into its head: map it back.
         self._to_ids = getattr(self.model, "to_target_ids", lambda y: y)
         self.vocab_size = int(self.model.args.vocab_size) if hasattr(self.model, "args") else None
