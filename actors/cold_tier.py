@@ -105,6 +105,9 @@ class ColdLink:
     def longest(self, tokens: list[int], ns: str) -> int:
         return self.store.longest(tokens, ns)
 
+    def closest(self, tokens: list[int], ns: str) -> tuple[Any, int]:
+        return self.store.closest(tokens, ns)
+
     def request_restore(self, rid: int, tokens: list[int], ns: str, min_len: int) -> None:
         self.ref.tell_nowait(Restore(rid=rid, tokens=tokens, ns=ns, min_len=min_len))
 

@@ -20,10 +20,11 @@ import msgspec
 from actors.prefill_budget import PrefillBudget
 from actors.spec_rounds import SpecRounds
 from engine.eventlog import EventLog
+from engine.kv.cache_miss import closest_miss
 from engine.ports import Backend, Clock, DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
 from engine.textstream import StopMatcher
 from engine.transitions import IllegalTransition
-from engine.types import SamplingParams, TokenLogprob, Usage
+from engine.types import CacheMiss, SamplingParams, TokenLogprob, Usage
 
 log = logging.getLogger("ember.scheduler")
 
@@ -71,6 +72,11 @@ class PrefixCache(Protocol):
 
     def snapshot(self, tokens: list[int], ns: str) -> Any: ...
 
+    def closest(self, tokens: list[int], ns: str) -> tuple[Any, int]:
+        """The entry sharing the longest common prefix with ``tokens`` (its
+        tokens, or None) and that length: explains a miss (engine.kv.cache_miss)."""
+        ...
+
 
 class ColdLookup(Protocol):
     """The SSD cold tier as the Scheduler uses it (see actors.cold_tier.ColdLink)."""
@@ -84,6 +90,10 @@ class ColdLookup(Protocol):
         ...
 
     def demoted(self, n: int, next_due: float | None) -> None: ...
+
+    def closest(self, tokens: list[int], ns: str) -> tuple[Any, int]:
+        """``PrefixCache.closest`` over the SSD index."""
+        ...
 
 
 @dataclass(slots=True)
@@ -105,6 +115,7 @@ class Row:
     from_ssd: bool = False  # ``prepared`` (then ``cached``) is an SSD restore, not the RAM candidate
     checkpointed: int = 0  # earlier-position checkpoints taken (the prompt's end not counted)
     last_checkpoint: int = 0  # the position of the latest one (or the cached prefix)
+    miss: CacheMiss | None = None  # where the prompt left the closest cached sequence, if it did
 
     def move(self, to: RowState) -> None:
         if to not in ROW_TRANSITIONS[self.state]:
@@ -177,6 +188,7 @@ class SchedulerCore:
             "ssd_cached_tokens": 0,  # the part of cached_tokens restored from SSD
             "prefilled_tokens": 0,  # prompt tokens run through prefill (not cached)
             "cache_faults": 0,  # prefix caches the backend could not open: prefilled whole instead (a miss)
+            "cache_diverged": 0,  # prompts that left a longer cached sequence (engine.kv.cache_miss)
         }
         self.checkpointing = prefix_cache is not None and backend.needs_checkpoints
         self._checkpoint_at: dict[int, int] = {}  # rid -> position, for the step planned last
@@ -226,6 +238,7 @@ class SchedulerCore:
             completion_tokens=len(row.generated),
             cached_tokens=row.cached,
             ssd_cached_tokens=row.cached if row.from_ssd else 0,
+            cache_miss=row.miss,
         )
         if self.spec is not None:
             usage.speculation = self.spec.finish(row.rid)
@@ -254,6 +267,8 @@ class SchedulerCore:
                 row.prompt, row.ns, min_len=self.cfg.min_cached_prefix, session=row.params.cache_session
             )
             cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
+            if cached < row.prefill_total:  # some of the prompt is prefilled: say why
+                row.miss = self._divergence(row)
             if self._wait_for_cold(row, cache, cached):
                 return
         row.cached = row.in_cache = row.last_checkpoint = cached
@@ -267,6 +282,24 @@ class SchedulerCore:
         row.move(RowState.PREFILL if cached < row.prefill_total else RowState.DECODE)
         self.active.append(row.rid)
         self.events.record("open", self.clock.now(), rid=row.rid, cached=cached)
+
+    def _divergence(self, row: Row) -> CacheMiss | None:
+        """Where ``row``'s prompt left the closest cached sequence of its
+        namespace, RAM or SSD (None: it left none). Two bisects, only for a
+        prompt the cache does not serve whole; a fault is no report."""
+        found = []
+        try:
+            if self.prefix_cache is not None:
+                found.append(("ram", *self.prefix_cache.closest(row.prompt, row.ns)))
+            if self.cold is not None:
+                found.append(("ssd", *self.cold.closest(row.prompt, row.ns)))
+            miss = closest_miss(row.prompt, found)
+        except Exception as exc:  # an explanation must never fail a request
+            log.warning("[scheduler] cache-miss lookup for row %d failed: %r", row.rid, exc)
+            return None
+        if miss is not None:
+            self.counters["cache_diverged"] += 1
+        return miss
 
     def _wait_for_cold(self, row: Row, cache: Any, cached: int) -> bool:
         """Park the row in RESTORING when SSD holds a strictly longer prefix

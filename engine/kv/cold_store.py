@@ -346,6 +346,11 @@ class ColdStore:
     def longest(self, tokens: Sequence[int], ns: str) -> int:
         return self.find(tokens, ns)[1]
 
+    def closest(self, tokens: Sequence[int], ns: str) -> tuple[np.ndarray | None, int]:
+        """``PromptCache.closest`` over the files indexed (a pure lookup)."""
+        e, n = self._index.closest(ns, as_tokens(tokens))
+        return (None, 0) if e is None else (e.tokens, n)
+
     def holds(self, tokens: Sequence[int], ns: str) -> bool:
         """True if an entry covers exactly ``tokens``: equal, or longer and trimmable."""
         return self.holds_key(token_bytes(tokens), ns)
