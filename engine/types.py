@@ -83,7 +83,8 @@ class CacheMiss(msgspec.Struct, kw_only=True):
     window_start: int  # the first token of both windows
     prompt_window: list[int]  # the prompt's tokens around ``diverged_at``
     cached_window: list[int]  # the cached sequence's tokens there
-    message_index: int | None = None
+    message_index: int | None = None  # in the messages the chat template rendered
+    message_role: str | None = None
     prompt_excerpt: str | None = None
     cached_excerpt: str | None = None
 

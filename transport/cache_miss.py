@@ -63,6 +63,7 @@ def body(miss: CacheMiss) -> dict[str, Any]:
         "diverged_at": miss.diverged_at,
         "cached_tokens_available": miss.cached_tokens_available,
         "message_index": miss.message_index,
+        "message_role": miss.message_role,
         "prompt_excerpt": miss.prompt_excerpt,
         "cached_excerpt": miss.cached_excerpt,
         "tier": miss.tier,
@@ -121,15 +122,18 @@ def explain(engine: Any, prompt: Any, miss: CacheMiss) -> dict[str, Any]:
         miss.cached_excerpt = tok.decode(miss.cached_window)
         if hasattr(tok, "render_chat"):
             try:
-                miss.message_index = message_index(tok, prompt, miss.diverged_at)
+                miss.message_index = k = message_index(tok, prompt, miss.diverged_at)
+                if k is not None:
+                    miss.message_role = prompt.messages[k].get("role")
             except Exception as exc:  # the report is a courtesy: never fail the answer for it
                 log.warning("[cache] miss message lookup failed: %r", exc)
         out = body(miss)
         miss_log(engine).add(out)
         log.info(
-            "[cache] miss diverged_at=%d message=%s tier=%s cached_available=%d prompt=%r cached=%r",
+            "[cache] miss diverged_at=%d message=%s role=%s tier=%s cached_available=%d prompt=%r cached=%r",
             miss.diverged_at,
             miss.message_index,
+            miss.message_role,
             miss.tier,
             miss.cached_tokens_available,
             miss.prompt_excerpt,
