@@ -21,6 +21,7 @@ from actors.prefill_budget import PrefillBudget
 from actors.spec_rounds import SpecRounds
 from engine.eventlog import EventLog
 from engine.kv.cache_miss import closest_miss
+from engine.kv.prompt_cache import as_tokens
 from engine.ports import Backend, Clock, DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
 from engine.textstream import StopMatcher
 from engine.transitions import IllegalTransition
@@ -64,7 +65,7 @@ class RowDelta(msgspec.Struct, frozen=True, kw_only=True):
 class PrefixCache(Protocol):
     """The RAM prompt-cache tier as the Scheduler uses it (see engine.kv.prompt_cache)."""
 
-    def take(self, tokens: list[int], ns: str, min_len: int = 1, session: str | None = None) -> tuple[Any, int]: ...
+    def take(self, tokens: Any, ns: str, min_len: int = 1, session: str | None = None) -> tuple[Any, int]: ...
 
     def put(self, tokens: list[int], ns: str, cache: Any, session: str | None = None) -> None: ...
 
@@ -72,7 +73,7 @@ class PrefixCache(Protocol):
 
     def snapshot(self, tokens: list[int], ns: str) -> Any: ...
 
-    def closest(self, tokens: list[int], ns: str) -> tuple[Any, int]:
+    def closest(self, tokens: Any, ns: str) -> tuple[Any, int]:
         """The entry sharing the longest common prefix with ``tokens`` (its
         tokens, or None) and that length: explains a miss (engine.kv.cache_miss)."""
         ...
@@ -81,7 +82,7 @@ class PrefixCache(Protocol):
 class ColdLookup(Protocol):
     """The SSD cold tier as the Scheduler uses it (see actors.cold_tier.ColdLink)."""
 
-    def longest(self, tokens: list[int], ns: str) -> int:
+    def longest(self, tokens: Any, ns: str) -> int:
         """Usable prefix the SSD index holds for ``tokens`` (a sync index lookup)."""
         ...
 
@@ -91,7 +92,7 @@ class ColdLookup(Protocol):
 
     def demoted(self, n: int, next_due: float | None) -> None: ...
 
-    def closest(self, tokens: list[int], ns: str) -> tuple[Any, int]:
+    def closest(self, tokens: Any, ns: str) -> tuple[Any, int]:
         """``PrefixCache.closest`` over the SSD index."""
         ...
 
@@ -116,6 +117,14 @@ class Row:
     checkpointed: int = 0  # earlier-position checkpoints taken (the prompt's end not counted)
     last_checkpoint: int = 0  # the position of the latest one (or the cached prefix)
     miss: CacheMiss | None = None  # where the prompt left the closest cached sequence, if it did
+    _lookup: Any = None  # the prompt as the tiers' int64 array, made once for every lookup
+
+    def lookup_tokens(self) -> Any:
+        """The prompt as an int64 array: the tiers' lookups take it as it is,
+        where a list costs a conversion each (most of a lookup's time)."""
+        if self._lookup is None:
+            self._lookup = as_tokens(self.prompt)
+        return self._lookup
 
     def move(self, to: RowState) -> None:
         if to not in ROW_TRANSITIONS[self.state]:
@@ -264,7 +273,7 @@ class SchedulerCore:
             (cache, cached), row.prepared = row.prepared, None
         elif self.prefix_cache is not None:
             cache, cached = self.prefix_cache.take(
-                row.prompt, row.ns, min_len=self.cfg.min_cached_prefix, session=row.params.cache_session
+                row.lookup_tokens(), row.ns, min_len=self.cfg.min_cached_prefix, session=row.params.cache_session
             )
             cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
             if cached < row.prefill_total:  # some of the prompt is prefilled: say why
@@ -290,9 +299,9 @@ class SchedulerCore:
         found = []
         try:
             if self.prefix_cache is not None:
-                found.append(("ram", *self.prefix_cache.closest(row.prompt, row.ns)))
+                found.append(("ram", *self.prefix_cache.closest(row.lookup_tokens(), row.ns)))
             if self.cold is not None:
-                found.append(("ssd", *self.cold.closest(row.prompt, row.ns)))
+                found.append(("ssd", *self.cold.closest(row.lookup_tokens(), row.ns)))
             miss = closest_miss(row.prompt, found)
         except Exception as exc:  # an explanation must never fail a request
             log.warning("[scheduler] cache-miss lookup for row %d failed: %r", row.rid, exc)
@@ -305,7 +314,7 @@ class SchedulerCore:
         """Park the row in RESTORING when SSD holds a strictly longer prefix
         (ties go to RAM); the batch keeps stepping without it."""
         floor = max(cached, self.cfg.min_cached_prefix - 1)  # restore only what is worth a disk read
-        if self.cold is None or self.cold.longest(row.prompt, row.ns) <= floor:
+        if self.cold is None or self.cold.longest(row.lookup_tokens(), row.ns) <= floor:
             return False
         try:
             self.cold.request_restore(row.rid, row.prompt, row.ns, floor)

@@ -365,7 +365,7 @@ class PromptCache:
         return len(self._entries)
 
     # ---- lookup ------------------------------------------------------------
-    def best(self, tokens: Sequence[int], ns: str) -> tuple[_Entry | None, int]:
+    def best(self, tokens: Sequence[int] | np.ndarray, ns: str) -> tuple[_Entry | None, int]:
         """The entry serving the longest usable prefix (a pure lookup)."""
         prompt = as_tokens(tokens)
         best, best_rank = None, (0, 0, 0)
@@ -381,7 +381,7 @@ class PromptCache:
                 best, best_rank = e, rank
         return best, best_rank[0]
 
-    def closest(self, tokens: Sequence[int], ns: str) -> tuple[np.ndarray | None, int]:
+    def closest(self, tokens: Sequence[int] | np.ndarray, ns: str) -> tuple[np.ndarray | None, int]:
         """The tokens of the entry sharing the longest common prefix with
         ``tokens``, and its length (``PrefixIndex.closest``; a pure lookup)."""
         e, n = self._index.closest(ns, as_tokens(tokens))
@@ -400,11 +400,13 @@ class PromptCache:
             self.sessions.forget(e)
         return e
 
-    def peek(self, tokens: Sequence[int], ns: str) -> int:
+    def peek(self, tokens: Sequence[int] | np.ndarray, ns: str) -> int:
         """Length ``take`` would serve now, without copying or touching recency."""
         return self.best(tokens, ns)[1]
 
-    def take(self, tokens: Sequence[int], ns: str, min_len: int = 1, session: str | None = None) -> tuple[Any, int]:
+    def take(
+        self, tokens: Sequence[int] | np.ndarray, ns: str, min_len: int = 1, session: str | None = None
+    ) -> tuple[Any, int]:
         """A private cache of the longest usable prefix, and its length;
         ``(None, 0)`` on a miss or a prefix shorter than ``min_len``. The
         stored entry stays and becomes most recent (and ``session``'s). The private cache is the
