@@ -75,3 +75,31 @@ async def test_no_checkpoint_no_wait_forever():
 async def test_a_backend_that_cannot_checkpoint_never_holds_a_request():
     outs, sched = await burst(FakeBackend())
     assert sched["prefill_waits"] == 0 and all(o.usage.cached_tokens == 0 for o in outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the MLX thread needs a real loop
+async def test_on_mlx_the_same_tokens_with_one_prefill_of_the_prefix():
+    """The tiny model on MLX (which checkpoints any row): the burst's greedy
+    answers equal those of the same burst with shared prefill off, and the
+    prefix is prefilled once instead of four times."""
+    asks = [[5 + (i * 7) % 1900 for i in range(700)] + [100 + k, 200 + k, 300 + k] for k in range(4)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def run(**kw):
+        outs: list = [None] * len(asks)
+        async with Engine.open(EngineConfig(backend="mlx", model="tiny", **kw)) as engine:
+
+            async def one(i: int) -> None:
+                outs[i] = await engine.acomplete(asks[i], params)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(asks)):
+                    tg.start_soon(one, i)
+            return [o.token_ids for o in outs], engine.stats()["scheduler"]
+
+    shared_ids, shared = await run()
+    alone_ids, alone = await run(shared_prefill_min=0)
+    assert shared_ids == alone_ids
+    assert alone["prefilled_tokens"] == 4 * 702 and alone["prefill_waits"] == 0
+    assert shared["prefill_waits"] == 3 and shared["prefilled_tokens"] == 702 + 3 * 2

@@ -23,6 +23,7 @@ import pytest
 from tests.live_server import ember_serve
 
 MODEL = "tiny"
+pytestmark = pytest.mark.slow  # a server per test, real MLX compute
 
 
 @pytest.fixture
