@@ -102,8 +102,11 @@ class ColdLink:
         self.store = store
         self.ref = ref
 
-    def longest(self, tokens: list[int], ns: str) -> int:
+    def longest(self, tokens: Any, ns: str) -> int:  # a list or the Scheduler's int64 array
         return self.store.longest(tokens, ns)
+
+    def closest(self, tokens: Any, ns: str) -> tuple[Any, int]:
+        return self.store.closest(tokens, ns)
 
     def request_restore(self, rid: int, tokens: list[int], ns: str, min_len: int) -> None:
         self.ref.tell_nowait(Restore(rid=rid, tokens=tokens, ns=ns, min_len=min_len))

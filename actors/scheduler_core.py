@@ -20,10 +20,12 @@ import msgspec
 from actors.prefill_budget import PrefillBudget
 from actors.spec_rounds import SpecRounds
 from engine.eventlog import EventLog
+from engine.kv.cache_miss import closest_miss
+from engine.kv.prompt_cache import as_tokens, common_prefix
 from engine.ports import Backend, Clock, DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
 from engine.textstream import StopMatcher
 from engine.transitions import IllegalTransition
-from engine.types import SamplingParams, TokenLogprob, Usage
+from engine.types import CacheMiss, SamplingParams, TokenLogprob, Usage
 
 log = logging.getLogger("ember.scheduler")
 
@@ -63,7 +65,7 @@ class RowDelta(msgspec.Struct, frozen=True, kw_only=True):
 class PrefixCache(Protocol):
     """The RAM prompt-cache tier as the Scheduler uses it (see engine.kv.prompt_cache)."""
 
-    def take(self, tokens: list[int], ns: str, min_len: int = 1, session: str | None = None) -> tuple[Any, int]: ...
+    def take(self, tokens: Any, ns: str, min_len: int = 1, session: str | None = None) -> tuple[Any, int]: ...
 
     def put(self, tokens: list[int], ns: str, cache: Any, session: str | None = None) -> None: ...
 
@@ -71,11 +73,20 @@ class PrefixCache(Protocol):
 
     def snapshot(self, tokens: list[int], ns: str) -> Any: ...
 
+    def peek(self, tokens: Any, ns: str) -> int:
+        """The prefix ``take`` would serve now, without taking it."""
+        ...
+
+    def closest(self, tokens: Any, ns: str) -> tuple[Any, int]:
+        """The entry sharing the longest common prefix with ``tokens`` (its
+        tokens, or None) and that length: explains a miss (engine.kv.cache_miss)."""
+        ...
+
 
 class ColdLookup(Protocol):
     """The SSD cold tier as the Scheduler uses it (see actors.cold_tier.ColdLink)."""
 
-    def longest(self, tokens: list[int], ns: str) -> int:
+    def longest(self, tokens: Any, ns: str) -> int:
         """Usable prefix the SSD index holds for ``tokens`` (a sync index lookup)."""
         ...
 
@@ -84,6 +95,10 @@ class ColdLookup(Protocol):
         ...
 
     def demoted(self, n: int, next_due: float | None) -> None: ...
+
+    def closest(self, tokens: Any, ns: str) -> tuple[Any, int]:
+        """``PrefixCache.closest`` over the SSD index."""
+        ...
 
 
 @dataclass(slots=True)
@@ -105,6 +120,16 @@ class Row:
     from_ssd: bool = False  # ``prepared`` (then ``cached``) is an SSD restore, not the RAM candidate
     checkpointed: int = 0  # earlier-position checkpoints taken (the prompt's end not counted)
     last_checkpoint: int = 0  # the position of the latest one (or the cached prefix)
+    miss: CacheMiss | None = None  # where the prompt left the closest cached sequence, if it did
+    waited: bool = False  # held in the queue for another row's prefill of their shared prefix
+    _lookup: Any = None  # the prompt as the tiers' int64 array, made once for every lookup
+
+    def lookup_tokens(self) -> Any:
+        """The prompt as an int64 array: the tiers' lookups take it as it is,
+        where a list costs a conversion each (most of a lookup's time)."""
+        if self._lookup is None:
+            self._lookup = as_tokens(self.prompt)
+        return self._lookup
 
     def move(self, to: RowState) -> None:
         if to not in ROW_TRANSITIONS[self.state]:
@@ -135,6 +160,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # tools, a document). Each is an ordinary prompt-cache entry (RAM, SSD).
     checkpoint_interval: int = 1024
     max_checkpoints: int = 2
+    # Shared prefill: a queued request whose prompt shares at least this many
+    # tokens the cache does not hold with a row prefilling now waits for that
+    # row's checkpoint of them (``SchedulerCore._producer_for``); 0: off.
+    shared_prefill_min: int = 0
 
 
 class SchedulerCore:
@@ -177,9 +206,15 @@ class SchedulerCore:
             "ssd_cached_tokens": 0,  # the part of cached_tokens restored from SSD
             "prefilled_tokens": 0,  # prompt tokens run through prefill (not cached)
             "cache_faults": 0,  # prefix caches the backend could not open: prefilled whole instead (a miss)
+            "cache_diverged": 0,  # prompts that left a longer cached sequence (engine.kv.cache_miss)
+            "prefill_waits": 0,  # requests held for another row's prefill of their shared prefix
+            "shared_prefix_checkpoints": 0,  # checkpoints taken for those requests
         }
         self.checkpointing = prefix_cache is not None and backend.needs_checkpoints
         self._checkpoint_at: dict[int, int] = {}  # rid -> position, for the step planned last
+        # shared prefill needs a backend that checkpoints any row and a tier to put the checkpoint in
+        self.shares_prefill = prefix_cache is not None and cfg.shared_prefill_min > 0 and backend.can_checkpoint
+        self._wanted: dict[int, int] = {}  # producer rid -> the position its waiters need, this plan
         if self.checkpointing:
             self.counters["checkpoints"] = 0
 
@@ -226,6 +261,7 @@ class SchedulerCore:
             completion_tokens=len(row.generated),
             cached_tokens=row.cached,
             ssd_cached_tokens=row.cached if row.from_ssd else 0,
+            cache_miss=row.miss,
         )
         if self.spec is not None:
             usage.speculation = self.spec.finish(row.rid)
@@ -251,9 +287,11 @@ class SchedulerCore:
             (cache, cached), row.prepared = row.prepared, None
         elif self.prefix_cache is not None:
             cache, cached = self.prefix_cache.take(
-                row.prompt, row.ns, min_len=self.cfg.min_cached_prefix, session=row.params.cache_session
+                row.lookup_tokens(), row.ns, min_len=self.cfg.min_cached_prefix, session=row.params.cache_session
             )
             cached = min(cached, len(row.prompt) - 1) if cache is not None else 0
+            if cached < row.prefill_total:  # some of the prompt is prefilled: say why
+                row.miss = self._divergence(row)
             if self._wait_for_cold(row, cache, cached):
                 return
         row.cached = row.in_cache = row.last_checkpoint = cached
@@ -268,11 +306,29 @@ class SchedulerCore:
         self.active.append(row.rid)
         self.events.record("open", self.clock.now(), rid=row.rid, cached=cached)
 
+    def _divergence(self, row: Row) -> CacheMiss | None:
+        """Where ``row``'s prompt left the closest cached sequence of its
+        namespace, RAM or SSD (None: it left none). Two bisects, only for a
+        prompt the cache does not serve whole; a fault is no report."""
+        found = []
+        try:
+            if self.prefix_cache is not None:
+                found.append(("ram", *self.prefix_cache.closest(row.lookup_tokens(), row.ns)))
+            if self.cold is not None:
+                found.append(("ssd", *self.cold.closest(row.lookup_tokens(), row.ns)))
+            miss = closest_miss(row.prompt, found)
+        except Exception as exc:  # an explanation must never fail a request
+            log.warning("[scheduler] cache-miss lookup for row %d failed: %r", row.rid, exc)
+            return None
+        if miss is not None:
+            self.counters["cache_diverged"] += 1
+        return miss
+
     def _wait_for_cold(self, row: Row, cache: Any, cached: int) -> bool:
         """Park the row in RESTORING when SSD holds a strictly longer prefix
         (ties go to RAM); the batch keeps stepping without it."""
         floor = max(cached, self.cfg.min_cached_prefix - 1)  # restore only what is worth a disk read
-        if self.cold is None or self.cold.longest(row.prompt, row.ns) <= floor:
+        if self.cold is None or self.cold.longest(row.lookup_tokens(), row.ns) <= floor:
             return False
         try:
             self.cold.request_restore(row.rid, row.prompt, row.ns, floor)
@@ -323,8 +379,15 @@ class SchedulerCore:
         self._closing, self._keep = [], set()
         if self.spec is not None:
             self.spec.defer_closing(plan, self._closing, self._keep)
+        self._wanted = {}
+        held: list[int] = []
         while self.queue and len(self.active) < self.cfg.max_batch:
-            self._open(self.rows[self.queue.popleft()], plan)
+            row = self.rows[self.queue.popleft()]
+            if self.shares_prefill and self._producer_for(row):
+                held.append(row.rid)  # back to its place once the loop is done: later rows may open
+                continue
+            self._open(row, plan)
+        self.queue.extendleft(reversed(held))
         decoding = any(self.rows[rid].state is RowState.DECODE for rid in self.active)
         budget = self.prefill_budget.budget(decoding)
         self._checkpoint_at = {}
@@ -333,12 +396,18 @@ class SchedulerCore:
             if row.state is not RowState.PREFILL or budget <= 0:
                 continue
             n = min(budget, row.prefill_total - row.in_cache)
+            want = self._wanted.get(rid, 0)
+            if row.in_cache < want:  # the chunk ends where its waiters' shared prefix does
+                n = min(n, want - row.in_cache)
             plan.prefill.append(PrefillChunk(rid, row.prompt[row.in_cache : row.in_cache + n]))
             row.in_cache += n
             budget -= n
             self.counters["prefilled_tokens"] += n
             if self.checkpointing:
                 self._plan_checkpoint(row, plan)
+            if row.in_cache == want:
+                plan.checkpoint.add(rid)
+                self._checkpoint_at[rid] = want
             if row.in_cache == row.prefill_total:
                 row.move(RowState.DECODE)  # its last prompt token decodes in this same step
         for rid in self.active:
@@ -362,6 +431,42 @@ class SchedulerCore:
         )
         return plan
 
+    def _producer_for(self, row: Row) -> bool:
+        """Whether ``row`` waits for a row prefilling now (its producer): one
+        whose prompt shares at least ``shared_prefill_min`` more tokens with
+        ``row``'s than the cache tiers hold and that has not prefilled them
+        yet. The producer's chunk then ends at the shared prefix and a
+        checkpoint there goes into the RAM tier (``_wanted``), where ``row``
+        finds it on a later plan: N requests on one cold prefix (subagents on
+        a system prompt) prefill it once, not N times. Asked anew at every
+        plan, so nothing is left waiting when the producer ends or aborts, or
+        when no checkpoint comes (it then goes past the prefix: no wait)."""
+        if row.prepared is not None or row.prefill_total < self.cfg.shared_prefill_min:
+            return False
+        prompt = row.lookup_tokens()
+        producer, shared = None, 0
+        for rid in self.active:
+            p = self.rows[rid]
+            if p.state is not RowState.PREFILL:
+                continue
+            n = min(common_prefix(p.lookup_tokens(), prompt), p.prefill_total, row.prefill_total)
+            if n > p.in_cache and n > shared:
+                producer, shared = p, n
+        if producer is None:
+            return False
+        assert self.prefix_cache is not None  # shares_prefill needs the RAM tier
+        have = self.prefix_cache.peek(prompt, row.ns)
+        if self.cold is not None:
+            have = max(have, self.cold.longest(prompt, row.ns))
+        if shared - have < self.cfg.shared_prefill_min:
+            return False
+        self._wanted[producer.rid] = min(self._wanted.get(producer.rid, shared), shared)
+        if not row.waited:
+            row.waited = True
+            self.counters["prefill_waits"] += 1
+            self.events.record("wait_prefill", self.clock.now(), rid=row.rid, on=producer.rid, shared=shared)
+        return True
+
     def _plan_checkpoint(self, row: Row, plan: StepPlan) -> None:
         """Ask for a copy of the row's cache after this chunk: always at the
         prompt's end, and at a bounded number of earlier chunk ends."""
@@ -382,7 +487,7 @@ class SchedulerCore:
             row = self.rows.get(rid)
             if at is not None and row is not None and self.prefix_cache is not None:
                 self.prefix_cache.put(row.prompt[:at], row.ns, cache, session=row.params.cache_session)
-                self.counters["checkpoints"] += 1
+                self.counters["checkpoints" if self.checkpointing else "shared_prefix_checkpoints"] += 1
         for rid, cache in result.closed.items():
             row = self.rows.pop(rid, None)
             if row is not None and self.prefix_cache is not None:

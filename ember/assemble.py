@@ -216,6 +216,9 @@ def assemble(config: EngineConfig, ports: Ports) -> Parts:
             prefill_chunk=config.prefill_chunk,
             prefill_share=config.prefill_share,
             min_cached_prefix=config.min_cached_prefix,
+            # off across ranks: the followers' RAM tiers mirror rank 0's puts
+            # by plan, and this is not a path their lock-step was checked on
+            shared_prefill_min=0 if config.distributed else config.shared_prefill_min,
         ),
         clock,
         events,

@@ -88,6 +88,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # a few tokens of prefill and cost a cache copy or a disk read, and keep the
     # row out of a batched prefill (rows prefill together from the same offset)
     min_cached_prefix: int = 16
+    # a request whose prompt shares at least this many uncached tokens with a
+    # row prefilling now waits for that row's checkpoint of them instead of
+    # prefilling them too (subagents on one cold system prompt: one prefill,
+    # not N; actors/scheduler_core.py, "shared prefill"); 0: off
+    shared_prefill_min: int = 256
     # durability
     writebehind: bool = True
     writebehind_debounce_s: float = 1.0
@@ -121,6 +126,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidRequest("attention_streams must be >= 1 (1: no split)", "attention_streams")
         if self.min_cached_prefix < 1:
             raise InvalidRequest("min_cached_prefix must be >= 1", "min_cached_prefix")
+        if self.shared_prefill_min < 0:
+            raise InvalidRequest("shared_prefill_min must be >= 0 (0: off)", "shared_prefill_min")
         if self.max_kv_size is not None and self.max_kv_size < 1:
             raise InvalidRequest("max_kv_size must be >= 1", "max_kv_size")
         if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):

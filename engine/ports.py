@@ -228,6 +228,14 @@ class Backend(Protocol):
         ...
 
     @property
+    def can_checkpoint(self) -> bool:
+        """It answers ``StepPlan.checkpoint`` for any row (a copy of the row's
+        cache after the step's prefill): the Scheduler may then let a request
+        wait for another row's prefill of the prefix they share instead of
+        prefilling it again (``SchedulerConfig.shared_prefill_min``)."""
+        ...
+
+    @property
     def grammars(self) -> GrammarCompiler | None:
         """Compiles ``SamplingParams.constraint``; None: no constrained decoding."""
         ...
@@ -268,9 +276,12 @@ class Device(Protocol):
 
 class BackendDefaults:
     """The capabilities of a backend that has none (the fake GPU): no checkpoints,
-    no grammars, no fallbacks counted. A backend inherits it, or sets all three."""
+    no grammars, no fallbacks counted. A backend inherits it, or sets all four."""
 
     needs_checkpoints = False
+    # the fake GPU copies a checkpoint when asked but says it cannot, so the
+    # simulations keep their admission order; a test sets it on an instance
+    can_checkpoint = False
     grammars: GrammarCompiler | None = None
     fallbacks: dict[str, int] | None = None
 

@@ -70,12 +70,32 @@ class SpecUsage(msgspec.Struct, kw_only=True):
     mean_accept_len: float = 0.0
 
 
+class CacheMiss(msgspec.Struct, kw_only=True):
+    """Why a prompt missed the prompt cache: where it left the closest cached
+    sequence of its namespace (one with tokens past the common prefix, so a
+    real divergence, not a plain extension). The Scheduler fills the token
+    fields (engine.kv.cache_miss); the chat routes add the message the
+    divergence falls in and the decoded excerpts (transport/cache_miss.py)."""
+
+    diverged_at: int  # the first prompt token that differs from the cached sequence
+    cached_tokens_available: int  # the cached sequence's length
+    tier: str  # where that sequence is held: "ram" or "ssd"
+    window_start: int  # the first token of both windows
+    prompt_window: list[int]  # the prompt's tokens around ``diverged_at``
+    cached_window: list[int]  # the cached sequence's tokens there
+    message_index: int | None = None  # in the messages the chat template rendered
+    message_role: str | None = None
+    prompt_excerpt: str | None = None
+    cached_excerpt: str | None = None
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
     ssd_cached_tokens: int = 0  # the part of cached_tokens restored from the SSD tier (the rest came from RAM)
     speculation: SpecUsage | None = None
+    cache_miss: CacheMiss | None = None  # set when the prompt diverged from a cached sequence
 
     @property
     def total_tokens(self) -> int:

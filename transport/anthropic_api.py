@@ -30,7 +30,7 @@ from starlette.routing import Route
 from ember.api import Completion
 from engine.errors import EngineError, InvalidRequest
 from engine.types import Delta
-from transport import chat_turn
+from transport import cache_miss, chat_turn
 from transport.anthropic_schema import (
     CountTokensRequest,
     ErrorBody,
@@ -153,6 +153,7 @@ class MessagesRenderer:
             input_tokens=u.prompt_tokens - u.cached_tokens,
             output_tokens=u.completion_tokens,
             cache_read_input_tokens=u.cached_tokens,
+            cache_miss=cache_miss.body(u.cache_miss) if u.cache_miss is not None else msgspec.UNSET,
         )
 
     # ---- non-streaming -----------------------------------------------------

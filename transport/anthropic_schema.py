@@ -516,6 +516,9 @@ class Usage(msgspec.Struct, kw_only=True):
     output_tokens: int
     cache_read_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
+    # Ember's extension, in the spirit of Anthropic's ``cache_miss_reason``:
+    # where the prompt left the closest cached sequence (transport/cache_miss.py)
+    cache_miss: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class TextOut(msgspec.Struct, tag_field="type", tag="text"):

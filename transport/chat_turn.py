@@ -19,7 +19,7 @@ import msgspec
 from ember.api import Engine
 from engine.errors import InvalidRequest
 from engine.types import Constraint, SamplingParams
-from transport import generic_tools, reasoning
+from transport import cache_miss, generic_tools, reasoning
 from transport.output_memory import OutputMemory
 from transport.request_io import collect, event_stream
 from transport.tool_calls import CallSplitter, Count, markup_of
@@ -34,10 +34,16 @@ def engine_enforces_constraints(engine: Engine) -> bool:
 
 class Prompt(list):
     """A chat prompt's token ids, with the text they render (None when the
-    tokenizer cannot say) and the cache namespace it was made in, for ``remember``."""
+    tokenizer cannot say) and the cache namespace it was made in, for
+    ``remember``, and what it was rendered from (the template's messages,
+    tools and variables) for naming the message a cache miss falls in
+    (transport/cache_miss.py)."""
 
     text: str | None = None
     ns: str = ""
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 _MEMORIES: weakref.WeakKeyDictionary[Any, OutputMemory] = weakref.WeakKeyDictionary()
@@ -99,6 +105,7 @@ def chat_prompt(
     ids, _ = output_memory(engine).tokenize(text, tok.encode_rendered, scope=ns)
     prompt = Prompt(ids)
     prompt.text, prompt.ns = text, ns
+    prompt.messages, prompt.tools, prompt.template_kwargs = messages, tools, template_kwargs
     return prompt
 
 
@@ -195,12 +202,18 @@ async def respond(
     def on_finish(text: str, ids: list[int]) -> None:
         remember(engine, prompt, text, ids)
 
+    async def on_usage(usage: Any) -> None:
+        """A usage reporting a cache miss gets its message and excerpts (off the loop)."""
+        if usage is not None and usage.cache_miss is not None:
+            await host.off_loop(cache_miss.explain, engine, prompt, usage.cache_miss, engine=engine)
+
     if streaming:
         recording = Recording(renderer, on_finish)
-        return event_stream(host, stream, recording, timer)
+        return event_stream(host, stream, recording, timer, on_usage=on_usage)
     completion = await collect(stream, request.receive, timer)
     if completion is None:
         return Response(status_code=400)  # the client left; nothing is sent
     for c in completion if isinstance(completion, list) else [completion]:  # n choices: each may be continued
         on_finish(c.text, c.token_ids)
+        await on_usage(c.usage)
     return Response(renderer.body(completion), media_type="application/json")

@@ -140,4 +140,5 @@ def merge_usage(usages: list[Usage | None]) -> Usage | None:
         cached_tokens=first.cached_tokens,
         ssd_cached_tokens=first.ssd_cached_tokens,
         speculation=first.speculation,
+        cache_miss=first.cache_miss,
     )

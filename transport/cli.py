@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-cached-prefix", type=int, metavar="TOKENS", help="shortest cached prefix worth reusing (default 16)"
     )
     s.add_argument(
+        "--no-shared-prefill",
+        action="store_true",
+        help="a request never waits for another's prefill of the prefix they share (each prefills its own)",
+    )
+    s.add_argument(
         "--trust-gateway",
         action="store_true",
         help="no-op alias, kept for old command lines: the SGLang Model Gateway's extension fields are accepted at their neutral values without it (docs/distributed.md)",
@@ -281,6 +286,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             fields[field] = value
     if getattr(args, "ssd_cache_verify", None) is not None:
         fields["ssd_cache_verify"] = args.ssd_cache_verify
+    if getattr(args, "no_shared_prefill", False):
+        fields["shared_prefill_min"] = 0
     if getattr(args, "softmax_kernel", None) is not None:
         fields["softmax_kernel"] = args.softmax_kernel
     if getattr(args, "qmm_kernel", None) is not None:

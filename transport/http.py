@@ -41,7 +41,7 @@ from ember.registry import (
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from engine.models import hub
-from transport import anthropic_api, chat_turn, embeddings_api, reasoning, responses_api
+from transport import anthropic_api, cache_miss, chat_turn, embeddings_api, reasoning, responses_api
 from transport.api_keys import Keys
 from transport.choices import ChoiceStream, submit_choices
 from transport.envelope import EnvelopeCounter
@@ -449,6 +449,7 @@ async def stats(request: Request, host: ServerState) -> Response:
         "envelope": host.envelope.snapshot(),
         "tool_calls": host.metrics.tool_calls.snapshot(),
         "recent_requests": host.metrics.recent.snapshot(),
+        "cache_misses": cache_miss.miss_log(engine).stats(),  # the last few explained (transport/cache_miss.py)
     }
     reg = host.registry.stats()  # the default model's stats stay top-level; every held model gets a section
     body["models"] = {

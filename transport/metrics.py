@@ -42,6 +42,9 @@ SCHEDULER_COUNTERS = {
     "ssd_cached_tokens": "prompt tokens served from the prompt cache's SSD tier",
     "prefilled_tokens": "prompt tokens run through prefill",
     "steps": "GPU steps run",
+    "cache_diverged": "prompts that diverged from a longer cached sequence (a cache miss with a reason)",
+    "prefill_waits": "requests that waited for another request's prefill of their shared prefix",
+    "shared_prefix_checkpoints": "checkpoints of a shared prefix taken for waiting requests",
 }
 SCHEDULER_GAUGES = {
     "queued": "requests waiting for a batch slot (queue depth)",

@@ -9,10 +9,14 @@ from typing import Any
 import msgspec
 
 from engine.types import Usage
+from transport import cache_miss
 
 
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
+    # Ember's extension: why the prompt missed the cache, only when it diverged
+    # from a cached sequence (transport/cache_miss.py)
+    cache_miss: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class UsageBody(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -28,7 +32,10 @@ class UsageBody(msgspec.Struct, kw_only=True, omit_defaults=True):
             prompt_tokens=u.prompt_tokens,
             completion_tokens=u.completion_tokens,
             total_tokens=u.total_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=u.cached_tokens,
+                cache_miss=cache_miss.body(u.cache_miss) if u.cache_miss is not None else msgspec.UNSET,
+            ),
             speculation=msgspec.to_builtins(u.speculation) if u.speculation is not None else None,
         )
 

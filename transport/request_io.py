@@ -65,7 +65,13 @@ def request_namespace(request: Request) -> str:
     return cache_namespace(key_scope=key_name(request))
 
 
-def event_stream(host: Any, stream: Any, renderer: Renderer, timer: TokenTimer) -> EventStream:
+def event_stream(
+    host: Any,
+    stream: Any,
+    renderer: Renderer,
+    timer: TokenTimer,
+    on_usage: Callable[[Any], Awaitable[None]] | None = None,
+) -> EventStream:
     """A streaming answer with the server's per-stream rules: the keep-alive
     interval and the send deadline (``--send-timeout``: a client that stops
     reading is aborted, or it would hold its batch slot until max_tokens).
@@ -78,6 +84,7 @@ def event_stream(host: Any, stream: Any, renderer: Renderer, timer: TokenTimer) 
         send_timeout_s=host.send_timeout_s,
         on_tokens=timer.tokens,
         on_end=timer.done,
+        on_usage=on_usage,
     )
 
 

@@ -36,7 +36,7 @@ from starlette.routing import Route
 from ember.api import Completion
 from engine.errors import EngineError
 from engine.types import Delta
-from transport import chat_turn
+from transport import cache_miss, chat_turn
 from transport.errors import ApiError, from_engine_error
 from transport.limits import output_limit
 from transport.metrics import TokenTimer
@@ -121,12 +121,14 @@ class ResponsesRenderer:
 
     @staticmethod
     def _usage(u: Any) -> dict[str, Any]:
+        miss = {"cache_miss": cache_miss.body(u.cache_miss)} if u.cache_miss is not None else {}
         return {
             "input_tokens": u.prompt_tokens,
             "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.total_tokens,
+            **miss,
         }
 
     def _status(self, finish: str | None) -> str:

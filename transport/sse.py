@@ -11,7 +11,7 @@ scope, and leaving ``async with stream`` is what cancels the request, at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import anyio
@@ -68,8 +68,10 @@ class EventStream(Response):
         on_tokens: Callable[[int, Any], Any] = lambda n, usage: None,
         on_end: Callable[[], Any] = lambda: None,
         send_timeout_s: float | None = None,
+        on_usage: Callable[[Any], Awaitable[None]] | None = None,
     ):
         self.stream = stream
+        self.on_usage = on_usage  # awaited with a finishing delta's usage before it is rendered
         self.send_timeout_s = send_timeout_s
         self.renderer = renderer
         self.keepalive_s = keepalive_s
@@ -125,6 +127,8 @@ class EventStream(Response):
             finished = False
             while d is not None:
                 self.on_tokens(len(d.token_ids), d.usage)
+                if d.usage is not None and self.on_usage is not None:
+                    await self.on_usage(d.usage)
                 chunks += self.renderer.delta(d)
                 if d.finish_reason is not None and self.stream.finished:  # every choice's (n > 1)
                     finished = True

@@ -210,6 +210,9 @@ class FakeBackend(BackendDefaults):
             raise MemoryError("fake GPU: out of memory")
         for c in plan.prefill:
             self._feed(self._rows[c.rid].cache, c.tokens)
+        for rid in plan.checkpoint:  # the row's cache as it stands after prefill (``can_checkpoint``)
+            if rid in self._rows:
+                res.checkpoints[rid] = [c.copy() for c in self._rows[rid].cache]
         rows, feed = self._rows, self._feed_one
         for d in plan.decode:
             row = rows[d.rid]

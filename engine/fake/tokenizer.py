@@ -72,7 +72,12 @@ class ByteTokenizer:
         return self.encode(text)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **template_kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> str:
         # template variables (enable_thinking…) change nothing in the fake's fixed format
         text = f"<|tools|>{json.dumps(tools)}\n" if tools else ""
@@ -83,4 +88,4 @@ class ByteTokenizer:
                 args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
                 text += f'<tool_call>\n{{"name": "{fn["name"]}", "arguments": {args}}}\n</tool_call>'
             text += "\n"
-        return text + "<|assistant|>"
+        return text + "<|assistant|>" if generation_prompt else text

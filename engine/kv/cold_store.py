@@ -324,7 +324,7 @@ class ColdStore:
     def contains(self, entry: ColdEntry) -> bool:
         return self._paths.get(entry.path) is entry
 
-    def find(self, tokens: Sequence[int], ns: str) -> tuple[ColdEntry | None, int]:
+    def find(self, tokens: Sequence[int] | np.ndarray, ns: str) -> tuple[ColdEntry | None, int]:
         """The entry with the longest usable prefix (longer entries that cannot
         be trimmed are skipped); ties prefer less to trim, then the most recent."""
         prompt = as_tokens(tokens)
@@ -343,8 +343,13 @@ class ColdStore:
                 best, best_p, best_trim, best_seq = e, p, trim, e.seq
         return best, best_p
 
-    def longest(self, tokens: Sequence[int], ns: str) -> int:
+    def longest(self, tokens: Sequence[int] | np.ndarray, ns: str) -> int:
         return self.find(tokens, ns)[1]
+
+    def closest(self, tokens: Sequence[int] | np.ndarray, ns: str) -> tuple[np.ndarray | None, int]:
+        """``PromptCache.closest`` over the files indexed (a pure lookup)."""
+        e, n = self._index.closest(ns, as_tokens(tokens))
+        return (None, 0) if e is None else (e.tokens, n)
 
     def holds(self, tokens: Sequence[int], ns: str) -> bool:
         """True if an entry covers exactly ``tokens``: equal, or longer and trimmable."""

@@ -189,6 +189,33 @@ class PrefixIndex:
             hi += 1
         return vals[lo:hi], t
 
+    def closest(self, ns: str, prompt: np.ndarray) -> tuple[Any, int]:
+        """The entry sharing the most leading tokens with ``prompt`` and how
+        many (``(None, 0)``: none shares any), for explaining a miss
+        (engine.kv.cache_miss), not for serving: no usable-prefix cap, no
+        trimmability rule. Among entries tied at that length, one that ends
+        there (the prompt extends it: no divergence) wins. The same bisect as
+        ``run``: the longest common prefix is at a neighbour of the prompt's
+        place, and an entry that ends there is found by one more bisect."""
+        best, n = None, 0
+        for e in self._rigid.get(ns, {}).values():  # kept apart, scanned (see the class)
+            m = common_prefix(e.tokens, prompt)
+            if m > n or (m == n and m > 0 and e.tokens.size == m):
+                best, n = e, m
+        keys = self._keys.get(ns)
+        if keys:
+            vals = self._vals[ns]
+            i = bisect_left(keys, prompt.tobytes())
+            for j in (i - 1, i):
+                if 0 <= j < len(keys) and (m := common_prefix(vals[j].tokens, prompt)) > n:
+                    best, n = vals[j], m
+            if best is not None and best.tokens.size > n:
+                head = prompt[:n].tobytes()
+                k = bisect_left(keys, head)
+                if k < len(keys) and keys[k] == head:
+                    best = vals[k]
+        return (best, n) if n > 0 else (None, 0)
+
     def extending(self, ns: str, key: bytes) -> bool:
         """True if some trimmable entry's tokens start with ``key``'s (equal or longer)."""
         keys = self._keys.get(ns)
@@ -345,7 +372,7 @@ class PromptCache:
         return len(self._entries)
 
     # ---- lookup ------------------------------------------------------------
-    def best(self, tokens: Sequence[int], ns: str) -> tuple[_Entry | None, int]:
+    def best(self, tokens: Sequence[int] | np.ndarray, ns: str) -> tuple[_Entry | None, int]:
         """The entry serving the longest usable prefix (a pure lookup)."""
         prompt = as_tokens(tokens)
         best, best_rank = None, (0, 0, 0)
@@ -361,6 +388,12 @@ class PromptCache:
                 best, best_rank = e, rank
         return best, best_rank[0]
 
+    def closest(self, tokens: Sequence[int] | np.ndarray, ns: str) -> tuple[np.ndarray | None, int]:
+        """The tokens of the entry sharing the longest common prefix with
+        ``tokens``, and its length (``PrefixIndex.closest``; a pure lookup)."""
+        e, n = self._index.closest(ns, as_tokens(tokens))
+        return (None, 0) if e is None else (e.tokens, n)
+
     def _insert(self, key: tuple[str, bytes], entry: _Entry) -> None:
         self._order += 1
         entry.order = self._order
@@ -374,11 +407,13 @@ class PromptCache:
             self.sessions.forget(e)
         return e
 
-    def peek(self, tokens: Sequence[int], ns: str) -> int:
+    def peek(self, tokens: Sequence[int] | np.ndarray, ns: str) -> int:
         """Length ``take`` would serve now, without copying or touching recency."""
         return self.best(tokens, ns)[1]
 
-    def take(self, tokens: Sequence[int], ns: str, min_len: int = 1, session: str | None = None) -> tuple[Any, int]:
+    def take(
+        self, tokens: Sequence[int] | np.ndarray, ns: str, min_len: int = 1, session: str | None = None
+    ) -> tuple[Any, int]:
         """A private cache of the longest usable prefix, and its length;
         ``(None, 0)`` on a miss or a prefix shorter than ``min_len``. The
         stored entry stays and becomes most recent (and ``session``'s). The private cache is the

@@ -154,6 +154,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         # state, a rotating window once it wraps, lists of those): the Scheduler
         # asks for checkpoints of them (StepPlan.checkpoint)
         self.needs_checkpoints = not all(type(c) in (KVCache, QuantizedKVCache) for c in probe)
+        self.can_checkpoint = True  # any row, on request (RowPhases._checkpoint)
         self.info = model_info(
             model,
             tokenizer,

@@ -38,10 +38,16 @@ class MLXTokenizer:
         return self._tok.detokenizer
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **template_kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> str:
         """The chat template's text; ``encode_rendered`` of it equals ``apply_chat_template``.
-        ``template_kwargs`` are extra template variables (``enable_thinking``…)."""
+        ``template_kwargs`` are extra template variables (``enable_thinking``…);
+        without ``generation_prompt``, the messages alone (where each one ends)."""
         if not self._tok.has_chat_template:
             raise InvalidRequest("this model has no chat template; send a plain prompt", "messages")
         if tools and self.tool_markup is None:
@@ -49,7 +55,9 @@ class MLXTokenizer:
         kw: dict[str, Any] = {"tools": tools} if tools else {}
         kw.update(template_kwargs)
         try:
-            return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+            return self._tok.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt, tokenize=False, **kw
+            )
         except Exception as exc:  # jinja errors on malformed messages: the caller's fault
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
 

@@ -181,6 +181,9 @@ class FakeCold:
     def longest(self, tokens, ns):
         return self.n if len(tokens) > self.n else 0  # SSD holds a prefix of the long prompts only
 
+    def closest(self, tokens, ns):
+        return None, 0  # explains no miss
+
     def request_restore(self, rid, tokens, ns, min_len):
         if self.fail:
             raise RuntimeError("cold tier inbox full")
