@@ -228,7 +228,13 @@ class SchedulerCore:
             ssd_cached_tokens=row.cached if row.from_ssd else 0,
         )
         if self.spec is not None:
-            usage.speculation = self.spec.finish(row.rid)
+            learn = error is None and self.spec.learns
+            usage.speculation = self.spec.finish(
+                row.rid,
+                ns=row.ns,
+                prompt=row.prompt if learn else None,
+                generated=row.generated if learn else None,
+            )
         self.outbox.append(RowDelta(rid=row.rid, text=tail, finish_reason=reason, usage=usage, error=error))
         if was_queued:
             self.restoring.discard(row.rid)

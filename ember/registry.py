@@ -47,6 +47,7 @@ from ember.ssd_folders import model_ssd_dir
 from engine.config import EngineConfig
 from engine.kv.budget import SsdBudget, scan_offline
 from engine.ports import Ports, run_in_thread, run_inline
+from engine.speculation import model_free
 
 log = logging.getLogger("ember.registry")
 
@@ -259,8 +260,8 @@ class Registry:
         from engine.mlx.gguf_models import PACKAGED, installed
         from engine.models import BUNDLED
 
-        # Prompt lookup works with any model; a draft model is the --model's own.
-        base_draft = self.base.draft_model if (self.base.draft_model or "").startswith("ngram") else None
+        # Prompt lookup and suffix decoding work with any model; a draft model is the --model's own.
+        base_draft = self.base.draft_model if model_free(self.base.draft_model) else None
 
         base_gamma = self.base.num_draft_tokens if base_draft else None  # (needs a drafter)
 
