@@ -31,8 +31,7 @@ its length is at most ``alpha · ℓ`` (the paper's ``max_spec = α · match_len
 a longer match earns a longer draft). The few distinct match lengths are all
 tried and the best score wins, as in Arctic Inference's ``speculate``.
 
-Documents are separated by a sentinel (-1), so a match never spans two
-responses. Memory is bounded: a store holds at most ``cap_tokens`` tokens,
+Documents end with a sentinel (-1), so a match never spans two responses. Memory is bounded: a store holds at most ``cap_tokens`` tokens,
 dropping its oldest documents first (their index entries with them), and the
 drafter keeps at most ``max_namespaces`` stores, dropping the least recently
 used (``SuffixDrafterCore``).
@@ -111,10 +110,10 @@ class SuffixIndex:
         self._indexed = max(self._indexed, self.end)
 
     def add_document(self, tokens: list[int]) -> None:
-        """Append a separate document (a finished response)."""
-        if self.tokens:
-            self.extend([SEP])
-        self.extend(tokens)
+        """Append a separate document (a finished response), closed by a
+        separator: a suffix that ends with its document counts against the
+        continuations, the last document's as much as the others'."""
+        self.extend([*tokens, SEP])
 
     def drop_before(self, position: int) -> None:
         """Forget every token before absolute ``position`` and its index entries."""
@@ -242,12 +241,12 @@ class SuffixStore:
 
     def _add(self, tokens: list[int]) -> None:
         tokens = tokens[-self.cap_tokens :]
-        self._docs.append(self.index.end + (1 if len(self.index) else 0))
+        self._docs.append(self.index.end)
         self.index.add_document(tokens)
         while len(self.index) > self.cap_tokens and len(self._docs) > 1:
             self._docs.pop(0)
             self.evicted_docs += 1
-            self.index.drop_before(self._docs[0])  # the separator before it goes too
+            self.index.drop_before(self._docs[0])
 
     def propose(self, context: list[int], limit: int) -> SuffixDraft:
         return self.index.propose(context, limit)
