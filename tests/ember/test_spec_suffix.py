@@ -115,3 +115,51 @@ async def test_metrics_label_the_counters_by_proposer(tmp_path):
         line = f'ember_spec_decode_num_accepted_tokens_per_pos_total{{model="m",pos="0",proposer="{proposer}"}}'
         assert f"{line} {float(first)}" in text
     assert "suffix" in stats
+
+
+def test_reach_is_offered_only_to_a_lone_adaptive_row_at_the_deepest_gamma():
+    """``Draft.reach`` (a long match may draft past γ) goes only to a lone
+    adaptive row the policy drafts at γ_max, within the row's room; the
+    Scheduler keeps up to that many drafts; a finished row's text goes to the
+    Drafter with its namespace."""
+    from actors.drafter import DraftedRound
+    from actors.drafter_cores import Drafted
+    from actors.scheduler_core import SchedulerConfig, SchedulerCore
+    from actors.spec_rounds import SpecRounds
+    from actors.verifier import Verdict, Verified
+    from engine.eventlog import EventLog
+    from engine.fake.gpu import FakeBackend
+    from engine.ports import StepResult
+    from engine.speculation.policy import ADAPTIVE_GAMMA_MAX
+    from tests.ember.test_spec_fake import FixedClock
+
+    def core_with(gamma: int, *rids_ns: tuple[int, str], fixed=None, max_tokens=100):
+        core = SchedulerCore(
+            FakeBackend(),
+            SchedulerConfig(max_batch=4, prefill_chunk=64),
+            FixedClock(),
+            EventLog(),
+            spec=SpecRounds(context_length=4096, reach=24, learns=True),
+        )
+        for rid, ns in rids_ns:
+            core.admit(rid, [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, num_draft_tokens=fixed), ns=ns)
+        plan = core.plan()
+        core.apply(plan, StepResult(tokens={rid: 10 for rid, _ in rids_ns}))
+        core.spec.take_verify(len(rids_ns))
+        verdicts = [Verdict(rid=rid, accepted=0, tokens=[10], gamma_next=gamma) for rid, _ in rids_ns]
+        core.apply_verified(Verified(verdicts=verdicts))
+        return core
+
+    core = core_with(ADAPTIVE_GAMMA_MAX, (1, "team"))
+    (asked,) = core.draft_requests()
+    assert (asked.gamma, asked.reach, asked.ns) == (ADAPTIVE_GAMMA_MAX, 24, "team")
+    core.spec.set_drafts(DraftedRound(drafted=[Drafted(rid=1, tokens=list(range(30)), proposer="suffix")]), [asked])
+    assert core.spec.rows[1].drafts == list(range(24)) and core.spec.rows[1].proposer == "suffix"
+    assert core_with(ADAPTIVE_GAMMA_MAX, (1, ""), max_tokens=12).draft_requests()[0].reach == 10  # its room
+    assert core_with(ADAPTIVE_GAMMA_MAX - 1, (1, "")).draft_requests()[0].reach == 0  # not at the deepest
+    assert core_with(ADAPTIVE_GAMMA_MAX, (1, ""), fixed=6).draft_requests()[0].reach == 0  # a fixed γ
+    assert [d.reach for d in core_with(ADAPTIVE_GAMMA_MAX, (1, ""), (2, "")).draft_requests()] == [0, 0]  # a batch
+    # a finished row's text (prompt + output) goes to the Drafter, the part it has not seen
+    core.abort(1)
+    (f,) = core.spec.take_finished()
+    assert (f.rid, f.ns, f.start, f.prompt_len) == (1, "team", 5, 4) and f.tail == []
