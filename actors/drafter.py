@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any, assert_never
 
-from actors.drafter_cores import Draft, Drafted, DrafterCore
+from actors.drafter_cores import Draft, Drafted, DrafterCore, Finished
 from actors.messages import Wire
 from actors.runtime import Actor
 from engine.ports import Clock, Device
@@ -39,9 +39,12 @@ class DraftRound(Wire, frozen=True):
 
 
 class Forget(Wire, frozen=True):
-    """Scheduler → Drafter: these rows finished; free their context and cache."""
+    """Scheduler → Drafter: these rows finished; free their context and cache.
+    ``finished``: their text, for a drafter that learns across requests (sent
+    only to one: ``SpecRounds.learns``)."""
 
     rids: list[int]
+    finished: list[Finished] = []
 
 
 Inbox = DraftRound | Forget
@@ -78,6 +81,8 @@ class Drafter(Actor[Inbox]):
             case DraftRound():
                 return await self._draft(msg.drafts)
             case Forget():
+                if msg.finished:
+                    self.core.learn(msg.finished)  # host work: a drafter that learns runs no model
                 if self.core.on_device:
                     await self.device.run(self.core.forget, msg.rids)  # frees arrays on their thread
                 else:

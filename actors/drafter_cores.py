@@ -1,6 +1,7 @@
-"""The Drafter's two sync cores behind one protocol (``DrafterCore``): prompt
+"""The Drafter's sync cores behind one protocol (``DrafterCore``): prompt
 lookup (``NgramDrafterCore``) and a draft model with one cache per row
-(``ModelDrafterCore``); ``actors.drafter`` is the actor that runs them.
+(``ModelDrafterCore``) here, suffix decoding across a namespace's requests in
+``actors.suffix_cores``; ``actors.drafter`` is the actor that runs them.
 
 A draft model's cache is rolled back to the longest common prefix of what it
 holds and the committed context — after a round with k of γ drafts accepted
@@ -39,11 +40,29 @@ class Draft(msgspec.Struct, frozen=True, kw_only=True):
     # Prompt lookup proposes only on a match agreeing with the context for this
     # many tokens (the Verifier's ``Verdict.min_match``); a draft model ignores it.
     min_match: int = 0
+    ns: str = ""  # the request's cache namespace: suffix decoding reads only this namespace's store
+    # A proposer that scores its own matches (suffix decoding) may draft up to
+    # this many tokens when its match earns it (0: at most ``gamma``); set only
+    # for a lone row the policy already drafts at its deepest.
+    reach: int = 0
 
 
 class Drafted(msgspec.Struct, frozen=True, kw_only=True):
     rid: int
-    tokens: list[int]  # at most gamma; empty when there is nothing to propose
+    tokens: list[int]  # at most max(gamma, reach); empty when there is nothing to propose
+    proposer: str = ""  # which proposer drafted them: the per-proposer counters' label
+
+
+class Finished(msgspec.Struct, frozen=True, kw_only=True):
+    """A request that ended: the part of its context the Drafter has not
+    seen (from ``start``), how much of the whole is prompt, its namespace.
+    A drafter that learns across requests (suffix decoding) stores it."""
+
+    rid: int
+    ns: str
+    start: int
+    tail: list[int]
+    prompt_len: int
 
 
 class DrafterCore(Protocol):
@@ -64,8 +83,10 @@ class DrafterCore(Protocol):
 
     def forget(self, rids: list[int]) -> None: ...
 
+    def learn(self, finished: list[Finished]) -> None: ...
 
-def _check_start(rid: int, have: int, start: int) -> None:
+
+def check_start(rid: int, have: int, start: int) -> None:
     if start != have:
         raise ValueError(f"drafter: row {rid} context is {have} tokens but the Scheduler sent a tail from {start}")
 
@@ -88,7 +109,7 @@ class NgramDrafterCore:
             idx = self.rows.get(d.rid)
             if idx is None:
                 idx = self.rows[d.rid] = NgramIndex(min_n=self.min_n, max_n=self.max_n)
-            _check_start(d.rid, len(idx), d.start)
+            check_start(d.rid, len(idx), d.start)
             idx.extend(d.tail)
 
     def lagging(self, drafts: list[Draft]) -> list[int]:
@@ -105,7 +126,7 @@ class NgramDrafterCore:
         for d in drafts:
             idx = self.rows[d.rid]
             before = idx.gated
-            out.append(Drafted(rid=d.rid, tokens=idx.propose(d.gamma, d.min_match)))
+            out.append(Drafted(rid=d.rid, tokens=idx.propose(d.gamma, d.min_match), proposer="ngram"))
             self.gated += idx.gated - before
         return out
 
@@ -115,6 +136,9 @@ class NgramDrafterCore:
     def forget(self, rids: list[int]) -> None:
         for rid in rids:
             self.rows.pop(rid, None)
+
+    def learn(self, finished: list[Finished]) -> None:
+        return None  # one request's own text only
 
 
 @dataclass(slots=True)
@@ -149,7 +173,7 @@ class ModelDrafterCore:
             row = self.rows.get(d.rid)
             if row is None:
                 row = self.rows[d.rid] = _ModelRow(cache=None)
-            _check_start(d.rid, len(row.context), d.start)
+            check_start(d.rid, len(row.context), d.start)
             row.context.extend(d.tail)
 
     def lagging(self, drafts: list[Draft]) -> list[int]:
@@ -217,7 +241,7 @@ class ModelDrafterCore:
         for (d, row, _), tokens in zip(work, results):
             row.cached = row.context + tokens[:-1]
             got[d.rid] = tokens
-        return [Drafted(rid=d.rid, tokens=got.get(d.rid, [])) for d in drafts]
+        return [Drafted(rid=d.rid, tokens=got.get(d.rid, []), proposer="draft_model") for d in drafts]
 
     def cost_s(self, drafts: list[Draft]) -> float:
         cost = 0.0
@@ -230,3 +254,6 @@ class ModelDrafterCore:
     def forget(self, rids: list[int]) -> None:
         for rid in rids:
             self.rows.pop(rid, None)
+
+    def learn(self, finished: list[Finished]) -> None:
+        return None  # the draft model's own weights are what it knows

@@ -278,9 +278,11 @@ class Scheduler(Actor[Inbox]):
             return
         core.spec.note_step(plan, started, draft_s, catch_up_s=catch_up_s, ok=ok, more=core.has_work())
         rids = core.spec.take_forgotten()
-        if not rids:
+        finished = core.spec.take_finished()
+        if not rids and not finished:
             return
-        for ref, msg in ((self.drafter, DrafterForget(rids=rids)), (self.verifier, VerifierForget(rids=rids))):
+        msgs = ((self.drafter, DrafterForget(rids=rids, finished=finished)), (self.verifier, VerifierForget(rids=rids)))
+        for ref, msg in msgs:
             assert ref is not None  # set with core.spec
             try:
                 ref.tell_nowait(msg)

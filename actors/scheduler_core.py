@@ -264,7 +264,13 @@ class SchedulerCore:
             cache_miss=row.miss,
         )
         if self.spec is not None:
-            usage.speculation = self.spec.finish(row.rid)
+            learn = error is None and self.spec.learns
+            usage.speculation = self.spec.finish(
+                row.rid,
+                ns=row.ns,
+                prompt=row.prompt if learn else None,
+                generated=row.generated if learn else None,
+            )
         self.outbox.append(RowDelta(rid=row.rid, text=tail, finish_reason=reason, usage=usage, error=error))
         if was_queued:
             self.restoring.discard(row.rid)

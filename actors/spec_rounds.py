@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.drafter import DraftedRound
-from actors.drafter_cores import Draft
+from actors.drafter_cores import Draft, Finished
 from actors.verifier import StepCost, Verified, Verify, Window
 from engine.ports import StepPlan
+from engine.speculation.policy import ADAPTIVE_GAMMA_MAX
 from engine.types import SamplingParams, SpecUsage
 
 
@@ -46,6 +47,7 @@ class RowSpec:
     consult: bool = True  # send the next round to the Verifier even without drafts
     synced: int = 0  # context tokens the Drafter has
     drafts: list[int] = field(default_factory=list)
+    proposer: str = ""  # who drafted ``drafts`` (Drafted.proposer)
     empty: int = 0  # rounds at γ > 0 whose drafter proposed nothing, since the last verdict
     off: bool = False  # the backend refused a window: plain decode from now on
     targets: list[int] | None = None  # this step's target tokens, until the verdict
@@ -57,9 +59,18 @@ class RowSpec:
 
 
 class SpecRounds:
-    def __init__(self, *, context_length: int, gamma_cap: int = 16, costs_kept: int = 16):
+    def __init__(
+        self, *, context_length: int, gamma_cap: int = 16, costs_kept: int = 16, reach: int = 0, learns: bool = False
+    ):
         self.context_length = context_length
         self.gamma_cap = gamma_cap
+        # A lone row drafting at the policy's deepest may let a proposer that
+        # scores its matches draft up to this many tokens (``Draft.reach``; 0: never).
+        self.reach = reach
+        # Send finished requests' text to the Drafter (a drafter that learns
+        # across requests: suffix decoding); prompt lookup and a draft model need none.
+        self.learns = learns
+        self._finished: list[Finished] = []
         self.rows: dict[int, RowSpec] = {}
         self.owed: dict[int, int] = {}  # rid -> tokens the backend must still trim
         # Measured since the last Verify, the latest ``costs_kept`` per (rows,
@@ -81,9 +92,17 @@ class SpecRounds:
             return  # logprobs ride on plain decode steps only (ember.spec_build.check_request)
         self.rows[rid] = RowSpec(fixed=params.num_draft_tokens, ns=ns)
 
-    def finish(self, rid: int) -> SpecUsage | None:
-        """The row ended: its usage, and Forget for the Drafter and Verifier."""
+    def finish(
+        self, rid: int, *, ns: str = "", prompt: list[int] | None = None, generated: list[int] | None = None
+    ) -> SpecUsage | None:
+        """The row ended: its usage, and Forget for the Drafter and Verifier
+        (with its text, ``prompt`` + ``generated``, when the Drafter learns;
+        a request that did not speculate is learned from too)."""
         spec = self.rows.get(rid)
+        if self.learns and prompt is not None:
+            start = spec.synced if spec is not None else 0
+            context = prompt + (generated or [])
+            self._finished.append(Finished(rid=rid, ns=ns, start=start, tail=context[start:], prompt_len=len(prompt)))
         if spec is None:
             return None
         self._forgotten.append(rid)
@@ -103,6 +122,11 @@ class SpecRounds:
             self.rows.pop(rid, None)
         return out
 
+    def take_finished(self) -> list[Finished]:
+        """Finished requests' text for the Drafter (``learns``), since the last call."""
+        out, self._finished = self._finished, []
+        return out
+
     # ---- drafting ----------------------------------------------------------
     def draft_requests(self, rows: list[Any]) -> list[Draft]:
         """Draft requests for decoding rows whose γ is > 0 (``rows``: Scheduler rows)."""
@@ -117,6 +141,10 @@ class SpecRounds:
             if gamma <= 0:
                 continue
             context = row.prompt + row.generated if row.generated else row.prompt
+            reach = 0
+            if self.reach and spec.fixed is None and spec.gamma >= ADAPTIVE_GAMMA_MAX and len(rows) == 1:
+                # Alone: a long window costs no other row its padding.
+                reach = max(0, min(self.reach, room_tokens, room_context))
             out.append(
                 Draft(
                     rid=row.rid,
@@ -124,6 +152,8 @@ class SpecRounds:
                     tail=context[spec.synced :],
                     gamma=gamma,
                     min_match=spec.min_match,
+                    ns=row.ns,
+                    reach=reach,
                 )
             )
             spec.synced = len(context)
@@ -136,11 +166,12 @@ class SpecRounds:
         for rid in answer.reset:
             if rid in self.rows:
                 self.rows[rid].synced = 0
-        gammas = {d.rid: d.gamma for d in asked}
+        limits = {d.rid: max(d.gamma, d.reach) for d in asked}
         for d in answer.drafted:
             spec = self.rows.get(d.rid)
-            if spec is not None and d.rid in gammas:
-                spec.drafts = list(d.tokens[: gammas[d.rid]])
+            if spec is not None and d.rid in limits:
+                spec.drafts = list(d.tokens[: limits[d.rid]])
+                spec.proposer = d.proposer
         self._quorum()
 
     def _quorum(self) -> None:
@@ -230,6 +261,7 @@ class SpecRounds:
                 fixed_gamma=spec.fixed,
                 empty=spec.empty,
                 ns=spec.ns,
+                proposer=spec.proposer if spec.drafts else "",
             )
             for rid, spec in self.rows.items()
             if spec.targets is not None

@@ -61,6 +61,7 @@ class Window(msgspec.Struct, frozen=True, kw_only=True):
     fixed_gamma: int | None = None  # the request's own num_draft_tokens
     empty: int = 0  # rounds since the last window in which the drafter proposed nothing
     ns: str = ""  # the request's cache namespace: whose learned seeds it reads and teaches (policy.Learned)
+    proposer: str = ""  # who drafted ``drafts`` (prompt lookup, suffix decoding, a draft model)
 
 
 class StepCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,6 +144,7 @@ class VerifierCore:
         self.rows: dict[int, RowPolicy] = {}
         policy.live = self.rows  # the policy weighs a row's choice against the rest of the batch
         self.counters = SpecCounters()
+        self.by_proposer: dict[str, SpecCounters] = {}  # the same counters per proposer (suffix+ngram: both)
 
     def verify(self, msg: Verify) -> Verified:
         self.policy.observe_costs([(c.gamma, c.step_s, c.rows, c.drafted, c.draft_s) for c in msg.costs])
@@ -175,6 +177,8 @@ class VerifierCore:
             return Verdict(rid=w.rid, accepted=0, tokens=list(w.targets), gamma_next=0, hold=1 << 30, fallback=True)
         k, tokens = accept_window(w.drafts, w.targets)
         self.counters.record(len(w.drafts), k)
+        if w.drafts:
+            self.by_proposer.setdefault(w.proposer or "unknown", SpecCounters()).record(len(w.drafts), k)
         if not row.watching:  # a watching row's empty rounds say nothing of its plain matches
             self.policy.observe_hits(row, w.empty, bool(w.drafts))
         if w.drafts:
@@ -201,7 +205,12 @@ class VerifierCore:
             self.rows.pop(rid, None)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters.as_dict(), "policy": self.policy.snapshot(), "rows": len(self.rows)}
+        return {
+            **self.counters.as_dict(),
+            "by_proposer": {name: c.spec_decode() for name, c in sorted(self.by_proposer.items())},
+            "policy": self.policy.snapshot(),
+            "rows": len(self.rows),
+        }
 
 
 class Verifier(Actor[Inbox]):

@@ -50,6 +50,7 @@ from ember.ssd_tier import ssd_on
 from engine.config import EngineConfig
 from engine.kv.budget import SsdBudget, scan_offline
 from engine.ports import Ports, run_in_thread, run_inline
+from engine.speculation import model_free
 
 log = logging.getLogger("ember.registry")
 
@@ -271,9 +272,9 @@ class Registry:
         )
 
     def _chat_config(self, target: str, name: str) -> EngineConfig:
-        """A model beside --model: its settings, with prompt lookup (which works with any
-        model) but not --model's own draft model."""
-        base_draft = self.base.draft_model if (self.base.draft_model or "").startswith("ngram") else None
+        """A model beside --model: its settings, with prompt lookup and suffix
+        decoding (which work with any model) but not --model's own draft model."""
+        base_draft = self.base.draft_model if model_free(self.base.draft_model) else None
         base_gamma = self.base.num_draft_tokens if base_draft else None  # (needs a drafter)
         return msgspec.structs.replace(
             self.base, model=target, model_name=name, draft_model=base_draft, num_draft_tokens=base_gamma

@@ -5,6 +5,10 @@
 
 * ``"ngram"`` — prompt lookup, any backend (``"ngram:MIN:MAX"`` sets the
   shortest and longest match tried, default 2 and 4);
+* ``"suffix"`` — suffix decoding over the request's own text and every
+  earlier prompt and response of its cache namespace, any backend;
+  ``"suffix+ngram"`` composes it with prompt lookup (the better proposal
+  wins each round; ``actors.suffix_cores``);
 * ``"tiny-draft"`` or a directory — an mlx-lm draft model (``backend="mlx"``),
   loaded on the engine's MLX thread from its own directory; it must share the
   target's tokenizer and must not be the target itself;
@@ -28,6 +32,7 @@ from typing import Any
 from actors.drafter import Drafter
 from actors.drafter_cores import DrafterCore, ModelDrafterCore, NgramDrafterCore
 from actors.spec_rounds import SpecRounds
+from actors.suffix_cores import REACH, SuffixDrafterCore
 from actors.verifier import Verifier, VerifierCore
 from engine.errors import InvalidRequest
 from engine.speculation.policy import WATCH_MATCH, GammaPolicy
@@ -46,9 +51,12 @@ class Speculation:
     def stats(self) -> dict[str, Any]:
         core = self.drafter.core
         extra: dict[str, Any] = {"draft_cache_rebuilds": core.rebuilds} if isinstance(core, ModelDrafterCore) else {}
-        if isinstance(core, NgramDrafterCore):
-            extra["gated_proposals"] = core.gated  # withheld until a request's own draft is accepted
+        if isinstance(core, NgramDrafterCore | SuffixDrafterCore):
+            gated = core.gated + (core.ngram.gated if isinstance(core, SuffixDrafterCore) and core.ngram else 0)
+            extra["gated_proposals"] = gated  # withheld until a request's own draft is accepted
             extra["quorum_steps_dropped"] = self.rounds.quorum_dropped  # steps whose drafts fell short of their quorum
+        if isinstance(core, SuffixDrafterCore):
+            extra.update(core.stats())
         return {
             "drafter": self.name,
             "kind": core.kind,
@@ -86,6 +94,14 @@ def _ngram_core(name: str) -> DrafterCore:
         return NgramDrafterCore(**dict(zip(("min_n", "max_n"), sizes)))
     except ValueError:
         raise InvalidRequest(f"bad n-gram drafter {name!r}: use ngram or ngram:MIN:MAX", "draft_model") from None
+
+
+def _suffix_core(name: str) -> DrafterCore:
+    if name == "suffix":
+        return SuffixDrafterCore()
+    if name == "suffix+ngram":
+        return SuffixDrafterCore(ngram=NgramDrafterCore())
+    raise InvalidRequest(f"bad suffix drafter {name!r}: use suffix or suffix+ngram", "draft_model")
 
 
 def _fake_core(name: str, fake_cfg: Any) -> DrafterCore:
@@ -152,25 +168,32 @@ def build_speculation(config: Any, backend: Any, device: Any, clock: Any) -> Spe
         return None
     if name == "ngram" or name.startswith("ngram:"):
         core: DrafterCore = _ngram_core(name)
+    elif name.startswith("suffix"):
+        core = _suffix_core(name)
     elif name.startswith("fake-draft"):
         if config.backend != "fake":
             raise InvalidRequest("the fake drafter runs only on the fake backend", "draft_model")
         core = _fake_core(name, config.fake)
     elif config.backend == "fake":
-        raise InvalidRequest("on the fake backend draft_model is 'ngram' or 'fake-draft[:p]'", "draft_model")
+        raise InvalidRequest("on the fake backend draft_model is 'ngram', 'suffix' or 'fake-draft[:p]'", "draft_model")
     else:
         core = _mlx_core(config, backend, device)
-    # Prompt lookup costs a dict lookup per step, so a held row of a batch can
-    # watch its matches instead of probing (GammaPolicy._watch); a draft model
-    # would pay a forward per step for it.
-    watch = WATCH_MATCH if isinstance(core, NgramDrafterCore) else None
+    # Prompt lookup and suffix decoding cost a few dict lookups per step, so a
+    # held row of a batch can watch its matches instead of probing
+    # (GammaPolicy._watch); a draft model would pay a forward per step for it.
+    free = isinstance(core, NgramDrafterCore | SuffixDrafterCore)
+    watch = WATCH_MATCH if free else None
     try:
         policy = GammaPolicy(fixed=config.num_draft_tokens, watch_match=watch)
     except ValueError as exc:
         raise InvalidRequest(str(exc), "num_draft_tokens") from None
     log.info("[speculation] drafter=%s gamma=%s", name, config.num_draft_tokens or "adaptive")
     return Speculation(
-        rounds=SpecRounds(context_length=backend.info.context_length),
+        rounds=SpecRounds(
+            context_length=backend.info.context_length,
+            reach=REACH if isinstance(core, SuffixDrafterCore) else 0,
+            learns=isinstance(core, SuffixDrafterCore),
+        ),
         drafter=Drafter(core, device, clock),
         verifier=Verifier(VerifierCore(policy)),
         name=str(pathlib.Path(name).name) if "/" in name else name,

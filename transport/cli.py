@@ -27,6 +27,7 @@ from typing import Any
 from engine.errors import EngineError, InvalidRequest
 from engine.limits import DEFAULT_MAX_TOKENS
 from engine.mlx.blas import maybe_reexec_with_openblas
+from engine.speculation import model_free
 
 log = logging.getLogger("ember.cli")
 
@@ -40,8 +41,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft-model",
-        help="speculative decoding drafter: ngram (prompt lookup; serve's default), a model directory, "
-        "tiny-draft, or none",
+        help="speculative decoding drafter: ngram (prompt lookup; serve's default), suffix (suffix decoding "
+        "across a namespace's requests), suffix+ngram, a model directory, tiny-draft, or none",
     )
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
     p.add_argument("--fake-gpu", action="store_true", help="serve the deterministic fake GPU instead of a model")
@@ -321,7 +322,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                 hub.preflight(ref)  # a download happens as the engine loads: /health shows its progress
             else:
                 resolve_model(config.model)
-            if config.draft_model and not config.draft_model.startswith("ngram"):  # ngram:MIN:MAX too
+            if config.draft_model and not model_free(config.draft_model):  # ngram:MIN:MAX, suffix+ngram too
                 resolve_model(config.draft_model)
         except (FileNotFoundError, ValueError, hub.HubError) as exc:  # ValueError: a GGUF that cannot convert
             parser.error(str(exc))

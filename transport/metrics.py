@@ -100,8 +100,28 @@ class EngineCollector(Collector):
             family(GaugeMetricFamily, "ember_ready", "1 when the engine accepts requests").add_metric([model], ready)
             for section, value in stats.items():
                 if section not in CORE_SECTIONS and isinstance(value, dict):
+                    if section == "speculation" and "by_proposer" in value:
+                        value = dict(value)
+                        _by_proposer(family, model, value.pop("by_proposer"))
                     _numeric_leaves(family, model, f"ember_{section}", value)
         yield from families.values()
+
+
+def _by_proposer(family: Callable[..., Any], model: str, by: dict[str, dict[str, Any]]) -> None:
+    """vLLM's ``spec_decode_*`` counters per proposer (prompt lookup, suffix
+    decoding, a draft model), the proposer a label: ``sum by (proposer)``."""
+    for proposer, counters in by.items():
+        for key, value in counters.items():
+            name = f"ember_{key}"
+            if isinstance(value, list):
+                doc = f"{key.removesuffix('_per_pos')} by draft position, per proposer"
+                fam = family(CounterMetricFamily, name, doc, ("proposer", "pos"))
+                for i, v in enumerate(value):
+                    fam.add_metric([model, proposer, str(i)], v)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                family(CounterMetricFamily, name, f"{key}, per proposer", ("proposer",)).add_metric(
+                    [model, proposer], value
+                )
 
 
 def _numeric_leaves(family: Callable[..., Any], model: str, prefix: str, d: dict[str, Any]) -> None:

@@ -176,10 +176,11 @@ def verify_costs(
     model_name: str, draft_name: str, rounds: int, steps: int = 100, widths: int = 5
 ) -> tuple[dict[int, float], float | None]:
     """The width leg at one OpenBLAS thread (as the engine runs a 1-row step),
-    and a one-token step of the draft model (None for ``ngram``), median ms:
+    and a one-token step of the draft model (None for ``ngram`` and ``suffix``), median ms:
     what bench.spec.sweep's ceiling columns divide by."""
     from engine.mlx.blas import blas_threads
     from engine.mlx.cpu_layout import pretranspose_linears, wants_pretranspose
+    from engine.speculation import model_free
 
     model, _, ids = load_with_ids(model_name)
     if wants_pretranspose():  # the target's layout in the engine (engine.mlx.cpu_layout)
@@ -187,7 +188,7 @@ def verify_costs(
     blas_threads().use(1)
     width = width_leg(model, ids, rounds, steps, widths)
     draft = None
-    if draft_name != "ngram":  # load_model: a drafter may ship without a tokenizer (it borrows the target's)
+    if not model_free(draft_name):  # load_model: a drafter may ship without a tokenizer (it borrows the target's)
         from mlx_lm.utils import load_model
 
         from engine.models import resolve_model

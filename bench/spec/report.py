@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.speculation import model_free
+
 
 @dataclass
 class Config:
@@ -206,6 +208,38 @@ def adaptive_targets(arms, drafters, workloads, batches, floor: float = ADAPTIVE
     return "\n".join(lines)
 
 
+def side_by_side(arms, drafters, workloads, batches) -> str:
+    """Each drafter's adaptive arm against the first drafter's, round by
+    round (the same round runs both, each engine with its own plain run):
+    adaptive tok/s over the first drafter's adaptive tok/s, geometric mean."""
+    if len(drafters) < 2:
+        return ""
+    first = drafters[0]
+    adaptive = {d: next(a for a in arms[d] if a.gamma is None and not a.control) for d in drafters}
+    lines = [
+        f"### Adaptive arms side by side (tok/s over `{Path(first).name}` adaptive's, same round)",
+        "",
+        "| workload | batch | "
+        + " | ".join(f"{Path(d).name} / plain" for d in drafters)
+        + " | "
+        + " | ".join(f"{Path(d).name} / {Path(first).name}" for d in drafters[1:])
+        + " |",
+        "|---|---|" + "---|" * (2 * len(drafters) - 1),
+    ]
+    for w in workloads:
+        for b in batches:
+            key = (w, b)
+            if not all(key in adaptive[d].tps for d in drafters):
+                continue
+            cells = [f"{paired_interval(adaptive[d].ratios[key])[0]:.2f}×" for d in drafters]
+            for d in drafters[1:]:
+                per_round = [x / y for x, y in zip(adaptive[d].tps[key], adaptive[first].tps[key])]
+                g, lo, hi = paired_interval(per_round)
+                cells.append(f"{g:.2f}× ({lo:.2f}–{hi:.2f})")
+            lines.append(f"| {w} | {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat, elapsed) -> str:
 
     lines = [
@@ -257,7 +291,7 @@ def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, widt
                 cap = own = None
                 if b == 1 and a.gamma is not None and width_ms:
                     cap = ceiling(per_call, a.gamma, width_ms)
-                    own = cap if d == "ngram" else ceiling(per_call, a.gamma, width_ms, draft_ms.get(d) or 0.0)
+                    own = cap if model_free(d) else ceiling(per_call, a.gamma, width_ms, draft_ms.get(d) or 0.0)
                 lines.append(
                     f"| {a.name} | {g:.2f}× | {lo:.2f}–{hi:.2f} | {statistics.median(a.ratios[key]):.2f}× | "
                     f"{sum(a.identical[key])}/{len(a.identical[key])} | {'–' if acc is None else f'{acc:.0%}'} | "
@@ -267,6 +301,7 @@ def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, widt
                 )
             lines.append("")
     lines += [adaptive_targets(arms, drafters, workloads, batches), ""]
+    lines += [side_by_side(arms, drafters, workloads, batches), ""]
     lines += ["Adaptive γ: rounds per γ chosen, and the policy's fitted round costs (s):", ""]
     for d, st in stats.items():
         lines.append(f"- `{Path(d).name}`: {st.get('gamma_chosen')}; fit {st.get('policy', {}).get('round_s_fit')}")

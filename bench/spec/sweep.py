@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.spec.report import Config, ceiling, fmt_ratio, paired_report, report  # noqa: F401 - ceiling, fmt_ratio: the names tests import from here
+from engine.speculation import model_free
 
 FREE_PROMPTS = [
     "def parse_args(argv):\n    ",
@@ -298,18 +299,18 @@ class Arm:
 
     @property
     def name(self) -> str:
-        label = "ngram" if self.drafter == "ngram" else Path(self.drafter).name
+        label = self.drafter if model_free(self.drafter) else Path(self.drafter).name
         if self.control:
             return f"{label} plain again"
         return f"{label} {'adaptive' if self.gamma is None else f'γ={self.gamma}'}"
 
 
-async def _one(engine: Any, prompt: list[int], params: Any) -> tuple[list[int], float, Any]:
+async def _one(engine: Any, prompt: list[int], params: Any, ns: str = "") -> tuple[list[int], float, Any]:
     """Token ids, seconds from the first token to the last, usage."""
     ids: list[int] = []
     first = last = None
     usage = None
-    async for d in engine.agenerate(prompt, params):
+    async for d in engine.agenerate(prompt, params, ns=ns):
         if d.token_ids:
             last = time.perf_counter()
             first = first or last
@@ -320,12 +321,16 @@ async def _one(engine: Any, prompt: list[int], params: Any) -> tuple[list[int], 
 
 
 async def run_paired_cell(
-    engine: Any, workload: str, batch: int, n: int, params: Any
+    engine: Any, workload: str, batch: int, n: int, params: Any, ns: str = ""
 ) -> tuple[float, list[list[int]], list[Any]]:
     """Decode tok/s of one workload at one batch size, the outputs (for the
     greedy-identity check) and the usages. Batch 1: ``n`` requests (agent:
     sessions) one after another, tokens over first→last token time. Batch b:
-    b requests (sessions) at once, prompts cycled, tokens over wall time."""
+    b requests (sessions) at once, prompts cycled, tokens over wall time.
+    ``ns``: the cell's cache namespace — suffix decoding drafts from the
+    earlier requests of its namespace, so each cell gets its own: a cell
+    learns from its own earlier turns and sessions, never from another arm's
+    or round's run of the same requests (which would repeat them exactly)."""
     from bench.spec import workloads as sw
 
     tok = engine.tokenizer
@@ -334,7 +339,7 @@ async def run_paired_cell(
         async def session(s: Any) -> tuple[list[list[int]], list[Any], int, float]:
             outs, usages, tokens, secs = [], [], 0, 0.0
             for _ in range(s.TURNS):
-                ids, dt, u = await _one(engine, s.next_prompt(tok), params)
+                ids, dt, u = await _one(engine, s.next_prompt(tok), params, ns)
                 s.answered(tok.decode(ids))
                 outs.append(ids)
                 usages.append(u)
@@ -359,11 +364,11 @@ async def run_paired_cell(
     make = {"chat": sw.chat_prompts, "edit": sw.edit_prompts, "copy": sw.copy_prompts}[workload]
     pool = make(tok, len(sw.CHAT_PROMPTS) if workload == "chat" else len(sw.EDIT_FILES))
     if batch == 1:
-        res = [await _one(engine, p, params) for p in pool[:n]]
+        res = [await _one(engine, p, params, ns) for p in pool[:n]]
         tps = sum(max(0, len(i) - 1) for i, _, _ in res) / max(1e-9, sum(dt for _, dt, _ in res))
     else:
         t0 = time.perf_counter()
-        res = await asyncio.gather(*[_one(engine, pool[i % len(pool)], params) for i in range(batch)])
+        res = await asyncio.gather(*[_one(engine, pool[i % len(pool)], params, ns) for i in range(batch)])
         tps = sum(len(i) for i, _, _ in res) / (time.perf_counter() - t0)
     return tps, [i for i, _, _ in res], [u for _, _, u in res]
 
@@ -419,7 +424,8 @@ async def paired_async(args: argparse.Namespace) -> str:
                                 p = base
                             else:
                                 p = msgspec.structs.replace(base, num_draft_tokens=arm.gamma)
-                            measured.append((arm, await run_paired_cell(eng, w, b, args.prompts, p)))
+                            ns = f"r{r}-{'plain' if arm is None else arm.name}-{w}-{b}"
+                            measured.append((arm, await run_paired_cell(eng, w, b, args.prompts, p, ns)))
                         off, off_outs, _ = next(m for a, m in measured if a is None)
                         off_tps.setdefault((d, w, b), []).append(off)
                         for arm, (tps, outs, usages) in measured:

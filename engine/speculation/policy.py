@@ -710,6 +710,16 @@ class SpecCounters:
             if j < accepted:
                 self.accepted_per_pos[j] += 1
 
+    def spec_decode(self) -> dict[str, Any]:
+        """The vLLM-named counters alone (``/metrics`` labels them by proposer)."""
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "spec_decode_num_draft_tokens_per_pos": list(self.drafted_per_pos),
+        }
+
     def as_dict(self) -> dict[str, Any]:
         rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
         mean_len = 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -59,3 +59,21 @@ def test_the_adaptive_target_is_the_geometric_mean_over_all_rounds():
     assert "| chat | 1 | 0.988× |" in rows[0] and rows[0].endswith("| 3/3 | 0.987× | 0.996× | met |")
     assert "| edit | 4 | 0.973× |" in rows[1] and rows[1].endswith("| 2/3 | 0.973× | – | **NOT MET** |")
     assert text.endswith("1 of 2 cells met.")
+
+
+def test_side_by_side_divides_each_round_by_the_first_drafters_adaptive_arm():
+    from bench.spec.report import side_by_side
+    from bench.spec.sweep import Arm
+
+    ngram, suffix = Arm("ngram", None), Arm("suffix", None)
+    ngram.tps = {("agent", 1): [100.0, 120.0]}
+    ngram.ratios = {("agent", 1): [1.6, 2.0]}
+    suffix.tps = {("agent", 1): [150.0, 150.0], ("chat", 1): [50.0]}  # chat: ngram did not run it
+    suffix.ratios = {("agent", 1): [2.5, 2.5], ("chat", 1): [1.0]}
+    arms = {"ngram": [ngram, Arm("ngram", None, control=True)], "suffix": [suffix]}
+    text = side_by_side(arms, ["ngram", "suffix"], ["agent", "chat"], [1])
+    rows = [line for line in text.splitlines() if line.startswith("| agent") or line.startswith("| chat")]
+    # per round 1.5 and 1.25: geometric mean √1.875
+    assert rows == [f"| agent | 1 | {(1.6 * 2.0) ** 0.5:.2f}× | 2.50× | {1.875**0.5:.2f}× (" + rows[0].split("(")[1]]
+    assert side_by_side(arms, ["ngram"], ["agent"], [1]) == ""
+    assert Arm("suffix+ngram", None).name == "suffix+ngram adaptive"

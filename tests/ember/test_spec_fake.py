@@ -477,8 +477,10 @@ async def test_request_overrides_gamma_or_turns_speculation_off():
 
 
 def test_bad_drafter_names_are_refused():
-    with pytest.raises(InvalidRequest, match="is .ngram. or .fake-draft"):
+    with pytest.raises(InvalidRequest, match="is .ngram., .suffix. or .fake-draft"):
         Engine.start(EngineConfig(backend="fake", draft_model="tiny-draft"))
+    with pytest.raises(InvalidRequest, match="use suffix or suffix.ngram"):
+        Engine.start(EngineConfig(backend="fake", draft_model="suffix:3"))
     with pytest.raises(InvalidRequest, match="needs a draft_model"):
         Engine.start(EngineConfig(backend="fake", num_draft_tokens=2))
     with pytest.raises(InvalidRequest, match="ngram:MIN:MAX"):

@@ -137,6 +137,28 @@ async def test_greedy_speculation_is_token_identical(drafter, gamma):
         assert max(int(g) for g in stats["gamma_chosen"]) <= gamma
 
 
+@pytest.mark.parametrize("drafter", ["suffix", "suffix+ngram"])
+async def test_suffix_decoding_is_token_identical_across_requests(drafter):
+    """Suffix decoding drafts from the namespace's earlier replies: the same
+    requests twice over (the second pass drafts from the first's text, which
+    it repeats), every reply identical to decoding without speculation."""
+    want = await reference()
+    async with Engine.open(_base(draft_model=drafter)) as engine:
+        reqs = requests(engine.tokenizer)
+        passes = []
+        for _ in range(2):
+            done = await asyncio.gather(*[engine.acomplete(p, sp) for p, sp in reqs])
+            passes.append(([c.token_ids for c in done], [c.usage for c in done]))
+        stats = engine.stats()["speculation"]
+    for got, _ in passes:
+        assert got == want
+    # the repeat was drafted from the store and accepted
+    assert stats["suffix_proposals"].get("store", 0) > 0, stats["suffix_proposals"]
+    second = sum(u.speculation.accepted for u in passes[1][1] if u.speculation is not None)
+    first = sum(u.speculation.accepted for u in passes[0][1] if u.speculation is not None)
+    assert second > first
+
+
 async def test_the_drafter_is_a_separate_smaller_model():
     model, draft = _paths()
     with pytest.raises(InvalidRequest, match="target model itself"):

@@ -1,0 +1,252 @@
+"""Suffix decoding across a session: drafts from every earlier prompt and
+response of the same cache namespace, scored by frequency (SuffixDecoding,
+arXiv 2411.04975; the ``suffix`` method of vLLM and Arctic Inference).
+
+Prompt lookup (``engine.speculation.ngram``) drafts from one request's own
+text. An agent session repeats across requests — the same tool calls, file
+paths, diffs, earlier answers — so this proposer matches the context's
+suffix in two corpora and takes the better-scored draft:
+
+* the request's own text (prompt + output so far, ``SuffixIndex``), as
+  prompt lookup does;
+* the namespace's store (``SuffixStore``): the responses, and the prompts'
+  new parts, of the requests of that namespace that finished before. One
+  store per namespace string, and a request reads only its own namespace's:
+  one tenant's text never steers another tenant's drafts.
+
+Why positions and not a suffix tree: a suffix tree of depth ``D`` built in
+Python costs ``D`` dict writes and up to ``D`` nodes per token (an 8k-token
+prompt: ~200k nodes); Arctic Inference builds one in C++. Here each corpus is
+a flat token list with an index from each ``anchor``-gram to the positions
+right after its occurrences (one list append per token), and a match is
+walked over positions instead of nodes: the occurrences of the context's last
+``anchor`` tokens (the most recent ``candidates`` of them) are extended
+backwards to their match length with the context (at most ``max_depth``);
+the occurrences matching at least ``ℓ`` tokens are exactly the suffixes under
+the depth-``ℓ`` node of the suffix tree, so the draft is the tree's: from
+them, follow the most frequent next token while its estimated probability
+(count / suffixes still alive, multiplied along the path) stays at least
+``min_token_prob``. A draft's score is the sum of those probabilities, and
+its length is at most ``alpha · ℓ`` (the paper's ``max_spec = α · match_len``:
+a longer match earns a longer draft). The few distinct match lengths are all
+tried and the best score wins, as in Arctic Inference's ``speculate``.
+
+Documents end with a sentinel (-1), so a match never spans two responses. Memory is bounded: a store holds at most ``cap_tokens`` tokens,
+dropping its oldest documents first (their index entries with them), and the
+drafter keeps at most ``max_namespaces`` stores, dropping the least recently
+used (``SuffixDrafterCore``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+SEP = -1  # between documents: no context token equals it, so no match crosses it
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixDraft:
+    """A proposal: its tokens, its score (the sum of the estimated
+    probabilities of its tokens) and the match length it came from."""
+
+    tokens: list[int]
+    score: float
+    match_len: int
+
+
+NO_DRAFT = SuffixDraft(tokens=[], score=0.0, match_len=0)
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixParams:
+    """How a match becomes a draft (Arctic Inference's defaults, bar the anchor)."""
+
+    anchor: int = 2  # the shortest match that proposes (prompt lookup's min_n)
+    max_depth: int = 32  # longest match counted (the suffix tree's depth)
+    alpha: float = 1.0  # a draft is at most alpha * match_len tokens (max_spec_factor)
+    min_token_prob: float = 0.1  # stop where the path's estimated probability falls below
+    candidates: int = 64  # occurrences of the anchor weighed, the most recent first
+
+    def __post_init__(self) -> None:
+        if self.anchor < 1 or self.max_depth < self.anchor:
+            raise ValueError(f"need 1 <= anchor <= max_depth, got {self.anchor} and {self.max_depth}")
+        if self.alpha <= 0 or not 0 < self.min_token_prob <= 1 or self.candidates < 1:
+            raise ValueError("need alpha > 0, 0 < min_token_prob <= 1 and candidates >= 1")
+
+
+class SuffixIndex:
+    """A corpus of token documents and its anchor-gram -> positions index.
+
+    Positions are absolute (they keep counting after the oldest documents are
+    dropped); ``tokens[p - base]`` is the token at position ``p``."""
+
+    def __init__(self, params: SuffixParams):
+        self.params = params
+        self.tokens: list[int] = []
+        self.base = 0  # absolute position of tokens[0]
+        # gram -> ascending positions right after its occurrences. A gram is
+        # indexed once the token after it exists, so a request's own suffix
+        # never matches itself.
+        self._occ: dict[tuple[int, ...], list[int]] = {}
+        self._indexed = 0  # absolute position up to which grams are indexed
+        self.lengths_tried = 4  # distinct match lengths walked per proposal, the longest first
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append to the last document (a request's context as it grows)."""
+        self.tokens.extend(tokens)
+        n, toks, base, occ = self.params.anchor, self.tokens, self.base, self._occ
+        for p in range(max(self._indexed, base + n), self.end):
+            gram = tuple(toks[p - base - n : p - base])
+            if SEP not in gram:
+                occ.setdefault(gram, []).append(p)
+        self._indexed = max(self._indexed, self.end)
+
+    def add_document(self, tokens: list[int]) -> None:
+        """Append a separate document (a finished response), closed by a
+        separator: a suffix that ends with its document counts against the
+        continuations, the last document's as much as the others'."""
+        self.extend([*tokens, SEP])
+
+    def drop_before(self, position: int) -> None:
+        """Forget every token before absolute ``position`` and its index entries."""
+        cut = min(position, self.end) - self.base
+        if cut <= 0:
+            return
+        n, toks = self.params.anchor, self.tokens
+        new_base = self.base + cut
+        seen = set()
+        for i in range(n, min(cut + n, len(toks) + 1)):  # grams with a token before the cut
+            gram = tuple(toks[i - n : i])
+            if gram in seen or SEP in gram:
+                continue
+            seen.add(gram)
+            occ = self._occ.get(gram)
+            if occ is not None:
+                del occ[: bisect.bisect_left(occ, new_base + n)]
+                if not occ:
+                    del self._occ[gram]
+        del toks[:cut]
+        self.base = new_base
+
+    def propose(self, context: list[int], limit: int, upto: int | None = None) -> SuffixDraft:
+        """The best-scored draft of at most ``limit`` tokens continuing
+        ``context`` from this corpus; ``upto``: ignore positions from there on
+        (a request's own index stops at its context's end)."""
+        prm = self.params
+        n = prm.anchor
+        if limit <= 0 or len(context) < n:
+            return NO_DRAFT
+        occ = self._occ.get(tuple(context[-n:]))
+        if not occ:
+            return NO_DRAFT
+        base, toks = self.base, self.tokens
+        end = self.end if upto is None else min(upto, self.end)
+        lo = bisect.bisect_left(occ, base + n)
+        hi = bisect.bisect_left(occ, end, lo)  # a position at the end has nothing after it
+        if hi <= lo:
+            return NO_DRAFT
+        # The most recent candidates, each with how far back it agrees with the context.
+        depth = min(prm.max_depth, len(context))
+        matched: list[tuple[int, int]] = []
+        for p in reversed(occ[max(lo, hi - prm.candidates) : hi]):
+            m, i = n, p - base - n - 1
+            while m < depth and i >= 0 and toks[i] == context[-1 - m]:
+                m += 1
+                i -= 1
+            matched.append((m, p))
+        best = NO_DRAFT
+        for ell in sorted({m for m, _ in matched}, reverse=True)[: self.lengths_tried]:
+            cap = min(limit, int(prm.alpha * ell))
+            if best.score >= cap:
+                break  # a shorter match cannot score more than its cap
+            alive = [p for m, p in matched if m >= ell]  # most recent first
+            draft = self._walk(alive, cap, end, ell)
+            if draft.score > best.score:
+                best = draft
+        return best
+
+    def _walk(self, alive: list[int], cap: int, end: int, ell: int) -> SuffixDraft:
+        """Follow the most frequent next token among the ``alive`` suffixes
+        (a tie goes to the most recent occurrence's token)."""
+        base, toks, min_prob = self.base, self.tokens, self.params.min_token_prob
+        out: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(out) < cap and alive:
+            counts: dict[int, int] = {}
+            for p in alive:
+                if p < end:
+                    t = toks[p - base]
+                    if t != SEP:
+                        counts[t] = counts.get(t, 0) + 1
+            if not counts:
+                break
+            top = max(counts.values())
+            tok = next(toks[p - base] for p in alive if p < end and counts.get(toks[p - base]) == top)
+            prob *= top / len(alive)  # suffixes that ended here count against it
+            if prob < min_prob:
+                break
+            out.append(tok)
+            score += prob
+            alive = [p + 1 for p in alive if p < end and toks[p - base] == tok]
+        return SuffixDraft(tokens=out, score=score, match_len=ell) if out else NO_DRAFT
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SuffixStore:
+    """One namespace's finished text, at most ``cap_tokens`` tokens.
+
+    A response goes in whole. A prompt goes in from where it departs from
+    the most similar of the last ``recent_prompts`` prompts learned (an agent
+    resends its whole history each turn: storing every prompt whole would
+    store the first turn once per turn), with ``params.max_depth`` tokens
+    before that point so the new part can still be matched into."""
+
+    def __init__(self, params: SuffixParams, *, cap_tokens: int = 65536, recent_prompts: int = 4):
+        if cap_tokens < 1:
+            raise ValueError(f"cap_tokens must be positive, got {cap_tokens}")
+        self.index = SuffixIndex(params)
+        self.cap_tokens = cap_tokens
+        self.recent_prompts = recent_prompts
+        self._docs: list[int] = []  # absolute start of each document, oldest first
+        self._prompts: list[list[int]] = []
+        self.evicted_docs = 0
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def learn(self, prompt: list[int], response: list[int]) -> None:
+        keep = max((_common_prefix(prompt, p) for p in self._prompts), default=0)
+        new = prompt[max(0, keep - self.index.params.max_depth) :] if keep < len(prompt) else []
+        if new:
+            self._add(new)
+        if response:
+            # the response's match context is the prompt's end: keep a little of it
+            self._add(prompt[-self.index.params.max_depth :] + response)
+        self._prompts = (self._prompts + [list(prompt)])[-self.recent_prompts :]
+
+    def _add(self, tokens: list[int]) -> None:
+        tokens = tokens[-self.cap_tokens :]
+        self._docs.append(self.index.end)
+        self.index.add_document(tokens)
+        while len(self.index) > self.cap_tokens and len(self._docs) > 1:
+            self._docs.pop(0)
+            self.evicted_docs += 1
+            self.index.drop_before(self._docs[0])
+
+    def propose(self, context: list[int], limit: int) -> SuffixDraft:
+        return self.index.propose(context, limit)
