@@ -209,13 +209,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             mlx_step_ms(ref_model, warm, 4)
             for e in engines.values():
                 await ember_step_ms(e, warm, 4)
-            blas.use(0)
+            # mlx-lm's legs and the parts run at the OpenBLAS thread count Ember's
+            # decode step of B rows uses (--mlx-threads ember), so the ratio is the
+            # step's, not OpenBLAS's: on a loaded machine its default threads spin
+            threads = backends[arms[0]].cpu_threads.threads_for(B) if args.mlx_threads == "ember" else 0
+            blas.use(threads)
             parts = part_fns(own_model, prompts_for(ids, B, args.prompt_tokens, 0)) if args.parts else {}
             for r in range(args.rounds):
                 prompts = prompts_for(ids, B, args.prompt_tokens, r)
                 order = ["mlx_lm", *[f"ember:{a}" for a in arms], *parts]
                 for leg in order if r % 2 == 0 else order[::-1]:
-                    blas.use(0)  # the engine sets OpenBLAS's (process-wide) threads per step
+                    blas.use(threads)  # the engine sets OpenBLAS's (process-wide) threads per step
                     if leg == "mlx_lm":
                         v, agg = mlx_step_ms(ref_model, prompts, args.tokens)
                         if B > 1:
@@ -237,7 +241,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         v = statistics.median(parts[leg]() for _ in range(args.part_steps))
                     legs.setdefault((B, leg), []).append(v)
                 print(
-                    f"[decode_step] B={B} round {r + 1}/{args.rounds}: "
+                    f"[decode_step] B={B} (OpenBLAS threads {threads or blas.default}) round {r + 1}/{args.rounds}: "
                     + ", ".join(f"{k[1]} {v[-1]:.1f}" for k, v in legs.items() if k[0] == B),
                     file=sys.stderr,
                     flush=True,
@@ -279,7 +283,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
     loads = res["loads"]
     head = (
         f"`python -m bench.cpu.decode_step --model {args.model} --arms {','.join(res['arms'])} "
-        f"--rounds {args.rounds} --tokens {args.tokens}`; load average {min(loads):.1f}-{max(loads):.1f} "
+        f"--rounds {args.rounds} --tokens {args.tokens} --mlx-threads {args.mlx_threads}`; load average {min(loads):.1f}-{max(loads):.1f} "
         f"(machine of {os.cpu_count()} cores); medians over {args.rounds} alternated rounds. "
         "'mlx_lm's tok/s ÷ this' above 1.00x: Ember decodes faster."
     )
@@ -323,6 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48, help="tokens decoded per stream per leg")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--part-steps", type=int, default=9, help="steps timed per part per round (their median)")
+    ap.add_argument(
+        "--mlx-threads",
+        choices=["ember", "default"],
+        default="ember",
+        help="OpenBLAS threads of mlx-lm's legs and the parts: Ember's choice for the batch (default) "
+        "or OpenBLAS's default (as a separate mlx_lm.server runs)",
+    )
     ap.add_argument("--no-parts", dest="parts", action="store_false", help="only the mlx_lm and ember legs")
     ap.add_argument("--out", help="write the report (markdown) here too")
     ap.add_argument(
