@@ -83,6 +83,7 @@ from engine.mlx.row_phases import RowPhases
 from engine.mlx.rows import _is_oom, _own_cache
 from engine.mlx.run_ahead import RunAhead
 from engine.mlx.tokenizer import MLXTokenizer
+from engine.mlx.warm_up import warm_up
 from engine.ports import StepPlan, StepResult
 
 CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
@@ -238,6 +239,11 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         if loaded.cpu_choice is not None:
             backend.cpu_threads = loaded.cpu_choice
             backend.cpu_choice = loaded.cpu_choice.as_dict()
+            # first use (OpenBLAS threads, the split's streams, the kernel, the
+            # buffer cache) paid here, not by the first request (issue #45)
+            backend.counters["warm_up_ms"] = round(
+                warm_up(loaded.model, backend.attention_parts, backend.softmax_kernel) * 1e3
+            )
         return backend
 
     def step_cost_s(self, plan: StepPlan) -> float:

@@ -11,7 +11,16 @@ pass over the scores).
 
 The price is an ``mx.eval`` inside the forward, so it applies only where the
 scores are big enough for the kernel to pay for the sync: at least
-``MIN_SCORES`` elements (a decode token over ~1k keys of a 9-head model).
+``MIN_SCORES`` elements for a prefill window. A decode-sized call (at most
+``DECODE_MAX_QUERIES`` query rows: a decode step or a verify window) pays
+more than the sync: the MLX backend builds the next decode step's graph
+while the current one computes (``engine.mlx.run_ahead``), and an
+``mx.eval`` inside that graph computes both steps there and then, layer by
+layer, so neither the graph's Python nor the event loop's work overlaps the
+forward any more (issue #45: 8 streams at 0.77x mlx-lm's aggregate). Such a
+call takes the kernel only from ``DECODE_MIN_SCORES`` elements, where the
+exp it saves (~15 ns an element) is several times that price: a 9-head
+model's decode token over ~7k keys at batch 1, over ~900 keys at batch 8.
 """
 
 from __future__ import annotations
@@ -25,10 +34,19 @@ import numpy as np
 from engine.mlx import softmax_kernel
 
 MIN_SCORES = 8192  # below this MLX's own softmax costs less than a sync (~0.15 ms at ~17 ns an element)
+DECODE_MAX_QUERIES = 32  # query rows of a decode step or a verify window (γ <= 16) and below
+DECODE_MIN_SCORES = 1 << 16  # ~1 ms of MLX's exp a call: well above a sync and the lost overlap
 THREAD_MIN_SCORES = 1 << 17  # below this a second thread costs more than it saves
 _FLOAT_MIN = float(np.finfo(np.float32).min)
 
 calls = {"kernel": 0}  # attention calls whose softmax ran in the kernel (read by tests and bench)
+
+
+def applies(B: int, H: int, L: int, S: int) -> bool:
+    """Are the scores of a ``(B, H, L, S)`` call big enough to pay for the
+    kernel's sync (and, for a decode-sized call, the lost run-ahead overlap)?"""
+    scores = B * H * L * S
+    return scores >= (DECODE_MIN_SCORES if L <= DECODE_MAX_QUERIES else MIN_SCORES)
 
 
 def attention(
@@ -47,7 +65,7 @@ def attention(
         return None
     B, H, L, D = q.shape
     KV, S = k.shape[1], k.shape[2]
-    if B * H * L * S < MIN_SCORES or H % KV:
+    if not applies(B, H, L, S) or H % KV:
         return None
     causal = isinstance(mask, str)
     if causal and mask != "causal":
