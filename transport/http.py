@@ -267,6 +267,12 @@ class ServerState:
         except ModelNotFound as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
 
+    def adapter_id(self, requested: str | None) -> str:
+        """The id (``NAME@HASH``) of the LoRA adapter a request's ``model``
+        names (``--adapter``), for its cache namespace; empty: the base model."""
+        spec = self.registry.adapter_for(requested)
+        return spec.id if spec is not None else ""
+
     def check_model(self, requested: str | None) -> str:
         """The served name of the model a request names (aliases resolved), or a 404 listing the names."""
         return self.entry(requested).name
@@ -304,7 +310,8 @@ class ServerState:
             )
         if self.phase != "ready":
             self.require_engine()
-        return engine, entry.name
+        adapter = self.registry.adapter_for(requested)  # answers name the adapter asked for
+        return engine, adapter.name if adapter is not None else entry.name
 
 
 # ---------------------------------------------------------------------------
@@ -315,7 +322,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     host.require_engine()
     body = await read_body(request, host.max_body_bytes)
     req = decode_request(body, request_type(chat, host.trust_gateway))
-    ns = request_namespace(request)
+    ns = request_namespace(request, host.adapter_id(requested_model(req)))
     engine, model = await host.engine_for(requested_model(req), keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now, model)
     thinks = reasoning.markup_of(engine.tokenizer) is not None
@@ -394,6 +401,11 @@ async def models(request: Request, host: ServerState) -> Response:
     host.registry.refresh_memory()
     entries = sorted(host.registry.entries.values(), key=lambda e: (e.name != host.registry.default, e.name))
     cards = [model_card(host, e) for e in entries]
+    if host.registry.default is not None:  # --adapter's LoRA adapters, after their base model
+        base = host.registry.entries[host.registry.default]
+        for spec in host.registry.base.adapters:
+            card = model_card(host, base)
+            cards.append(msgspec.structs.replace(card, id=spec.name, kind="adapter", parent=base.name, aliases=None))
     return Response(msgspec.json.encode(ModelList(data=cards)), media_type="application/json")
 
 
