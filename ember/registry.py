@@ -308,18 +308,16 @@ class Registry:
 
     def adapter_for(self, name: str | None) -> AdapterSpec | None:
         """The LoRA adapter (``--adapter``) a request's model names, ``NAME`` or
-        ``BASE:NAME`` (BASE any name of the default model); None: no adapter.
-        An adapter's name shadows a model of the same name."""
+        ``BASE:NAME`` (BASE the default model's name or an exact alias of it);
+        None: no adapter. An adapter's name shadows a model of the same name."""
         if not name or self.default is None:
             return None
         by_name = {a.name: a for a in self.base.adapters}  # the default entry's config is base
         if name in by_name:
             return by_name[name]
         base, sep, short = name.rpartition(":")
-        if sep and short in by_name and base and base != name:
-            with contextlib.suppress(ModelNotFound):
-                if self.resolve(base).name == self.default:
-                    return by_name[short]
+        if sep and short in by_name and self.default in (base, self.aliases.get(base)):
+            return by_name[short]  # (no resolve: a hub name must not become an entry here)
         return None
 
     def resolve(self, name: str | None) -> ModelEntry:

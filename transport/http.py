@@ -396,22 +396,29 @@ def model_card(host: ServerState, entry: ModelEntry) -> ModelCard:
     )
 
 
+def adapter_card(host: ServerState, name: str) -> ModelCard:
+    """A LoRA adapter's card (``--adapter``): its base model's, named for it."""
+    assert host.registry.default is not None  # adapters are the default model's
+    base = host.registry.entries[host.registry.default]
+    card = model_card(host, base)
+    return msgspec.structs.replace(card, id=name, kind="adapter", parent=base.name, aliases=None)
+
+
 async def models(request: Request, host: ServerState) -> Response:
     """Every name the registry can serve, the default first, with its state."""
     host.registry.refresh_memory()
     entries = sorted(host.registry.entries.values(), key=lambda e: (e.name != host.registry.default, e.name))
     cards = [model_card(host, e) for e in entries]
     if host.registry.default is not None:  # --adapter's LoRA adapters, after their base model
-        base = host.registry.entries[host.registry.default]
-        for spec in host.registry.base.adapters:
-            card = model_card(host, base)
-            cards.append(msgspec.structs.replace(card, id=spec.name, kind="adapter", parent=base.name, aliases=None))
+        cards += [adapter_card(host, spec.name) for spec in host.registry.base.adapters]
     return Response(msgspec.json.encode(ModelList(data=cards)), media_type="application/json")
 
 
 async def model_detail(request: Request, host: ServerState) -> Response:
     host.registry.refresh_memory()
-    card = model_card(host, host.entry(request.path_params["model"]))
+    name = request.path_params["model"]
+    adapter = host.registry.adapter_for(name)
+    card = adapter_card(host, adapter.name) if adapter is not None else model_card(host, host.entry(name))
     return Response(msgspec.json.encode(card), media_type="application/json")
 
 
