@@ -26,7 +26,7 @@ import contextlib
 import pathlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -123,7 +123,7 @@ class Adapters:
         KV would be cached under the old id."""
         path = pathlib.Path(spec.path)
         scale = float(read_config(path)["lora_parameters"]["scale"])
-        weights = mx.load(str(path / WEIGHTS))
+        weights = cast(dict[str, mx.array], mx.load(str(path / WEIGHTS)))  # a .safetensors: name -> array
         if f"{spec.name}@{content_hash(path)}" != spec.id:
             raise ValueError(f"adapter {spec.name!r} changed on disk since the server started: restart to serve it")
         pairs: dict[str, dict[str, mx.array]] = {}
@@ -142,7 +142,7 @@ class Adapters:
             m = modules.get(module)
             base = m.linear if isinstance(m, LoRAStack) else m
             dims = _dims(base)
-            if dims is None:
+            if dims is None or base is None:
                 errors.append(f"{module}: not a linear layer of this model ({type(m).__name__})")
                 continue
             a, b = ab.get("lora_a"), ab.get("lora_b")

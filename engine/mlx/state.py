@@ -17,10 +17,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.mlx import lora
 from engine.mlx.batch import DecodeBatch
 from engine.mlx.blas import BlasThreads
 from engine.mlx.cpu_layout import CpuChoice
-from engine.mlx import lora
 from engine.mlx.grammar import Grammars
 from engine.mlx.rows import _Ahead, _Row
 from engine.mlx.tokenizer import MLXTokenizer

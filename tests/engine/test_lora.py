@@ -13,13 +13,13 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from bench.lora import random_adapter as make_adapter
 from engine.adapters import read_adapter
 from engine.config import EngineConfig
 from engine.mlx.backend import load_mlx_backend
 from engine.models import resolve_model
 from engine.ports import DecodeRow, OpenRow, PrefillChunk, StepPlan, VerifyRow
 from engine.types import SamplingParams
-from tests.engine.lora_fixture import make_adapter
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from bench.lora import random_adapter as make_adapter
 from engine.models import resolve_model
-from tests.engine.lora_fixture import make_adapter
 from tests.live_server import ember_serve
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,11 @@ def test_adapter_requests_match_mlx_lm_and_never_reuse_the_base_models_cache(tmp
         base = _ask(c, "tiny", prompt)
         first = _ask(c, "one", prompt)  # the same prompt, just cached by the base model
         again = _ask(c, "tiny:one", prompt)
-        assert (_answer_text(base), _answer_text(first), _answer_text(again)) == (want["tiny"], want["one"], want["one"])
+        assert (_answer_text(base), _answer_text(first), _answer_text(again)) == (
+            want["tiny"],
+            want["one"],
+            want["one"],
+        )
         assert _cached(first) == 0, first["usage"]
         assert _cached(again) > 0, again["usage"]  # its own prefix is a hit
         assert first["model"] == "one"
