@@ -21,6 +21,7 @@ from actors.prefill_budget import PrefillBudget
 from actors.spec_rounds import SpecRounds
 from engine.eventlog import EventLog
 from engine.kv.cache_miss import closest_miss
+from engine.kv.namespace import namespace_adapter
 from engine.kv.prompt_cache import as_tokens, common_prefix
 from engine.ports import Backend, Clock, DecodeRow, OpenRow, PrefillChunk, StepPlan, StepResult, VerifyRow
 from engine.textstream import StopMatcher
@@ -307,7 +308,8 @@ class SchedulerCore:
         row.detok = self.backend.tokenizer.detokenizer()
         row.next_input = row.prompt[-1]
         row.opened = True
-        plan.open.append(OpenRow(row.rid, row.params, cache, cached, row.prompt[:cached] if cache is not None else []))
+        prefix = row.prompt[:cached] if cache is not None else []
+        plan.open.append(OpenRow(row.rid, row.params, cache, cached, prefix, namespace_adapter(row.ns)))
         row.move(RowState.PREFILL if cached < row.prefill_total else RowState.DECODE)
         self.active.append(row.rid)
         self.events.record("open", self.clock.now(), rid=row.rid, cached=cached)

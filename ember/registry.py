@@ -47,6 +47,7 @@ from ember.model_state import ModelEvent, ModelState, next_state
 from ember.served import Served
 from ember.ssd_folders import model_ssd_dir
 from ember.ssd_tier import ssd_on
+from engine.adapters import AdapterSpec
 from engine.config import EngineConfig
 from engine.kv.budget import SsdBudget, scan_offline
 from engine.ports import Ports, run_in_thread, run_inline
@@ -276,8 +277,8 @@ class Registry:
         decoding (which work with any model) but not --model's own draft model."""
         base_draft = self.base.draft_model if model_free(self.base.draft_model) else None
         base_gamma = self.base.num_draft_tokens if base_draft else None  # (needs a drafter)
-        return msgspec.structs.replace(
-            self.base, model=target, model_name=name, draft_model=base_draft, num_draft_tokens=base_gamma
+        return msgspec.structs.replace(  # --adapter's adapters are --model's own
+            self.base, model=target, model_name=name, draft_model=base_draft, num_draft_tokens=base_gamma, adapters=()
         )
 
     def _add_known(self, models_dir: str | None) -> None:
@@ -306,10 +307,28 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self.entries) + sorted(self.aliases)
 
+    def adapter_for(self, name: str | None) -> AdapterSpec | None:
+        """The LoRA adapter (``--adapter``) a request's model names, ``NAME`` or
+        ``BASE:NAME`` (BASE the default model's name or an exact alias of it);
+        None: no adapter. An adapter's name shadows a model of the same name."""
+        if not name or self.default is None:
+            return None
+        by_name = {a.name: a for a in self.base.adapters}  # the default entry's config is base
+        if name in by_name:
+            return by_name[name]
+        base, sep, short = name.rpartition(":")
+        if sep and short in by_name and self.default in (base, self.aliases.get(base)):
+            return by_name[short]  # (no resolve: a hub name must not become an entry here)
+        return None
+
     def resolve(self, name: str | None) -> ModelEntry:
         """The entry a request's model names: the default for None, an entry's
         name, an alias (exact, then the first glob that matches), or a path
-        ``models_dir`` did not list (a directory given by path is served as-is)."""
+        ``models_dir`` did not list (a directory given by path is served as-is).
+        A LoRA adapter's name (``adapter_for``) is the default model's entry."""
+        if self.adapter_for(name) is not None:
+            assert self.default is not None
+            return self.entries[self.default]
         if name is None:
             if self.default is None:
                 raise ModelNotFound("(none)", self.names())

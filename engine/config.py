@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.adapters import AdapterSpec
+
 SSD_AUTO = "auto"  # EngineConfig.ssd_cache_dir: the default folder and cap (ember.ssd_tier)
 
 
@@ -105,6 +107,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # one model across ranks launched by mlx.launch: "tensor" or "pipeline"
     # (engine.mlx.distributed; the RAM tier in lock-step, the SSD tier per rank: actors.distributed_tier)
     distributed: str | None = None
+    # LoRA adapters served beside the base model (--adapter NAME=PATH; engine.adapters)
+    adapters: tuple[AdapterSpec, ...] = ()
     # misc
     seed: int = 0
     model_name: str | None = None  # the name served in /v1/models
@@ -142,7 +146,20 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             )
         if self.distributed is not None:
             self._check_distributed()
+        if self.adapters:
+            self._check_adapters()
         return self
+
+    def _check_adapters(self) -> None:
+        from engine.errors import InvalidRequest
+
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise InvalidRequest(f"adapter names must differ, got {names}", "adapters")
+        if self.backend != "mlx":
+            raise InvalidRequest("LoRA adapters need the MLX backend, not the fake GPU", "adapters")
+        if self.distributed is not None:
+            raise InvalidRequest("LoRA adapters are not served across ranks (--distributed)", "adapters")
 
     def _check_distributed(self) -> None:
         from engine.errors import InvalidRequest

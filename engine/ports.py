@@ -125,13 +125,15 @@ class OpenRow:
     private copy, trimmed to ``cached`` tokens) to continue from. ``prefix``: the
     ``cached`` prompt tokens that cache holds, so that a cache the backend cannot
     open (a fault) is a miss: the row opens empty and prefills them first
-    (``StepResult.cache_faults``)."""
+    (``StepResult.cache_faults``). ``adapter``: the LoRA adapter the row runs
+    with (``NAME@HASH``, its namespace's adapter part; empty: the base model)."""
 
     rid: int
     sampling: SamplingParams
     cache: Any = None
     cached: int = 0
     prefix: list[int] = field(default_factory=list)
+    adapter: str = ""
 
 
 @dataclass(slots=True)

@@ -293,7 +293,7 @@ async def messages(request: Request, host: Any) -> Response:
     engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now, model)
     setup = req.tool_setup()
-    ns = request_namespace(request)
+    ns = request_namespace(request, host.adapter_id(req.model))
     prompt = await _prompt(host, engine, req, setup, ns)
     limit = output_limit(req.max_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
     params = req.sampling_params(limit, engine.info.vocab_size)
@@ -311,7 +311,7 @@ async def count_tokens(request: Request, host: Any) -> Response:
     req: CountTokensRequest = decode_request(await read_body(request, host.max_body_bytes), CountTokensRequest)
     engine, _ = await host.engine_for(req.model, keep_alive=req.keep_alive)
     setup = req.tool_setup()
-    prompt = await _prompt(host, engine, req, setup, request_namespace(request))
+    prompt = await _prompt(host, engine, req, setup, request_namespace(request, host.adapter_id(req.model)))
     return Response(_encode({"input_tokens": len(prompt)}), media_type="application/json")
 
 

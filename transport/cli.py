@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port (the printed URL has it)")
     s.add_argument("--served-model-name", help="the name /v1/models reports (default: the model's id)")
+    s.add_argument(
+        "--adapter",
+        action="append",
+        metavar="NAME=PATH",
+        help="serve the LoRA adapter in PATH (mlx-lm's format) beside --model; a request picks it by model "
+        "NAME or MODEL:NAME (repeatable; docs/models.md)",
+    )
     s.add_argument("--batch", type=int, help="rows in the running batch")
     s.add_argument("--max-queue", type=int, help="requests waiting beyond the batch before 429")
     s.add_argument("--prompt-cache", type=float, metavar="GIB", help="RAM prompt-cache cap (0 disables)")
@@ -295,6 +302,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         fields["qmm_kernel"] = args.qmm_kernel
     _default_ssd(args, fields)
     _default_drafter(args, fields)
+    if getattr(args, "adapter", None):
+        fields["adapters"] = _adapters(args.adapter, parser)
     share = getattr(args, "prefill_share", None)
     if share is not None:
         fields["prefill_share"] = share if share > 0 else None
@@ -327,6 +336,16 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         except (FileNotFoundError, ValueError, hub.HubError) as exc:  # ValueError: a GGUF that cannot convert
             parser.error(str(exc))
     return config
+
+
+def _adapters(flags: list[str], parser: argparse.ArgumentParser) -> tuple[Any, ...]:
+    """``--adapter NAME=PATH`` flags → checked ``AdapterSpec``s (engine.adapters), content hashed now."""
+    from engine.adapters import parse_adapter_flag, read_adapter
+
+    try:
+        return tuple(read_adapter(*parse_adapter_flag(f)) for f in flags)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
 
 
 def _default_drafter(args: argparse.Namespace, fields: dict[str, Any]) -> None:

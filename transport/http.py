@@ -267,6 +267,12 @@ class ServerState:
         except ModelNotFound as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
 
+    def adapter_id(self, requested: str | None) -> str:
+        """The id (``NAME@HASH``) of the LoRA adapter a request's ``model``
+        names (``--adapter``), for its cache namespace; empty: the base model."""
+        spec = self.registry.adapter_for(requested)
+        return spec.id if spec is not None else ""
+
     def check_model(self, requested: str | None) -> str:
         """The served name of the model a request names (aliases resolved), or a 404 listing the names."""
         return self.entry(requested).name
@@ -304,7 +310,8 @@ class ServerState:
             )
         if self.phase != "ready":
             self.require_engine()
-        return engine, entry.name
+        adapter = self.registry.adapter_for(requested)  # answers name the adapter asked for
+        return engine, adapter.name if adapter is not None else entry.name
 
 
 # ---------------------------------------------------------------------------
@@ -315,7 +322,7 @@ async def _generate(request: Request, host: ServerState, chat: bool) -> Response
     host.require_engine()
     body = await read_body(request, host.max_body_bytes)
     req = decode_request(body, request_type(chat, host.trust_gateway))
-    ns = request_namespace(request)
+    ns = request_namespace(request, host.adapter_id(requested_model(req)))
     engine, model = await host.engine_for(requested_model(req), keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now, model)
     thinks = reasoning.markup_of(engine.tokenizer) is not None
@@ -389,17 +396,29 @@ def model_card(host: ServerState, entry: ModelEntry) -> ModelCard:
     )
 
 
+def adapter_card(host: ServerState, name: str) -> ModelCard:
+    """A LoRA adapter's card (``--adapter``): its base model's, named for it."""
+    assert host.registry.default is not None  # adapters are the default model's
+    base = host.registry.entries[host.registry.default]
+    card = model_card(host, base)
+    return msgspec.structs.replace(card, id=name, kind="adapter", parent=base.name, aliases=None)
+
+
 async def models(request: Request, host: ServerState) -> Response:
     """Every name the registry can serve, the default first, with its state."""
     host.registry.refresh_memory()
     entries = sorted(host.registry.entries.values(), key=lambda e: (e.name != host.registry.default, e.name))
     cards = [model_card(host, e) for e in entries]
+    if host.registry.default is not None:  # --adapter's LoRA adapters, after their base model
+        cards += [adapter_card(host, spec.name) for spec in host.registry.base.adapters]
     return Response(msgspec.json.encode(ModelList(data=cards)), media_type="application/json")
 
 
 async def model_detail(request: Request, host: ServerState) -> Response:
     host.registry.refresh_memory()
-    card = model_card(host, host.entry(request.path_params["model"]))
+    name = request.path_params["model"]
+    adapter = host.registry.adapter_for(name)
+    card = adapter_card(host, adapter.name) if adapter is not None else model_card(host, host.entry(name))
     return Response(msgspec.json.encode(card), media_type="application/json")
 
 

@@ -177,6 +177,7 @@ class ModelCard(msgspec.Struct):
     keep_alive_s: float | None = None
     aliases: list[str] | None = None
     error: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (kind "adapter"; vLLM's card has it too)
 
 
 class ModelList(msgspec.Struct):

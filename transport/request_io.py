@@ -57,12 +57,14 @@ def count_answer(request: Request, host: Any, route: str, response: Response) ->
         host.metrics.key_requests.labels(name, route, status).inc()
 
 
-def request_namespace(request: Request) -> str:
+def request_namespace(request: Request, adapter: str = "") -> str:
     """The cache namespace a request runs in (engine.kv.namespace): its API
-    key's name under ``--api-keys``, else the empty one. Every cache a request
-    can hit or fill — the prompt cache's tiers, the speculation seeds, the
-    output memory, stored responses — is scoped by it."""
-    return cache_namespace(key_scope=key_name(request))
+    key's name under ``--api-keys``, else the empty one, and the LoRA adapter
+    it runs with (``NAME@HASH``: ``ServerState.adapter_id``). Every cache a
+    request can hit or fill — the prompt cache's tiers, the speculation seeds,
+    the output memory, stored responses — is scoped by it; the backend reads
+    the row's adapter from it too (``OpenRow.adapter``)."""
+    return cache_namespace(key_scope=key_name(request), adapter=adapter)
 
 
 def event_stream(

@@ -365,7 +365,7 @@ async def responses(request: Request, host: Any) -> Response:
     engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
     timer = TokenTimer(host.metrics, engine.clock.now, model)
     store = response_store(host)
-    ns = request_namespace(request)
+    ns = request_namespace(request, host.adapter_id(req.model))
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         try:  # another key's response is not found either: stored responses are scoped like the caches

@@ -14,7 +14,7 @@ cache written then is still found (tests/engine/test_namespace.py).
 
 A namespace is made of parts, each ``kind:value`` and joined by ``/`` in a
 fixed order: the key scope (``--api-keys``: the key's name, docs/http.md) and,
-later, the LoRA adapter (its name and content hash, issue #43). A part's value
+the LoRA adapter (its name and content hash, ``engine.adapters``; issue #43). A part's value
 may not hold ``/`` or ``:`` (key names are checked where they are read), so two
 different sets of parts never spell the same namespace.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["cache_namespace", "PART_VALUE"]
+__all__ = ["cache_namespace", "namespace_adapter", "PART_VALUE"]
 
 # What a part's value may hold: no separator, no control character, bounded.
 PART_VALUE = re.compile(r"[A-Za-z0-9_.@+=-]{1,128}")
@@ -41,3 +41,13 @@ def cache_namespace(*, key_scope: str = "", adapter: str = "") -> str:
             raise ValueError(f"a cache namespace's {kind} must match {PART_VALUE.pattern}, got {value!r}")
         parts.append(f"{kind}:{value}")
     return "/".join(parts)
+
+
+def namespace_adapter(ns: str) -> str:
+    """The adapter part of a namespace (``NAME@HASH``), or ``""`` for the base
+    model: how the backend learns a row's adapter from the row's namespace."""
+    for part in ns.split("/"):
+        kind, _, value = part.partition(":")
+        if kind == "adapter":
+            return value
+    return ""

@@ -70,7 +70,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from engine.config import EngineConfig
 from engine.device import ThreadDevice
-from engine.mlx import buffer_cache, softmax_kernel, split_attention
+from engine.mlx import buffer_cache, lora, softmax_kernel, split_attention
 from engine.mlx.batch import DecodeBatch, merge_caches
 from engine.mlx.blas import blas_threads
 from engine.mlx.cpu_layout import SMALL_FORWARD_ROWS, CpuChoice
@@ -206,6 +206,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
             "checkpoint_failed": 0,
         }
         self._run_ahead_kind_off = pipeline and not self.pipeline
+        self.adapters = lora.Adapters()
 
     @classmethod
     def load(cls, path: pathlib.Path, config: EngineConfig) -> MLXBackend:
@@ -244,6 +245,9 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
             backend.counters["warm_up_ms"] = round(
                 warm_up(loaded.model, backend.attention_parts, backend.softmax_kernel) * 1e3
             )
+        for spec in config.adapters:  # last: the layout above measured the base linears
+            backend.adapters.load(loaded.model, spec)
+        backend.counters["lora_stacks"] = backend.adapters.stacks
         return backend
 
     def step_cost_s(self, plan: StepPlan) -> float:
@@ -325,7 +329,8 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
                 queued, queued_tokens = [], []
         elif any(rid in batch for rid in work):
             inputs = [work.get(rid, []) for rid in batch.rids]
-            logits = batch.forward(self.model, inputs)
+            with self._lora(self._rows[rid] for rid in batch.rids):
+                logits = batch.forward(self.model, inputs)
             outputs.append(self._sample(batch.rids, inputs, logits, step_tokens))
             for rid, toks in zip(batch.rids, inputs):
                 self._rows[rid].fed += len(toks)  # else a later trim is clipped to a stale `fed`
@@ -352,7 +357,8 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
             inputs = [work[rid] for rid in joiners]
             group = DecodeBatch()
             group.add(joiners, merged)
-            logits = group.forward(self.model, inputs)
+            with self._lora(self._rows[rid] for rid in joiners):
+                logits = group.forward(self.model, inputs)
             outputs.append(self._sample(joiners, inputs, logits, step_tokens))
             batch.add(joiners, group.cache)
             for rid, toks in zip(joiners, inputs):

@@ -51,7 +51,8 @@ class Prefill(CacheOps):
             if len(group) == 1:
                 row, tokens = group[0]
                 cache = _own_cache(row)
-                self.model(mx.array(tokens)[None], cache=cache)
+                with self._lora([row]):
+                    self.model(mx.array(tokens)[None], cache=cache)
                 self._quantize(cache)
                 mx.eval([c.state for c in cache])
                 row.fed += len(tokens)
@@ -66,7 +67,8 @@ class Prefill(CacheOps):
                     self.fallbacks["prefill_alone"] += len(group)
                     for row, tokens in group:  # untouched: the merged copy was never handed back
                         own = _own_cache(row)
-                        self.model(mx.array(tokens)[None], cache=own)
+                        with self._lora([row]):
+                            self.model(mx.array(tokens)[None], cache=own)
                         self._quantize(own)
                         mx.eval([c.state for c in own])
                         row.fed += len(tokens)
@@ -86,7 +88,8 @@ class Prefill(CacheOps):
                 c.prepare(right_padding=pad, lengths=lengths)
         x = mx.array([t + [t[-1]] * (width - len(t)) for _, t in group])
         self.counters["prefill_together"] += len(group)
-        self.model(x, cache=cache)
+        with self._lora(row for row, _ in group):
+            self.model(x, cache=cache)
         for c in cache:
             c.finalize()
         mx.eval([c.state for c in cache])
@@ -121,7 +124,8 @@ class Prefill(CacheOps):
                 )
         x = mx.array([t + [t[-1]] * (width - len(t)) for _, t in group])
         self.counters["prefill_together"] += len(group)
-        self.model(x, cache=batch)
+        with self._lora(row for row, _ in group):
+            self.model(x, cache=batch)
         mx.eval([c.state for c in batch])
         for i, ((row, tokens), own) in enumerate(zip(group, caches)):
             end = offset + len(tokens)

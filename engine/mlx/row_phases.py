@@ -86,6 +86,10 @@ class RowPhases(CacheOps):
             if o.rid in self._rows:
                 res.errors[o.rid] = f"row {o.rid} is already open"
                 continue
+            adapter = self.adapters.index.get(o.adapter, 0) if o.adapter else 0
+            if o.adapter and not adapter:
+                res.errors[o.rid] = f"adapter {o.adapter!r} is not loaded in this model"
+                continue
             if o.cache is None:
                 cache, fed = self.make_cache(), 0
             else:
@@ -112,7 +116,7 @@ class RowPhases(CacheOps):
                     res.errors[o.rid] = f"constraint: {exc}"
                     continue
                 logits = RowLogits(o.sampling, matcher, self.info.vocab_size, sorted(self.tokenizer.eos_token_ids))
-            self._rows[o.rid] = _Row(o.rid, sampler, o.sampling.max_tokens, cache, fed, logits=logits)
+            self._rows[o.rid] = _Row(o.rid, sampler, o.sampling.max_tokens, cache, fed, logits=logits, adapter=adapter)
 
     def _trim(self, plan: StepPlan, res: StepResult) -> None:
         batch_trim: dict[int, int] = {}

@@ -29,6 +29,7 @@ class _Row:
     fed: int = 0  # tokens committed to its KV cache
     emitted: int = 0  # decode tokens handed back
     logits: RowLogits | None = None  # processors, grammar mask, logprobs (engine.mlx.logits)
+    adapter: int = 0  # its LoRA adapter's index (engine.mlx.lora); 0: the base model
 
 
 def _own_cache(row: _Row) -> list[Any]:

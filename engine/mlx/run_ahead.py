@@ -67,7 +67,8 @@ class RunAhead(StepSampling):
         fed = [r for r in rows if r.logits is not None]
         if fed:  # masks and penalties need the inputs on the host
             inputs = [[t] for t in cast(list[int], tokens.tolist())]
-        logits = batch.decode(self.model, tokens)
+        with self._lora(rows):
+            logits = batch.decode(self.model, tokens)
         nxt = self._sample_last(logits, rows, inputs, lps)
         self._queued.append(_Ahead(nxt, keys, fed, lps))
         self._due = self._built = nxt
@@ -120,7 +121,8 @@ class RunAhead(StepSampling):
         inputs = [work.get(rid, [])[1:] if rid in verify_rids else [] for rid in batch.rids]
         if not any(inputs):
             return None
-        logits = batch.forward(self.model, inputs)
+        with self._lora(self._rows[rid] for rid in batch.rids):
+            logits = batch.forward(self.model, inputs)
         rids = list(batch.rids)
         _, widths, toks, _ = self._sample(rids, inputs, logits, [])
         for rid, x in zip(rids, inputs):

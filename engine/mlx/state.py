@@ -11,10 +11,13 @@ phase says what it reads and the type checker holds them to it; the backend's
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
 
+from engine.mlx import lora
 from engine.mlx.batch import DecodeBatch
 from engine.mlx.blas import BlasThreads
 from engine.mlx.cpu_layout import CpuChoice
@@ -61,3 +64,12 @@ class BackendState:
     steps: int
     counters: dict[str, int]
     fallbacks: dict[str, int]
+    # LoRA adapters served (engine.mlx.lora); none: every forward is the base model's
+    adapters: lora.Adapters
+
+    def _lora(self, rows: Iterable[_Row]) -> contextlib.AbstractContextManager[None]:
+        """Around every forward over ``rows`` (in batch order): each row's
+        adapter. A forward built outside it runs every row on the base model."""
+        if not self.adapters.index:
+            return contextlib.nullcontext()
+        return lora.rows([r.adapter for r in rows])
