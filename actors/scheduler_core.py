@@ -455,8 +455,8 @@ class SchedulerCore:
         producer, shared = None, 0
         for rid in self.active:
             p = self.rows[rid]
-            if p.state is not RowState.PREFILL:
-                continue
+            if p.state is not RowState.PREFILL or p.ns != row.ns:
+                continue  # another namespace's (key's, adapter's) checkpoint is never this row's to read
             n = min(common_prefix(p.lookup_tokens(), prompt), p.prefill_total, row.prefill_total)
             if n > p.in_cache and n > shared:
                 producer, shared = p, n

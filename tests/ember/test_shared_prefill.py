@@ -33,12 +33,13 @@ class LosesCheckpoints(Checkpointing):
         return res
 
 
-async def burst(backend: FakeBackend, **kw):
+async def burst(backend: FakeBackend, namespaces: tuple[str, ...] = ("",), **kw):
+    """ASKS at once, request i in namespace ``namespaces[i % len(namespaces)]``."""
     outs: list = [None] * len(ASKS)
     async with Engine.open(EngineConfig(backend="fake", **kw), backend=backend) as engine:
 
         async def one(i: int) -> None:
-            outs[i] = await engine.acomplete(ASKS[i], PARAMS)
+            outs[i] = await engine.acomplete(ASKS[i], PARAMS, ns=namespaces[i % len(namespaces)])
 
         async with anyio.create_task_group() as tg:
             for i in range(len(ASKS)):
@@ -54,6 +55,16 @@ async def test_a_cold_shared_prefix_is_prefilled_once():
     assert sched["prefill_waits"] == 3 and sched["shared_prefix_checkpoints"] == 1
     # the producer's whole prompt once, then each waiter's tail past the shared prefix
     assert sched["prefilled_tokens"] == sum(len(a) - 1 for a in ASKS) - 3 * shared
+
+
+async def test_only_a_producer_of_the_same_namespace_is_waited_for():
+    """Two keys (or adapters) on one prefix: each namespace prefills it once;
+    a row never waits for a checkpoint it could not read."""
+    outs, sched = await burst(Checkpointing(), namespaces=("key:alice", "key:bob"))
+    shared = len(HEAD) + len(b"<|user|>find the bug in part ")
+    assert [o.token_ids for o in outs] == [expected_tokens(a, 5, stop_at_eos=False) for a in ASKS]
+    assert sorted(o.usage.cached_tokens for o in outs) == [0, 0, shared, shared]
+    assert sched["prefill_waits"] == 2 and sched["shared_prefix_checkpoints"] == 2
 
 
 async def test_off_each_request_prefills_its_own():
