@@ -74,6 +74,15 @@ try {
   await page.waitForTimeout(1500); // a rate needs two samples
   seen.decode = await page.locator("[data-testid=decode] .v").textContent();
   await page.screenshot({ path: join(out, "dashboard.png"), fullPage: true });
+
+  // 4b. a hub pull under way shows from /health (faked here: tiny needs no download; a 200,
+  // as Chromium logs a 503 fetch as a console error and the check below counts those)
+  const pull = { model: "org/fake-model", done_bytes: 3 * 1048576, total_bytes: 12 * 1048576 };
+  await page.route("**/health", (r) => r.fulfill({ status: 200, contentType: "application/json", body: JSON.stringify({ status: "ok", pulls: [pull] }) }));
+  await page.locator("#pulls .pull").waitFor(T);
+  seen.pull_text = await page.locator("#pulls").textContent();
+  await page.unroute("**/health");
+  await page.locator("#pulls").waitFor({ state: "hidden", ...T }); // gone once /health lists none
   seen.errors_before_wrong_key = [...seen.console_errors, ...seen.page_errors];
 
   // 5. a wrong key is refused

@@ -84,6 +84,9 @@ def test_page_in_a_browser(tmp_path: Path) -> None:
     assert "cache hit" in seen["replay_usage"]
     assert seen["served_before"] == "0" and int(seen["served_after"]) >= 2, seen
     assert seen["ttft_bars"] >= 2 and seen["cache_columns"] >= 2, seen
+    # a pull /health reports: its repo, bytes done / total and percent (#43)
+    assert "org/fake-model" in seen["pull_text"] and "3.0 MiB / 12.0 MiB" in seen["pull_text"], seen
+    assert "25%" in seen["pull_text"], seen
     assert "401" in seen["asked_again"], seen  # the refused poll asked for the key again
     assert "401" in seen["refused"], seen
     # the page's figures are the server's: two requests in the ring, the replay mostly from RAM

@@ -134,3 +134,19 @@ def test_an_adapter_that_does_not_fit_or_changed_is_refused(tmp_path):
         read_adapter("c", str(tmp_path))
     with pytest.raises(ValueError, match="must match"):
         read_adapter("a:b", str(ad))
+
+
+def test_bench_grouped_arm_gives_the_per_row_batch_tokens(served):
+    """bench.lora's grouped arm (each adapter's rows their own batch) against its
+    per-row-delta arm (one batch): the same greedy tokens, row by row."""
+    from bench.lora import grouped, per_row
+
+    backend, device, (one, two), _ = served
+    prompt = backend.tokenizer.encode(PROMPTS[1])
+    rows = ["", one.id, two.id, one.id]
+    tps, tokens = per_row(backend, device, rows, prompt, 6)
+    gtps, gtokens = grouped(backend, device, rows, prompt, 6)
+    assert tps > 0 and gtps > 0
+    assert len({tuple(t) for t in tokens[:3]}) == 3  # else the comparison could not tell rows apart
+    assert tokens[1] == tokens[3] and all(len(t) == 6 + 4 for t in tokens)
+    assert gtokens == tokens

@@ -75,6 +75,27 @@ def test_recent_requests_reach_stats(client: TestClient) -> None:
         assert rec["ssd_cached_tokens"] == 0  # no SSD tier here
 
 
+def test_the_page_reads_the_pull_fields_health_returns(client: TestClient) -> None:
+    """The dashboard's download rows (app.js ``renderPulls``) read ``/health``'s
+    ``pulls``: every field it reads is one /health returns while a pull runs,
+    so renaming one on either side fails here (the browser test shows the row)."""
+    import re
+
+    from engine.models import hub
+
+    js = resources.files("transport").joinpath("ui", "app.js").read_text()
+    assert 'fetch("/health")' in js and "body.pulls" in js
+    render = js[js.index("function renderPulls") : js.index("async function pollPulls")]
+    used = set(re.findall(r"\bp\.(\w+)", render))
+    assert {"model", "done_bytes", "total_bytes"} <= used, used
+    assert "pulls" not in client.get("/health").json()  # none running: the section stays hidden
+    with hub._Pulling(hub.Progress("org/fake-model")) as progress:  # the registry a running pull fills
+        progress.add(3 << 20, 12 << 20)
+        (pull,) = client.get("/health").json()["pulls"]
+    assert used <= set(pull), (used, pull)
+    assert pull == {"model": "org/fake-model", "done_bytes": 3 << 20, "total_bytes": 12 << 20}
+
+
 def test_ring_is_bounded_and_splits_the_tiers() -> None:
     ring = RecentRequests(size=3)
     spec = SpecUsage(drafted=5, accepted=3)

@@ -1,5 +1,5 @@
 // Ember's dashboard and chat playground. Plain JS, no build step, no CDN:
-// everything it shows comes from this server's /stats, /v1/models and
+// everything it shows comes from this server's /stats, /health (downloads), /v1/models and
 // /v1/chat/completions, called with the API key the user typed (kept in
 // sessionStorage, this tab only). docs/ui.md.
 "use strict";
@@ -266,7 +266,31 @@ function renderModel(name, s, hist) {
   return box;
 }
 
+// Hub downloads under way (issue #43): /health lists them, as {model, done_bytes,
+// total_bytes}, while a model loads (the /stats below may still answer 503).
+function renderPulls(pulls) {
+  const box = $("pulls");
+  box.hidden = !pulls.length;
+  box.replaceChildren(...pulls.map((p) => {
+    const frac = p.total_bytes ? p.done_bytes / p.total_bytes : null;
+    const row = el("div", "pull");
+    row.append(el("span", "pull-model", `Downloading ${p.model}`),
+      el("span", "pull-bytes", `${bytes(p.done_bytes)} / ${p.total_bytes ? bytes(p.total_bytes) : "?"}`),
+      el("span", "pull-pct", pct(frac)));
+    if (frac !== null) row.append(bar([[Math.min(frac, 1), "pull-done"]]));
+    return row;
+  }));
+}
+
+async function pollPulls() {
+  try { // /health answers 503 while loading, with the pulls in its body all the same
+    const body = await (await fetch("/health")).json();
+    renderPulls(body.pulls || []);
+  } catch (_) { renderPulls([]); }
+}
+
 async function poll() {
+  pollPulls();
   let ok = false;
   try {
     const res = await api("/stats");
