@@ -68,6 +68,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # (engine.mlx.qmm_kernel: MLX's quantized_matmul bit for bit, vectorized,
     # on all cores); False: MLX's own (one core, scalar)
     qmm_kernel: bool = True
+    # with qmm_kernel, prefill-sized calls (engine.mlx.qmm_linear.PREFILL_ROWS
+    # rows or more) dequantize the weight (bit for bit mx.dequantize) and run
+    # a float32 GEMM: several times faster at 512 rows, logits ~1e-5 from
+    # MLX's quantized_matmul (BLAS's order of sums); decode stays bit exact.
+    # False (or EMBER_QMM_PREFILL=0): the exact kernel for every call
+    qmm_prefill: bool = True
     # KV cache options as mlx-lm has them (docs/compat-matrix.md): a sliding
     # window of this many tokens for models without their own cache layout
     # (mlx-lm's --max-kv-size, without attention sinks), and KV quantized to

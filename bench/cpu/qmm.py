@@ -17,6 +17,14 @@ batch 1 (and the float32 and kernel arms at batch 8: MLX's arms there cost
 bytes a token / the bandwidth this script measures: a threaded numpy sum over
 a 1 GiB array).
 
+(c) The prefill path (``--prefill-table``): per matrix at M = 1, 8, 32, 128,
+512 rows, float32 GEMM against the kernel and dequantize + float32 GEMM
+(``engine.mlx.qmm_linear._dequant_gemm``: the C dequantize into the scratch
+buffer, MLX's GEMM on it) at 8 and 4 bits; where the GEMM path starts to win
+is ``qmm_linear.PREFILL_ROWS``. Also: the C dequantize equal to
+``mx.dequantize`` bit for bit, and the GEMM path's largest relative
+difference from ``mx.quantized_matmul`` (not bit for bit: BLAS's order of sums).
+
 Arms alternate order every round (round 0 warms up and is dropped); medians.
 The float32 model (7.1 GB) is timed in a phase of its own before the
 quantized ones (the machine may be shared: the script waits for memory, and
@@ -150,6 +158,74 @@ def per_matrix(rounds: int, rows: list[int], prefill: int = 0) -> tuple[str, boo
         gc.collect()
         mx.clear_cache()
     return "\n".join(out), same
+
+
+PREFILL_SHAPES = ("q/o", "k/v", "gate/up", "down")
+
+
+def _prefill_arms(lib: Any, x: Any, w: Any, q: dict[int, Any]) -> dict[str, Callable[[], Any]]:
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.mlx import qmm_kernel, qmm_linear
+
+    def kernel(bits: int) -> Callable[[], Any]:
+        wq, s, b = (np.asarray(a) for a in q[bits])
+        threads = qmm_linear._state["threads"]
+        # the kernel path as quantized_matmul runs it below PREFILL_ROWS: the sync, the view, the copy back
+        return lambda: mx.eval(
+            mx.array(qmm_kernel.qmm_t(lib, np.asarray(x), wq, s, b, bits=bits, group_size=GROUP, threads=threads))
+        )
+
+    def dequant_gemm(bits: int) -> Callable[[], Any]:
+        return lambda: qmm_linear._dequant_gemm(lib, x, *q[bits], group_size=GROUP, bits=bits)
+
+    arms = {"f32": lambda: mx.eval(mx.matmul(x, w.T))}
+    for bits in (8, 4):
+        arms[f"k{bits}"] = kernel(bits)
+        arms[f"dg{bits}"] = dequant_gemm(bits)
+    return arms
+
+
+def prefill_path(rounds: int, rows: list[int]) -> tuple[str, bool, float]:
+    """Table (c): float32 GEMM, the kernel and dequantize + GEMM per matrix and M."""
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.mlx import qmm_kernel, qmm_linear
+
+    lib = qmm_linear._state["lib"]
+    exact, worst = True, 0.0
+    out = ["| matrix (N x K) | M | float32 ms | kernel 8-bit ms | dequant+GEMM 8-bit ms | kernel 4-bit ms "
+           "| dequant+GEMM 4-bit ms | kernel/dequant+GEMM 8 | kernel/dequant+GEMM 4 |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name in PREFILL_SHAPES:
+        N, K = SHAPES[name]
+        w = mx.random.normal((N, K)) * 0.02
+        q = {bits: mx.quantize(w, group_size=GROUP, bits=bits) for bits in (8, 4)}
+        mx.eval(w, q)
+        for bits in (8, 4):
+            want = np.asarray(mx.dequantize(*q[bits], group_size=GROUP, bits=bits))
+            got = qmm_kernel.dequantize(lib, *(np.asarray(a) for a in q[bits]), bits=bits, group_size=GROUP, threads=2)
+            exact = exact and np.array_equal(want.view(np.uint32), got.view(np.uint32))
+        for M in rows:
+            x = mx.random.normal((M, K))
+            mx.eval(x)
+            for bits in (8, 4):
+                ref = np.asarray(mx.quantized_matmul(x, *q[bits], transpose=True, group_size=GROUP, bits=bits))
+                dg = np.asarray(qmm_linear._dequant_gemm(lib, x, *q[bits], group_size=GROUP, bits=bits))
+                worst = max(worst, float(np.abs(dg - ref).max() / np.abs(ref).max()))
+            arms = _prefill_arms(lib, x, w, q)
+            ms = {a: v * 1e3 for a, v in _alternate(arms, rounds).items()}
+            out.append(
+                f"| {name} ({N} x {K}) | {M} | {ms['f32']:.2f} | {ms['k8']:.2f} | {ms['dg8']:.2f} | {ms['k4']:.2f} "
+                f"| {ms['dg4']:.2f} | {ms['k8'] / ms['dg8']:.2f}x | {ms['k4'] / ms['dg4']:.2f}x |"
+            )
+            print(f"  prefill path {name} M={M} done, load {_load()}", file=sys.stderr, flush=True)
+        del w, q
+        gc.collect()
+        mx.clear_cache()
+    return "\n".join(out), exact, worst
 
 
 def _model(bits: int | None) -> Any:
@@ -299,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,8", help="decode batches of the model table")
     ap.add_argument("--no-float32-model", action="store_true", help="time the quantized models only (7 GB less)")
     ap.add_argument("--skip-model", action="store_true", help="only the per-matrix table")
+    ap.add_argument("--prefill-table", default="", help="M of table (c), the prefill path, e.g. 1,8,32,128,512")
+    ap.add_argument("--only-prefill-table", action="store_true", help="table (c) alone (needs --prefill-table)")
     ap.add_argument("--out", help="also write the report (markdown) here")
     args = ap.parse_args(argv)
 
@@ -310,17 +388,34 @@ def main(argv: list[str] | None = None) -> None:
     load0, started = _load(), time.time()
     bw = bandwidth_gbs()
     print(f"  bandwidth {bw:.1f} GB/s, load {_load()}", file=sys.stderr, flush=True)
-    table_a, same = per_matrix(args.rounds, [int(r) for r in args.rows.split(",")], args.prefill_rows)
     parts = [
         f"Memory read bandwidth measured here: {bw:.1f} GB/s (numpy sum over 1 GiB on {os.cpu_count()} threads).",
-        "",
-        f"(a) Per matrix, group size {GROUP}, ms a call (median of {args.rounds} rounds):",
-        "",
-        table_a,
-        "",
-        f"kernel bit for bit mx.quantized_matmul: {same}",
     ]
-    if not args.skip_model:
+    same = True
+    if not args.only_prefill_table:
+        table_a, same = per_matrix(args.rounds, [int(r) for r in args.rows.split(",")], args.prefill_rows)
+        parts += [
+            "",
+            f"(a) Per matrix, group size {GROUP}, ms a call (median of {args.rounds} rounds):",
+            "",
+            table_a,
+            "",
+            f"kernel bit for bit mx.quantized_matmul: {same}",
+        ]
+    if args.prefill_table:
+        table_c, exact, worst = prefill_path(args.rounds, [int(r) for r in args.prefill_table.split(",")])
+        same = same and exact
+        parts += [
+            "",
+            f"(c) The prefill path, group size {GROUP}, ms a call (median of {args.rounds} rounds); "
+            f"qmm_linear.PREFILL_ROWS = {qmm_linear.PREFILL_ROWS}:",
+            "",
+            table_c,
+            "",
+            f"C dequantize bit for bit mx.dequantize: {exact}; dequant+GEMM vs mx.quantized_matmul: "
+            f"largest |difference| / largest |value| {worst:.1e}",
+        ]
+    if not args.skip_model and not args.only_prefill_table:
         table_b, notes = decode(
             args.rounds, [int(b) for b in args.batches.split(",")], bw, with_f32=not args.no_float32_model
         )

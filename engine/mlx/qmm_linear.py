@@ -13,6 +13,14 @@ device) goes to the layer's own ``__call__``. The price is an ``mx.eval`` per
 layer (the graph is cut there, ~0.05-0.1 ms each), small against a layer's
 weights. Only the layers of the model passed in change class, so an mlx-lm
 oracle model in the same process stays mlx-lm's; ``uninstall`` puts them back.
+
+Prefill-sized calls (``PREFILL_ROWS`` rows of x or more) take another path:
+the weight dequantized by the C kernel (bit for bit ``mx.dequantize``) into a
+reusable scratch buffer, then MLX's float32 GEMM (OpenBLAS) on it. Its sums run
+in BLAS's order, not MLX's quantized_matmul's, so prefill logits differ from
+mlx-lm's by float rounding (~1e-5 relative; tests/engine/test_qmm_kernel.py);
+decode (few rows) stays on the bit-exact kernel. ``EMBER_QMM_PREFILL=0`` or
+``install(..., prefill=False)`` (``ember serve --no-qmm-prefill``) turns it off.
 """
 
 from __future__ import annotations
@@ -29,9 +37,25 @@ from engine.mlx import qmm_kernel
 
 MAX_THREADS = 16
 THREAD_MIN_MACS = 1 << 20  # below this a second thread costs more than it saves (~0.1 ms of work)
+# Rows of x from which dequantize + float32 GEMM beats the kernel. The kernel
+# streams the packed weight once a call but does its multiply-adds without
+# BLAS's register blocking (~0.4x float32 GEMM from ~32 rows on); the GEMM path
+# pays a fixed ~10 ms to write a 8960x1536 float32 matrix (memory bound: one
+# thread or two, the same), then runs at float32 speed. Measured by
+# ``python -m bench.cpu.qmm --only-prefill-table --prefill-table
+# 16,32,64,128,256`` (docs/bench/cpu-qmm.md, "The prefill path"; load ~3.9 on
+# 2 cores): kernel/GEMM-path time at 32 rows 0.37-0.92x (the kernel wins), at
+# 64 rows 1.07-1.59x on q/o, gate/up and down, at 128 1.8-2.2x, at 256
+# 2.1-2.7x. The small k/v (256x1536) only wins from ~256 rows, but it is ~2%
+# of a layer's weights, so one threshold: 64.
+PREFILL_ROWS = 64
+# The scratch buffer's size in floats (64 MB): a matrix larger than this
+# (a 151936-row head) is dequantized and multiplied in slabs of rows.
+SCRATCH_FLOATS = 1 << 24
+PREFILL_SWITCH = "EMBER_QMM_PREFILL"
 
-calls = {"kernel": 0, "mlx": 0}  # quantized matmuls by path (read by tests, bench and /stats)
-_state: dict[str, Any] = {"lib": None, "threads": 1}
+calls = {"kernel": 0, "dequant_gemm": 0, "mlx": 0}  # quantized matmuls by path (read by tests, bench and /stats)
+_state: dict[str, Any] = {"lib": None, "threads": 1, "prefill_rows": PREFILL_ROWS, "scratch": None}
 
 
 def _threads() -> int:
@@ -55,6 +79,11 @@ def quantized_matmul(
     if K % group_size or w.shape[1] * 32 != K * bits or scales.shape != (N, K // group_size):
         return None
     mx.eval(x, w, scales, biases)
+    rows = x.size // K
+    if 0 < _state["prefill_rows"] <= rows:
+        y2 = _dequant_gemm(lib, x.reshape(rows, K), w, scales, biases, group_size=group_size, bits=bits)
+        calls["dequant_gemm"] += 1
+        return y2.reshape(*x.shape[:-1], N)
     xs = np.ascontiguousarray(np.asarray(x).reshape(-1, K))
     macs = xs.shape[0] * N * K
     threads = _state["threads"] if macs >= THREAD_MIN_MACS else 1
@@ -70,6 +99,51 @@ def quantized_matmul(
     )
     calls["kernel"] += 1
     return mx.array(y).reshape(*x.shape[:-1], N)
+
+
+def _scratch() -> tuple[mx.array, np.ndarray]:
+    """The scratch buffer as an MLX array and a numpy view of the same memory
+    (the kernel writes through the view, MLX's GEMM reads the array: no copy)."""
+    if _state["scratch"] is None:
+        buf = mx.array(np.zeros(SCRATCH_FLOATS, np.float32))  # a copy: MLX owns the (contiguous) memory
+        mx.eval(buf)
+        view = np.asarray(buf)
+        if not (view.flags.c_contiguous and view.flags.writeable and view.size == SCRATCH_FLOATS):
+            raise RuntimeError("MLX's buffer is not a writable contiguous view")  # not seen at MLX 0.32
+        _state["scratch"] = (buf, view)
+    return _state["scratch"]
+
+
+def _dequant_gemm(
+    lib: ctypes.CDLL, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int
+) -> mx.array:
+    """``x @ dequantize(w)^T`` for x (M, K): the weight dequantized into the
+    scratch buffer (in slabs of rows where it is larger), MLX's float32 GEMM on
+    it. Each slab's product is evaluated before the buffer is written again:
+    the GEMM reads the buffer when it runs, not when it is built."""
+    buf, view = _scratch()
+    N = w.shape[0]
+    K = x.shape[-1]
+    wn, sn, bn = np.asarray(w), np.asarray(scales), np.asarray(biases)
+    step = max(1, min(N, SCRATCH_FLOATS // K))
+    parts = []
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        size = (n1 - n0) * K
+        qmm_kernel.dequantize(
+            lib,
+            wn[n0:n1],
+            sn[n0:n1],
+            bn[n0:n1],
+            bits=bits,
+            group_size=group_size,
+            threads=_state["threads"],
+            out=view[:size].reshape(n1 - n0, K),
+        )
+        y = mx.matmul(x, buf[:size].reshape(n1 - n0, K).T)
+        mx.eval(y)
+        parts.append(y)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
@@ -116,20 +190,36 @@ _SWAP: dict[type, type] = {nn.QuantizedLinear: KernelQuantizedLinear, nn.Quantiz
 _BACK = {v: k for k, v in _SWAP.items()}
 
 
-def use(lib: ctypes.CDLL | None, *, threads: int | None = None) -> None:
-    """The kernel ``quantized_matmul`` calls (None: none, MLX's everywhere), on ``threads`` (default: every core)."""
+def use(lib: ctypes.CDLL | None, *, threads: int | None = None, prefill: bool | None = None) -> None:
+    """The kernel ``quantized_matmul`` calls (None: none, MLX's everywhere), on
+    ``threads`` (default: every core); ``prefill``: whether calls of
+    ``PREFILL_ROWS`` rows or more take dequantize + GEMM (None: as it was;
+    ``EMBER_QMM_PREFILL=0`` turns it off whatever is passed)."""
     _state["lib"] = lib
     _state["threads"] = threads or _threads()
+    if prefill is not None:
+        _state["prefill_rows"] = PREFILL_ROWS if prefill else 0
+    if os.environ.get(PREFILL_SWITCH, "1") == "0":
+        _state["prefill_rows"] = 0
 
 
-def install(model: Any, lib: ctypes.CDLL | None = None, *, threads: int | None = None) -> int:
+def prefill_rows() -> int:
+    """Rows of x from which a call takes dequantize + GEMM (0: never)."""
+    return int(_state["prefill_rows"])
+
+
+def install(
+    model: Any, lib: ctypes.CDLL | None = None, *, threads: int | None = None, prefill: bool | None = None
+) -> int:
     """Route ``model``'s quantized layers through the kernel (``lib``, else
     ``qmm_kernel.load()``); returns how many layers now take it (0 where the
-    kernel is unavailable, off MLX's CPU backend, or nothing is quantized)."""
+    kernel is unavailable, off MLX's CPU backend, or nothing is quantized).
+    ``prefill`` as ``use`` (None: leave the setting, e.g. a drafter's install
+    after the target's)."""
     lib = lib if lib is not None else qmm_kernel.load()
     if lib is None or mx.default_device() != mx.cpu:
         return 0
-    use(lib, threads=threads)
+    use(lib, threads=threads, prefill=prefill)
     done = 0
     for m in model.modules():
         cls = _SWAP.get(type(m))

@@ -265,3 +265,101 @@ int qmm_t(float* y, const float* x, const uint32_t* w, const float* scales, cons
     if (started[t]) pthread_join(th[t], 0);
   return 0;
 }
+
+/* ---- dequantize: the layer's weight as float32, bit for bit mx.dequantize ----
+ *
+ * For prefill-sized calls (many rows of x) a float32 GEMM on the dequantized
+ * weight beats the kernel above (engine.mlx.qmm_linear picks by rows; the
+ * threshold's measurement is there). MLX's CPU dequantize computes each
+ * value as scale * q + bias, two roundings (checked against mx.dequantize
+ * in tests/engine/test_qmm_kernel.py); so does this, 16 values a vector:
+ * the words holding 16 consecutive values are loaded, each lane picks its
+ * word (a constant permute) and shifts out its own bits. Threads take
+ * chunks of rows, as above; a value does not depend on the split. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+AI void dq_row(float* out, const uint32_t* w, const float* s, const float* b, int64_t K, int64_t gs, const int BITS) {
+  const int PF = 32 / BITS, WPV = 16 / PF; /* values a word, words a vector of 16 values */
+  const uint32_t MASK = (1u << BITS) - 1u;
+  v16u idx, sh;
+  for (int i = 0; i < 16; i++) {
+    idx[i] = (uint32_t)(i / PF);
+    sh[i] = (uint32_t)(BITS * (i % PF));
+  }
+  const int64_t G = K / gs;
+  for (int64_t g = 0; g < G; g++) {
+    const float sc = s[g], bi = b[g];
+    const v16f S = {sc, sc, sc, sc, sc, sc, sc, sc, sc, sc, sc, sc, sc, sc, sc, sc};
+    const v16f B = {bi, bi, bi, bi, bi, bi, bi, bi, bi, bi, bi, bi, bi, bi, bi, bi};
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
+      v16u t = {0};
+      memcpy(&t, w + k / PF, (size_t)WPV * sizeof(uint32_t));
+      v16u q = (__builtin_shuffle(t, idx) >> sh) & MASK;
+      v16f d = S * __builtin_convertvector((v16i)q, v16f); /* MLX: scale * w + bias, two roundings */
+      d = d + B;
+      memcpy(out + k, &d, sizeof d);
+    }
+  }
+}
+
+/* A group that is not whole vectors of 16 (no MLX group size is): MLX's expression, one value at a time. */
+static void dq_row_scalar(float* out, const uint32_t* w, const float* s, const float* b, int64_t K, int64_t gs, int bits) {
+  const int PF = 32 / bits;
+  const uint32_t MASK = (1u << bits) - 1u;
+  for (int64_t k = 0; k < K; k++) {
+    uint32_t q = (w[k / PF] >> (bits * (k % PF))) & MASK;
+    out[k] = s[k / gs] * (float)q + b[k / gs];
+  }
+}
+
+typedef struct {
+  float* out;
+  const uint32_t* w;
+  const float* s;
+  const float* b;
+  int64_t N, K, gs;
+  int bits;
+  int64_t chunks;
+  int64_t next; /* the next chunk to take (atomic) */
+} dq_pool_t;
+
+static void* dq_run(void* a) {
+  dq_pool_t* p = a;
+  const int64_t KW = p->K * p->bits / 32, G = p->K / p->gs;
+  for (;;) {
+    int64_t c = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
+    if (c >= p->chunks) break;
+    const int64_t n0 = c * CHUNK, n1 = c == p->chunks - 1 ? p->N : n0 + CHUNK;
+    for (int64_t n = n0; n < n1; n++) {
+      float* o = p->out + n * p->K;
+      const uint32_t* w = p->w + n * KW;
+      const float *s = p->s + n * G, *b = p->b + n * G;
+      if (p->gs % 16) dq_row_scalar(o, w, s, b, p->K, p->gs, p->bits);
+      else if (p->bits == 8) dq_row(o, w, s, b, p->K, p->gs, 8);
+      else if (p->bits == 4) dq_row(o, w, s, b, p->K, p->gs, 4);
+      else dq_row(o, w, s, b, p->K, p->gs, 2);
+    }
+  }
+  return 0;
+}
+
+/* out (N x K float32) = dequantize(w, scales, biases) as mx.dequantize
+ * computes it (affine); the same shapes and refusals as qmm_t. */
+int dequantize(float* out, const uint32_t* w, const float* scales, const float* biases, int64_t N, int64_t K, int bits,
+               int group_size, int nthreads) {
+  if ((bits != 2 && bits != 4 && bits != 8) || group_size <= 0 || K % group_size || group_size % (32 / bits))
+    return -1;
+  if (N <= 0 || K <= 0) return 0;
+  dq_pool_t pool = {out, w, scales, biases, N, K, group_size, bits, N / CHUNK > 0 ? N / CHUNK : 1, 0};
+  if (nthreads > 16) nthreads = 16;
+  if (nthreads > pool.chunks) nthreads = (int)pool.chunks;
+  pthread_t th[16];
+  int started[16] = {0};
+  for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&th[t], 0, dq_run, &pool) == 0;
+  dq_run(&pool);
+  for (int t = 1; t < nthreads; t++)
+    if (started[t]) pthread_join(th[t], 0);
+  return 0;
+}
