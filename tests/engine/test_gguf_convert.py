@@ -270,3 +270,25 @@ def test_a_gguf_path_as_model_resolves_to_its_cached_conversion(tmp_path, monkey
     path = resolve_model(str(tmp_path / "m.gguf"))
     assert path.parent == tmp_path / "cache" / "gguf" and (path / "tokenizer.json").is_file()
     assert resolve_model(str(tmp_path / "m.gguf")) == path
+
+
+def test_the_served_weight_format_is_the_packaged_models_measured_choice(monkeypatch):
+    """On MLX's CPU backend a packaged model serves in its measured format
+    (the Qwen coders: q8, docs/bench/weight-format.md), any other GGUF in
+    float32; EMBER_WEIGHTS overrides both, and a bad value is one clear error."""
+    import mlx.core as mx
+
+    from engine.mlx.gguf_convert import default_dtype
+    from engine.mlx.gguf_models import PACKAGED
+
+    monkeypatch.delenv("EMBER_WEIGHTS", raising=False)
+    assert mx.default_device() == mx.cpu  # this suite runs MLX's CPU backend
+    assert PACKAGED["qwen2.5-coder-1.5b"].cpu_weights == PACKAGED["qwen2.5-coder-0.5b"].cpu_weights == "q8"
+    assert default_dtype(PACKAGED["qwen2.5-coder-1.5b"].cpu_weights) == "q8"
+    assert default_dtype(PACKAGED["smollm2-135m"].cpu_weights) == "float32"
+    assert default_dtype() == "float32"
+    monkeypatch.setenv("EMBER_WEIGHTS", "float32")
+    assert default_dtype("q8") == "float32"
+    monkeypatch.setenv("EMBER_WEIGHTS", "q3")
+    with pytest.raises(GGUFError, match="EMBER_WEIGHTS"):
+        default_dtype("q8")
