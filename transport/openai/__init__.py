@@ -1,4 +1,4 @@
-"""The OpenAI API: request schema (``schema``: chat completions and
-completions), response bodies (``bodies``), the chat/completion encoder
-(``render``), embeddings, and the gateway-compat aliases. The routes are mounted
-by ``transport.server.http``."""
+"""The OpenAI API: the chat completions and completions routes (``api``),
+request schema (``schema``), response bodies (``bodies``), the chat/completion
+encoder (``render``), embeddings, and the gateway-compat aliases. The routes
+are mounted by ``transport.server.http``."""
