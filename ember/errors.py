@@ -1,5 +1,5 @@
 """The errors an engine raises to its callers, in one place: what a server
-maps to status codes (transport/errors.py) without reaching into the actors.
+maps to status codes (transport/wire/errors.py) without reaching into the actors.
 
 ``InboxFull`` is the actor runtime's: an actor's bounded inbox was full (the
 engine is overloaded, like ``EngineOverloaded``).

@@ -75,7 +75,7 @@ class CacheMiss(msgspec.Struct, kw_only=True):
     sequence of its namespace (one with tokens past the common prefix, so a
     real divergence, not a plain extension). The Scheduler fills the token
     fields (engine.kv.cache_miss); the chat routes add the message the
-    divergence falls in and the decoded excerpts (transport/cache_miss.py)."""
+    divergence falls in and the decoded excerpts (transport/turn/cache_miss.py)."""
 
     diverged_at: int  # the first prompt token that differs from the cached sequence
     cached_tokens_available: int  # the cached sequence's length

@@ -3,8 +3,8 @@
     ember serve [--model PATH|tiny] [--port 8000] [--fake-gpu] ...   OpenAI-compatible server
     ember generate --prompt TEXT [--max-tokens N] ...                stream one completion to stdout
     ember convert FILE.gguf OUTDIR [--dtype float32|...]             a GGUF file → an mlx-lm model directory
-    ember launch claude|codex|opencode [--model M] [-- ARGS]         an agent client on Ember (transport/launch.py)
-    ember pull ORG/NAME[:QUANT] | ember ls | ember rm ORG/NAME       models on this machine (transport/model_cmds.py)
+    ember launch claude|codex|opencode [--model M] [-- ARGS]         an agent client on Ember (transport/server/launch.py)
+    ember pull ORG/NAME[:QUANT] | ember ls | ember rm ORG/NAME       models on this machine (transport/server/model_cmds.py)
 
 Bad flags, an invalid combination, or a model that does not load exit with
 status 2 and one line saying why. ``serve`` prints its URL once the model is
@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(run=convert, parser=c)
 
-    from transport.model_cmds import add_parsers
+    from transport.server.model_cmds import add_parsers
 
     add_parsers(sub)
     return parser
@@ -440,7 +440,7 @@ def launch_serve_args(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from transport.launch import launch as run_client
+    from transport.server.launch import launch as run_client
 
     return run_client(
         args.client,
@@ -482,10 +482,10 @@ def registry_kw(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
 
 def api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """``--api-keys FILE`` read once here, so a bad file stops the server before
-    it listens (a bad edit later keeps the last good keys: transport/api_keys.py)."""
+    it listens (a bad edit later keeps the last good keys: transport/wire/api_keys.py)."""
     if not args.api_keys:
         return None
-    from transport.api_keys import KeysFile, KeysFileError
+    from transport.wire.api_keys import KeysFile, KeysFileError
 
     if args.api_key and args.api_key != os.environ.get("EMBER_API_KEY"):
         parser.error("--api-key and --api-keys exclude each other: put the key in the file under a name")
@@ -501,7 +501,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
     from ember import settings_from
-    from transport.http import build_app
+    from transport.server.http import build_app
 
     config = engine_config(args, parser)
     if config.distributed:
@@ -517,8 +517,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     _import_mlx_on_main_thread(config)
-    from transport.conn_guard import header_deadline_protocol
-    from transport.security import is_loopback
+    from transport.server.conn_guard import header_deadline_protocol
+    from transport.server.security import is_loopback
 
     for flag in ("header_timeout", "idle_timeout", "send_timeout"):
         if not getattr(args, flag) > 0:
@@ -717,7 +717,7 @@ def convert(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def main(argv: list[str] | None = None) -> int:
     # Default argv (sys.orig_argv), not sys.argv: under `python -m transport.cli`
     # sys.argv[0] is the file path, and re-running that as a script would put
-    # transport/ first on sys.path, where transport/http.py shadows the stdlib.
+    # transport/ first on sys.path, where transport/server/http.py shadows the stdlib.
     maybe_reexec_with_openblas()
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)

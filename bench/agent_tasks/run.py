@@ -22,7 +22,7 @@ from bench.agent_tasks.attribute import Session, judge_session
 from bench.agent_tasks.clients import client_args, client_env, scripted_call
 from bench.agent_tasks.tasks import Task, make_repo
 from bench.agent_tasks.wire import Proxy
-from transport.launch import served_model, start_server
+from transport.server.launch import served_model, start_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTED = "scripted"  # --models scripted: the harness checks itself with a model that solves every task

@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--no-output-memory",
         action="store_true",
-        help="re-tokenize earlier answers instead of reusing their sampled ids (transport/output_memory.py)",
+        help="re-tokenize earlier answers instead of reusing their sampled ids (transport/turn/output_memory.py)",
     )
     ap.add_argument("--apis", default=",".join(APIS), help="comma-separated subset of " + ",".join(APIS))
     args = ap.parse_args(argv)

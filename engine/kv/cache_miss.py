@@ -9,7 +9,7 @@ a bisect, no scan). If that entry ends where the common prefix ends, the
 prompt merely extends it: no divergence. If it goes on, the cache held a
 conversation the prompt turned away from, and the report says where, with a
 short window of both sides (the transport decodes it and names the message:
-transport/cache_miss.py). Anthropic's API reports the same idea as
+transport/turn/cache_miss.py). Anthropic's API reports the same idea as
 ``cache_miss_reason``.
 """
 

@@ -122,7 +122,7 @@ def test_opencode_gets_a_provider_with_the_limits(tmp_path):
 
 
 def test_a_reply_budget_the_user_set_is_kept_up_to_what_the_context_allows(tmp_path):
-    from transport.launch import client_env, output_limit
+    from transport.server.launch import client_env, output_limit
 
     def budget(user: str | None) -> str:
         environ = {} if user is None else {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": user}
@@ -136,7 +136,7 @@ def test_a_reply_budget_the_user_set_is_kept_up_to_what_the_context_allows(tmp_p
 
 
 def test_auto_compaction_is_off_where_the_context_cannot_hold_claude_codes_reserve(tmp_path):
-    from transport.launch import AUTO_COMPACT_MIN_CONTEXT, client_env
+    from transport.server.launch import AUTO_COMPACT_MIN_CONTEXT, client_env
 
     small = client_env("claude", "http://x", "m", 8192, {}, tmp_path)
     large = client_env("claude", "http://x", "m", AUTO_COMPACT_MIN_CONTEXT, {}, tmp_path)

@@ -1,6 +1,6 @@
 """A session sticks to one replica: ``ember launch`` gives each session a
 routing key, sent by every client as ``X-SMG-Routing-Key``, the header the SGLang
-Model Gateway's ``manual`` policy routes by (transport/launch.py; the real
+Model Gateway's ``manual`` policy routes by (transport/server/launch.py; the real
 clients were checked to send it: Claude Code's ``ANTHROPIC_CUSTOM_HEADERS``,
 Codex's provider ``http_headers``, OpenCode's provider ``headers``). The
 gateway half runs against the real sglang-router (marker ``cluster``)."""
@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from sims.live.replicas import Cluster, router_available
-from transport.launch import ROUTING_HEADER, client_env
+from transport.server.launch import ROUTING_HEADER, client_env
 
 
 def _keys(tmp_path, session=None) -> dict[str, str]:

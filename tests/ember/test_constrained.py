@@ -267,7 +267,7 @@ async def test_constraint_keeps_the_distribution_over_allowed_tokens():
 async def test_n_choices_open_and_prefill_together():
     """``n`` rows of one request are admitted concurrently, so they open in the
     same step and their prompt goes through one batched prefill forward."""
-    from transport.choices import submit_choices
+    from transport.turn.choices import submit_choices
 
     async with Engine.open(_cfg()) as engine:
         prompt = engine.encode("import os\nimport sys\n" * 20)

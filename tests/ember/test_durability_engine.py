@@ -250,7 +250,7 @@ async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypa
     import httpx
 
     from actors.cold_tier import ColdTierPort
-    from transport.http import build_app
+    from transport.server.http import build_app
 
     app = build_app(fake(tmp_path))
     async with app.router.lifespan_context(app):

@@ -100,7 +100,7 @@ async def test_a_reply_repeating_an_earlier_one_is_drafted_from_the_store(tmp_pa
 
 
 async def test_metrics_label_the_counters_by_proposer(tmp_path):
-    from transport.metrics import Metrics
+    from transport.wire.metrics import Metrics
 
     cfg = EngineConfig(backend="scripted", model=_script(tmp_path), draft_model="suffix+ngram", num_draft_tokens=4)
     async with Engine.open(cfg) as engine:

@@ -17,8 +17,8 @@ from ember.ssd_folders import kv_root, model_key
 from engine.cache_dir import cache_root
 from engine.mlx import calibration_cache, gguf_convert
 from transport.cli import build_parser, engine_config, launch_serve_args
-from transport.launch import cache_dir as launch_cache_dir
-from transport.launch import server_args
+from transport.server.launch import cache_dir as launch_cache_dir
+from transport.server.launch import server_args
 
 GIB = 1024**3
 

@@ -59,8 +59,8 @@ KEPT_FALLBACKS: dict[tuple[str, str], str] = {
     # `ember serve --model FILE.gguf` without the models extra: a clear message names it
     ("engine.mlx.gguf_convert", "gguf"): "_require_gguf() explains how to install the models extra",
     ("engine.mlx.gguf_convert", "transformers"): "a transformers without GGUF support is named in the error",
-    # helper anth removes this one (transport/tools.py, issue #31)
-    ("transport.tools", "llguidance"): "being removed in transport/tools.py by its owner",
+    # helper anth removes this one (transport/turn/tools.py, issue #31)
+    ("transport.turn.tools", "llguidance"): "being removed in transport/turn/tools.py by its owner",
 }
 
 

@@ -169,7 +169,7 @@ async def test_bad_tool_traffic_is_a_400_naming_the_parameter_on_every_route():
 
 async def test_a_forced_call_is_refused_while_the_engine_cannot_enforce_grammars():
     """Never ignored: without constrained decoding a forced call would be a wish."""
-    from transport.chat_turn import engine_enforces_constraints
+    from transport.turn.chat_turn import engine_enforces_constraints
 
     async with serving(FAKE) as (app, client):
         # the fake backend has no grammar engine; forced calls on MLX: test_agent_clients.py

@@ -23,12 +23,12 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from ember.api import Completion
 from engine.fake.tokenizer import ByteTokenizer
 from engine.types import Delta, Usage
-from transport.anthropic_api import MessagesRenderer
-from transport.render import ChatRenderer
-from transport.responses_api import ResponsesRenderer
-from transport.responses_schema import ResponsesRequest
-from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Text
-from transport.tools import Tool, ToolChoice, check_tool, forced_call_grammar
+from transport.anthropic.api import MessagesRenderer
+from transport.openai.render import ChatRenderer
+from transport.responses.api import ResponsesRenderer
+from transport.responses.schema import ResponsesRequest
+from transport.turn.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Text
+from transport.turn.tools import Tool, ToolChoice, check_tool, forced_call_grammar
 
 TOK = ByteTokenizer()
 MARKUP = TOK.tool_markup
@@ -264,7 +264,7 @@ def test_a_named_tool_choice_is_one_call_even_with_parallel_calls_allowed():
     max_tokens (instructor's TOOLS mode then fails on "length")."""
     from types import SimpleNamespace
 
-    from transport.tools import ToolSetup
+    from transport.turn.tools import ToolSetup
 
     tools = [check_tool("now", None, None, "t"), check_tool("later", None, None, "t")]
     markup = SimpleNamespace(start="<tool_call>", end="</tool_call>", json_form=True)

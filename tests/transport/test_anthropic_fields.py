@@ -24,8 +24,8 @@ from ember import EngineConfig
 from engine.errors import InvalidRequest
 from engine.fake.gpu import FakeGPUConfig
 from tests.transport.test_http import FAKE, TOK, serving
-from transport.anthropic_schema import MessagesRequest, reminder
-from transport.openai_schema import decode_request
+from transport.anthropic.schema import MessagesRequest, reminder
+from transport.turn.decode import decode_request
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,4 @@
-"""``--api-keys FILE`` (transport/api_keys.py, issue #44): the file's rules,
+"""``--api-keys FILE`` (transport/wire/api_keys.py, issue #44): the file's rules,
 its reload (a good edit takes effect, a bad one keeps the last good keys),
 both headers, the admin key on the operator routes, per-key /metrics, and —
 on the fake GPU, in process — that each key's prompt cache is its own.
@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from ember import EngineConfig
-from transport.api_keys import ADMIN, KeysFile, KeysFileError, parse_keys
-from transport.http import build_app
+from transport.server.http import build_app
+from transport.wire.api_keys import ADMIN, KeysFile, KeysFileError, parse_keys
 
 FAKE = EngineConfig(backend="fake", max_batch=4, max_queue=8, prefill_chunk=64)
 KEYS = {ADMIN: "adm-0123456789", "alice": "al-0123456789", "bob": "bo-0123456789"}

@@ -22,7 +22,7 @@ import pytest
 
 from ember import EngineConfig
 from tests.live_server import read_url
-from transport.http import build_app
+from transport.server.http import build_app
 
 FAKE = EngineConfig(backend="fake", max_batch=1, max_queue=0, prefill_chunk=64)
 

@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from transport.envelope import EnvelopeCounter
+from transport.wire.envelope import EnvelopeCounter
 
 
 def test_counts_per_route_field_and_action_in_metrics_and_snapshot():

@@ -1,4 +1,4 @@
-"""Tool calls written as plain JSON (transport/fenced_calls.py) through
+"""Tool calls written as plain JSON (transport/turn/fenced_calls.py) through
 ``CallSplitter``: a ```` ```json ```` or ```` ``` ```` fence, a parallel list, the whole reply
 as a bare object; what is not a call of an offered tool stays text byte for
 byte; a call that does not parse stays text and is counted. Every text is also
@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.fake.tokenizer import ByteTokenizer
-from transport.fenced_calls import MalformedCall, ParsedCall, bare_head, offered_names, read_calls
-from transport.metrics import ToolCallCounter
-from transport.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
+from transport.turn.fenced_calls import MalformedCall, ParsedCall, bare_head, offered_names, read_calls
+from transport.turn.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
+from transport.wire.metrics import ToolCallCounter
 
 MARKUP = ByteTokenizer().tool_markup
 TOOLS = [
@@ -279,7 +279,7 @@ def test_the_counter_in_prometheus_and_stats():
 
 def test_a_reasoning_model_s_fenced_call_after_its_thinking():
     from engine.tool_markup import ReasoningMarkup
-    from transport.reasoning import OutputSplitter, Reasoning
+    from transport.turn.reasoning import OutputSplitter, Reasoning
 
     text = "<think>\nThe user wants the weather.\n</think>\n\n" + FENCED
     for pieces in ([text], list(text)):

@@ -145,8 +145,8 @@ def test_reasoning_left_in_the_answer_is_refused_on_a_model_that_reasons():
     from collections import Counter
 
     from engine.errors import InvalidRequest
-    from transport.gateway_compat import GatewayChatCompletionRequest, check_extensions
-    from transport.openai_schema import decode_request
+    from transport.openai.gateway_compat import GatewayChatCompletionRequest, check_extensions
+    from transport.turn.decode import decode_request
 
     req = decode_request(
         json.dumps({**GATEWAY_CHAT, "separate_reasoning": False}).encode(), GatewayChatCompletionRequest

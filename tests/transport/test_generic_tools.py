@@ -1,4 +1,4 @@
-"""Tools on any model (transport/generic_tools.py): a chat template without
+"""Tools on any model (transport/turn/generic_tools.py): a chat template without
 tool support gets the tools in the generic Hermes-style format, and calls come
 back parsed on all three routes.
 
@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from ember import EngineConfig
-from transport import chat_turn, generic_tools
-from transport.http import build_app
-from transport.tools import ToolChoice, ToolSetup, check_tool
+from transport.server.http import build_app
+from transport.turn import chat_turn, generic_tools
+from transport.turn.tools import ToolChoice, ToolSetup, check_tool
 
 pytestmark = pytest.mark.anyio
 

@@ -22,8 +22,8 @@ from engine.eventlog import EventLog
 from engine.fake.gpu import FakeBackend, expected_tokens
 from engine.fake.tokenizer import ByteTokenizer
 from engine.types import SpecUsage, Usage
-from transport.http import build_app
-from transport.openai_bodies import UsageBody
+from transport.openai.bodies import UsageBody
+from transport.server.http import build_app
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from ember import EngineConfig, FakeGPUConfig
-from transport.http import build_app
+from transport.server.http import build_app
 
 # Free steps (no modelled GPU time) and a small context keep every example cheap.
 FREE = FakeGPUConfig(context_length=512, prefill_a=0, prefill_b=0, decode_c=0, decode_d=0, verify_b=0)

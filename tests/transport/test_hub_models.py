@@ -24,7 +24,7 @@ from engine.fake.gpu import FakeBackend
 from engine.mlx.blas import OPT_OUT
 from engine.models import BUNDLED, hub
 from tests.hub_server import FakeHub
-from transport.http import build_app
+from transport.server.http import build_app
 
 pytestmark = [pytest.mark.anyio, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 

@@ -1,4 +1,4 @@
-"""Many models behind one server (ember/registry.py routed by transport/http.py), on the fake GPU:
+"""Many models behind one server (ember/registry.py routed by transport/server/http.py), on the fake GPU:
 two models with interleaved streams, aliases, unknown names, a request during a load, a failing
 load, admin unload and reload, /v1/models, /stats."""
 

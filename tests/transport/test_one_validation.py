@@ -102,7 +102,7 @@ async def test_max_completion_tokens_is_named_as_sent() -> None:
 
 async def test_an_unset_max_tokens_is_what_the_context_leaves_on_every_route() -> None:
     """Every HTTP route gives an unset limit the room the prompt leaves
-    (transport/limits.py); the embedded API keeps its own default."""
+    (transport/wire/limits.py); the embedded API keeps its own default."""
     assert SamplingParams().max_tokens == DEFAULT_MAX_TOKENS
     seen: list[tuple[int, int]] = []
     async with serving(SPEC) as (app, client):

@@ -1,4 +1,4 @@
-"""Output limits on every route (transport/limits.py): a limit above what the
+"""Output limits on every route (transport/wire/limits.py): a limit above what the
 context leaves is clamped to it and the answer ends with the route's ordinary
 length reason; an unset one is what the context leaves, or the operator's cap;
 a prompt that fills the context is still a 400 naming it."""
@@ -11,7 +11,7 @@ import pytest
 
 from ember import EngineConfig, FakeGPUConfig
 from tests.transport.test_http import serving
-from transport.limits import output_limit
+from transport.wire.limits import output_limit
 
 pytestmark = pytest.mark.anyio
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from transport.chat_turn import Prompt, remember
-from transport.output_memory import OutputMemory
+from transport.turn.chat_turn import Prompt, remember
+from transport.turn.output_memory import OutputMemory
 
 
 def encode(text: str) -> list[int]:
@@ -49,7 +49,7 @@ def test_remember_keeps_only_ids_that_spell_the_text():
     prompt.text = "P:"
     remember(engine, prompt, "ok", encode("ok"))
     remember(engine, prompt, "cut", encode("cut STOP"))  # a stop string cut the text short of the ids
-    from transport.chat_turn import output_memory
+    from transport.turn.chat_turn import output_memory
 
     m = output_memory(engine)
     assert m.tokenize("P:ok!", encode)[1] == "P:ok"

@@ -1,4 +1,4 @@
-"""Reasoning models (transport/reasoning.py): the ``<think>`` section streams as
+"""Reasoning models (transport/turn/reasoning.py): the ``<think>`` section streams as
 ``reasoning_content`` (chat), ``thinking`` blocks (Anthropic) and ``reasoning``
 items (Responses), never inside the answer, and tool calls after ``</think>``
 still parse.
@@ -40,12 +40,12 @@ from tests.transport.test_agent_render import (
     deltas,
     sse_payloads,
 )
-from transport.anthropic_api import MessagesRenderer
-from transport.http import build_app
-from transport.reasoning import OutputSplitter, Reasoning
-from transport.render import ChatRenderer
-from transport.responses_api import ResponsesRenderer
-from transport.tool_calls import CallEnd, CallSplitter, Text
+from transport.anthropic.api import MessagesRenderer
+from transport.openai.render import ChatRenderer
+from transport.responses.api import ResponsesRenderer
+from transport.server.http import build_app
+from transport.turn.reasoning import OutputSplitter, Reasoning
+from transport.turn.tool_calls import CallEnd, CallSplitter, Text
 
 THINK = ReasoningMarkup(start="<think>", end="</think>")
 THOUGHT = "The user wants weather.\nCall get_weather."

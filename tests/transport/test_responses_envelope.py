@@ -15,10 +15,10 @@ import pytest
 
 from tests.transport.test_agent_render import MARKUP, completion
 from tests.transport.test_http import serving
-from transport.response_store import ResponseNotFound, ResponseStore
-from transport.responses_api import ResponsesRenderer
-from transport.responses_schema import ResponsesRequest
-from transport.tool_calls import CallSplitter
+from transport.responses.api import ResponsesRenderer
+from transport.responses.schema import ResponsesRequest
+from transport.responses.store import ResponseNotFound, ResponseStore
+from transport.turn.tool_calls import CallSplitter
 
 pytestmark = pytest.mark.anyio
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -38,7 +38,7 @@ async def test_codex_bodies_are_answered_and_counted(name):
         env = (await client.get("/stats")).json()["envelope"]["responses"]
     for key in ("include:ignored", "prompt_cache_key:honoured", "client_metadata:ignored"):
         assert env[key] == 1, key
-    assert any(k.startswith("reasoning:") for k in env)  # counted by transport/reasoning.py
+    assert any(k.startswith("reasoning:") for k in env)  # counted by transport/turn/reasoning.py
     assert env["tools.web_search:dropped"] == 1 and env["tools.namespace:honoured"] == 1
     if "tool_result" in name:
         assert env["input.reasoning:ignored"] == 1

@@ -21,8 +21,8 @@ import pytest
 
 from ember import EngineConfig
 from tests.live_server import read_url
-from transport.http import build_app
-from transport.security import host_name, is_loopback
+from transport.server.http import build_app
+from transport.server.security import host_name, is_loopback
 
 KEY = "s3cret-key"
 FAKE = EngineConfig(backend="fake", max_batch=4, max_queue=8, prefill_chunk=64)

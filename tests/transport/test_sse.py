@@ -11,8 +11,8 @@ import pytest
 from actors.gateway import delta_stream
 from ember.api import RequestStream
 from engine.types import Delta, Usage
-from transport.render import CompletionRenderer
-from transport.sse import EventStream
+from transport.openai.render import CompletionRenderer
+from transport.wire.sse import EventStream
 
 pytestmark = pytest.mark.anyio
 

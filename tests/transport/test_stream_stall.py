@@ -3,7 +3,7 @@
 A client that opens a stream and stops reading must not keep its batch slot
 until max_tokens: once a write has waited ``--send-timeout`` the request is
 aborted and the connection dropped. Each route builds its stream in one place
-(``transport.request_io.event_stream``); these tests hold every route to it
+(``transport.wire.request_io.event_stream``); these tests hold every route to it
 over a real socket.
 
 The server is the scripted model (the fake GPU with a real tokenizer, fast)

@@ -1,5 +1,5 @@
-"""The dashboard page's routes (transport/ui_routes.py) and the ring of recent
-requests behind it (transport/ui_stats.py), on the fake GPU; the page itself
+"""The dashboard page's routes (transport/server/ui_routes.py) and the ring of recent
+requests behind it (transport/wire/ui_stats.py), on the fake GPU; the page itself
 runs in a browser in tests/browser/test_ui.py."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from starlette.testclient import TestClient
 
 from engine.config import EngineConfig
 from engine.types import SpecUsage, Usage
-from transport.http import build_app
-from transport.ui_routes import ASSETS, PATHS
-from transport.ui_stats import RecentRequests
+from transport.server.http import build_app
+from transport.server.ui_routes import ASSETS, PATHS
+from transport.wire.ui_stats import RecentRequests
 
 
 def test_the_page_ships_as_package_data() -> None:
