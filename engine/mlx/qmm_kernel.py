@@ -96,19 +96,12 @@ def qmm_t(
     """``x @ dequantize(w, scales, biases)^T`` as ``mx.quantized_matmul(...,
     transpose=True)`` computes it: x (M, K) float32, w (N, K*bits/32) uint32,
     scales and biases (N, K/group_size) float32, all C-contiguous; (M, N) float32."""
-    if bits not in BITS:
-        raise ValueError(f"qmm_t handles bits {BITS}, not {bits}")
-    if x.ndim != 2 or w.ndim != 2 or scales.ndim != 2 or biases.ndim != 2:
-        raise ValueError("qmm_t takes 2-D x, w, scales and biases")
-    M, K = x.shape
-    N = w.shape[0]
-    if group_size <= 0 or K % group_size or group_size % (32 // bits):
-        raise ValueError(f"K={K} is not whole groups of {group_size} whole words")
-    if w.shape != (N, K * bits // 32) or scales.shape != (N, K // group_size) or biases.shape != scales.shape:
-        raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape}, scales {scales.shape}, biases {biases.shape}")
-    for name, a, dt in (("x", x, np.float32), ("w", w, np.uint32), ("scales", scales, np.float32), ("biases", biases, np.float32)):  # fmt: skip
-        if a.dtype != dt or not a.flags.c_contiguous:
-            raise ValueError(f"qmm_t needs a C-contiguous {np.dtype(dt).name} {name}, got {a.dtype}")
+    if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError(f"qmm_t needs a 2-D C-contiguous float32 x, got {x.dtype} {x.shape}")
+    N, K = _check(w, scales, biases, bits, group_size)
+    M = x.shape[0]
+    if x.shape[1] != K:
+        raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape} holds K={K}")
     if out is None:
         out = np.empty((M, N), np.float32)
     elif out.shape != (M, N) or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
