@@ -82,9 +82,9 @@ def qwen(tmp_path_factory) -> Iterator[tuple[Proxy, pathlib.Path]]:
 @pytest.mark.real_model
 @pytest.mark.timeout(1200)  # the session's cap plus the model's load and Claude Code's first prefill
 @pytest.mark.parametrize("client", CLIENTS)
-def test_a_real_model_finishes_or_fails_a_task_with_no_ember_fault(qwen, client):
-    exe = _need(client)
-    proxy, run_dir = qwen
+def test_a_real_model_finishes_or_fails_a_task_with_no_ember_fault(request, client):
+    exe = _need(client)  # before the server: a stage without the CLIs skips without loading the model
+    proxy, run_dir = request.getfixturevalue("qwen")
     task = BY_NAME["hello"]
     repo = make_repo(task, repo_dir(run_dir, REAL_MODEL, client, task))
     s = run_session(client, exe, task, REAL_MODEL, repo, proxy, REPLY_TOKENS, REAL_CAP_S)
