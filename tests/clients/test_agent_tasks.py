@@ -97,4 +97,8 @@ def test_a_real_model_finishes_or_fails_a_task_with_no_ember_fault(request, clie
             f"{client}: the {REAL_CAP_S} s cap ran out after {s.finished_turns} of {s.turns} turns "
             f"({s.prompt_tokens} prompt tokens) with no tool call back yet: too slow to judge"
         )
-    assert s.tool_calls >= 1, "no tool call reached the client: " + _report(s)
+    # whether the model calls a tool, and the right one, is the model's choice, not Ember's: CI's
+    # 0.5B answered Codex and OpenCode with a fenced {"name", "arguments"} naming no offered tool
+    # (judged "model: no tool call"; a call naming an offered tool left as text is Ember's fault,
+    # asserted above). What the session did is printed, and recorded by bench.agent_tasks.
+    assert s.finished_turns >= 1 or s.timed_out, _report(s)
