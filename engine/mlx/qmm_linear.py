@@ -146,19 +146,24 @@ def _dequant_gemm(
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
+def _layer_matmul(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> mx.array | None:
+    """``x`` times a quantized layer's weight (transposed) by the kernel; None where it does not apply."""
+    return quantized_matmul(
+        x,
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=layer.mode,
+    )
+
+
 class KernelQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` with its matmul in the kernel where it applies."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = quantized_matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-        )
+        y = _layer_matmul(self, x)
         if y is None:
             calls["mlx"] += 1
             return super().__call__(x)
@@ -171,15 +176,7 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied head) takes the kernel."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        y = quantized_matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-        )
+        y = _layer_matmul(self, x)
         if y is None:
             calls["mlx"] += 1
             return super().as_linear(x)
