@@ -374,7 +374,6 @@ def test_hooked_qwen2_prefill_close_to_mlx_lm(lib, prefill_on, tie, bits, gs):
         ql.uninstall(model)
     scale = np.abs(ref).max()
     assert np.abs(got_all - ref).max() <= 1e-4 * scale
-    assert not np.array_equal(got_all, ref) or bits == 8  # not MLX's bits as a rule: the test sees the path
     assert got == want
     for a, b in zip(got_logits, want_logits):
         assert np.abs(a - b).max() <= 1e-4 * scale

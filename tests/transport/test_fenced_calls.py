@@ -35,6 +35,10 @@ PARALLEL = (
 )
 BARE = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
 BARE_LIST = '[{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Paris"}}]'
+# Qwen2.5-Coder-0.5B's answer to Claude Code (CI): calls one per line, the last cut by max_tokens
+RUN = '{"name": "now", "arguments": {}}\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+CUT = '{"name": "get_weather", "arguments": {"ci'
+FENCED_RUN = '```json\n{"name": "now", "arguments": {}},\n{"name": "now", "arguments": {}}\n```'
 MARKERS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 # not calls: text, byte for byte
@@ -107,6 +111,9 @@ ALL = [
     JSON_ANSWER,
     LIST_ANSWER,
     BARE_THEN_TEXT,
+    RUN,
+    RUN + CUT,
+    FENCED_RUN,
     BROKEN_JSON,
     BROKEN_ARGS,
     NO_ARGS,
@@ -171,6 +178,28 @@ def test_a_bare_call_followed_by_text_is_not_a_whole_reply():
     events, notes, s = whole(BARE_THEN_TEXT)
     assert events == [("text", BARE_THEN_TEXT)] and not s.made_calls
     assert notes == [("bare", "parse_failures")]  # it names an offered tool as a call would
+
+
+def test_calls_one_after_another_are_parallel_calls():
+    events, notes, s = whole(RUN)
+    assert events == [call(0, "now", {}), call(1, "get_weather", WEATHER)] and s.made_calls
+    assert notes == [("bare", "calls")] * 2
+    events, notes, _ = whole(FENCED_RUN)  # a comma between them too
+    assert events == [call(0, "now", {}), call(1, "now", {})] and notes == [("fence", "calls")] * 2
+
+
+def test_whole_calls_then_one_cut_short_are_the_calls_and_counted_text():
+    events, notes, s = whole(RUN + CUT)
+    assert events == [call(0, "now", {}), call(1, "get_weather", WEATHER), ("text", "\n" + CUT)]  # as written
+    assert notes == [("bare", "calls")] * 2 + [("bare", "parse_failures")] and s.made_calls
+
+
+def test_a_run_then_prose_or_another_value_is_not_a_run():
+    for tail in ("That edits the file.", '{"city": "Paris"}'):
+        text = RUN + tail
+        events, notes, s = whole(text)
+        assert events == [("text", text)] and not s.made_calls, tail
+        assert notes == [("bare", "parse_failures")]
 
 
 @pytest.mark.parametrize("text", [BROKEN_JSON, BROKEN_ARGS, NO_ARGS])

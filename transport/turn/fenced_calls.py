@@ -108,6 +108,36 @@ def read_calls(text: str, names: frozenset[str]) -> tuple[ParsedCall, ...] | Non
     return None
 
 
+def read_call_run(text: str, names: frozenset[str]) -> tuple[tuple[ParsedCall, ...], int] | None:
+    """Calls written one after another (``{...}\n{...}``, a comma between
+    allowed): the calls of the longest run of whole call objects at the start
+    of ``text`` and where that run ends; None when the first value is not a
+    call. What follows the run (a call cut by the output limit, prose) is the
+    caller's to keep as text. Qwen2.5-Coder-0.5B answered Claude Code with
+    such a run of ``Edit`` calls, the last one cut by ``max_tokens``."""
+    dec = json.JSONDecoder()
+    calls: list[ParsedCall] = []
+    i = end = len(text) - len(text.lstrip())
+    while i < len(text):
+        try:
+            value, j = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        try:
+            call = _call(value, names) if isinstance(value, dict) else None
+        except MalformedCall:
+            call = None
+        if call is None:
+            break
+        calls.append(call)
+        end = j
+        i = j + len(text[j:]) - len(text[j:].lstrip())
+        if text.startswith(",", i):
+            i += 1
+            i += len(text[i:]) - len(text[i:].lstrip())
+    return (tuple(calls), end) if calls else None
+
+
 def _call(value: Any, names: frozenset[str]) -> ParsedCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
         return None
@@ -189,9 +219,9 @@ class FencedCalls:
         if not buf:
             return []
         if self._mode == "fence":
-            return [self._decide(buf[self._open :], buf, "fence")]
+            return self._decide(buf[self._open :], buf, "fence")
         if (self._mode == "bare" or self._maybe_bare) and buf.strip():
-            return [self._decide(buf.strip(), buf, "bare")]
+            return self._decide(buf.strip(), buf, "bare")
         return [buf]
 
     def discard(self) -> int:
@@ -263,16 +293,40 @@ class FencedCalls:
         end = self._open + close.end()
         fenced, self._buf = self._buf[:end], self._buf[end:]
         self._mode, self._line_start = "text", False
-        out.append(self._decide(content[: close.start()], fenced, "fence"))
+        out.extend(self._decide(content[: close.start()], fenced, "fence"))
         return True
 
-    def _decide(self, body: str, text: str, form: Form) -> Piece:
+    def _decide(self, body: str, text: str, form: Form) -> list[Piece]:
         try:
             calls = read_calls(body, self.names)
         except MalformedCall as exc:
+            run = self._run(body, text, form)
+            if run is not None:
+                return run
             log.warning("[tools] a %s tool call that does not parse kept as text: %s", form, exc)
-            return Malformed(text=text, form=form, reason=str(exc))
-        return text if calls is None else Found(calls=calls, form=form, text=text)
+            return [Malformed(text=text, form=form, reason=str(exc))]
+        return [text if calls is None else Found(calls=calls, form=form, text=text)]
+
+    def _run(self, body: str, text: str, form: Form) -> list[Piece] | None:
+        """Whole calls one after another, then nothing or one call cut short (the
+        output limit): the calls, and the cut call as counted text. Prose after
+        a call is not a run: the model may be showing how a call is written."""
+        run = read_call_run(body, self.names)
+        if run is None:
+            return None
+        calls, end = run
+        tail = body[end:].lstrip(", \t\r\n")
+        if not tail:  # a closed fence's closer is not in body
+            return [Found(calls=calls, form=form, text=text)]
+        head = _HEAD.match(tail)
+        if head is None or head.group(1) not in self.names:
+            return None
+        cut = text.index(body.lstrip()) + end - (len(body) - len(body.lstrip()))
+        log.warning("[tools] %d %s tool calls, then one cut short kept as text", len(calls), form)
+        return [
+            Found(calls=calls, form=form, text=text[:cut]),
+            Malformed(text=text[cut:], form=form, reason="a call cut short after whole calls"),
+        ]
 
 
 def _joined(pieces: list[Piece]) -> list[Piece]:
