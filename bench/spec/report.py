@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,10 +241,19 @@ def side_by_side(arms, drafters, workloads, batches) -> str:
     return "\n".join(lines)
 
 
+def _commit() -> str:
+    from bench.docs import commit
+
+    try:
+        return commit()
+    except (OSError, ValueError, RuntimeError, subprocess.CalledProcessError):  # not a git checkout
+        return "unknown"
+
+
 def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, width_ms, draft_ms, anat, elapsed) -> str:
 
     lines = [
-        f"Command: `python -m bench.spec.sweep {' '.join(sys.argv[1:])}`",
+        f"Command: `python -m bench.spec.sweep {' '.join(sys.argv[1:])}`, commit `{_commit()}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cpus, shared with other work (load average at the end "
         f"{os.getloadavg()[0]:.1f}); BLAS {os.environ.get('LD_PRELOAD') or 'reference'}; target `{args.model}`; "

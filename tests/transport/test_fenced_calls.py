@@ -38,6 +38,8 @@ BARE_LIST = '[{"name": "now", "arguments": {}}, {"name": "get_weather", "argumen
 # Qwen2.5-Coder-0.5B's answer to Claude Code (CI): calls one per line, the last cut by max_tokens
 RUN = '{"name": "now", "arguments": {}}\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
 CUT = '{"name": "get_weather", "arguments": {"ci'
+PROSE_THEN_BARE = 'I will check.\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+PROSE_THEN_JSON = 'Here is the data:\n{"city": "Paris", "name": "get_weather"}\n'
 FENCED_RUN = '```json\n{"name": "now", "arguments": {}},\n{"name": "now", "arguments": {}}\n```'
 MARKERS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -114,6 +116,8 @@ ALL = [
     RUN,
     RUN + CUT,
     FENCED_RUN,
+    PROSE_THEN_BARE,
+    PROSE_THEN_JSON,
     BROKEN_JSON,
     BROKEN_ARGS,
     NO_ARGS,
@@ -174,10 +178,10 @@ def test_what_is_not_a_call_of_an_offered_tool_stays_text_byte_for_byte(text):
     assert events == [("text", text)] and notes == [] and not s.made_calls
 
 
-def test_a_bare_call_followed_by_text_is_not_a_whole_reply():
+def test_a_bare_call_then_prose_is_the_call_and_the_prose():
     events, notes, s = whole(BARE_THEN_TEXT)
-    assert events == [("text", BARE_THEN_TEXT)] and not s.made_calls
-    assert notes == [("bare", "parse_failures")]  # it names an offered tool as a call would
+    assert events == [call(0, "get_weather", WEATHER), ("text", " is how you would call it.")] and s.made_calls
+    assert notes == [("bare", "calls")]
 
 
 def test_calls_one_after_another_are_parallel_calls():
@@ -194,12 +198,22 @@ def test_whole_calls_then_one_cut_short_are_the_calls_and_counted_text():
     assert notes == [("bare", "calls")] * 2 + [("bare", "parse_failures")] and s.made_calls
 
 
-def test_a_run_then_prose_or_another_value_is_not_a_run():
-    for tail in ("That edits the file.", '{"city": "Paris"}'):
-        text = RUN + tail
-        events, notes, s = whole(text)
-        assert events == [("text", text)] and not s.made_calls, tail
-        assert notes == [("bare", "parse_failures")]
+def test_a_bare_call_on_its_own_line_after_prose_is_a_call():
+    events, notes, _ = whole(PROSE_THEN_BARE)
+    assert events == [("text", "I will check.\n"), call(0, "get_weather", WEATHER)]
+    assert notes == [("bare", "calls")]
+    events, _, _ = whole(RUN + "Then:\n" + BARE.strip())  # what follows a run is read again
+    assert [e[:3] for e in events] == [
+        ("call", 0, "now"),
+        ("call", 1, "get_weather"),
+        ("text", "\nThen:\n"),
+        ("call", 2, "get_weather"),
+    ]
+
+
+def test_json_after_prose_that_is_not_a_call_stays_text():
+    events, notes, s = whole(PROSE_THEN_JSON)
+    assert events == [("text", PROSE_THEN_JSON)] and notes == [] and not s.made_calls
 
 
 @pytest.mark.parametrize("text", [BROKEN_JSON, BROKEN_ARGS, NO_ARGS])

@@ -21,15 +21,18 @@ objects. Anything else stays text, byte for byte: JSON a user asked for, a name
 not offered, a fence in another language.
 
 Where: a fence opened at a line start by ```` ``` ```` or ```` ```json ```` and closed by a
-line-start ```` ``` ```` (the output's end closes it too); or the whole reply
-(whitespace aside), when it starts as a call does, with the name first:
-``{"name": "<offered>"`` or ``[{"name": …``.
+line-start ```` ``` ```` (the output's end closes it too); or a line (the reply's
+first, or one after prose) that starts as a call does, with the name first:
+``{"name": "<offered>"`` or ``[{"name": …``. Such a line holds one call, a list,
+or calls one after another (``{…}\n{…}``: the 0.5B's answer to Claude Code);
+what follows them is read again as text, and a last call cut short by the
+output limit stays counted text.
 
 Streaming: text streams as it comes, except what may still open a fence (a
 line-start tail like ``"``"`` or ``"```js"``), a candidate fence (held until it
 closes, then decided; one whose content does not start with ``{`` or ``[`` —
-code — is let go at once) and a reply that starts like a bare call (held to
-its end).
+code — is let go at once), a line start that may still open a bare call, and
+a line that starts like a bare call (held to the reply's end).
 """
 
 from __future__ import annotations
@@ -183,8 +186,8 @@ def bare_head(text: str, names: frozenset[str]) -> bool | None:
 class FencedCalls:
     """Feed the text outside the template's markers, get ``Piece``s. The modes:
     ``text``; ``other`` (inside a fence that cannot hold a call: its close is
-    not an opener); ``fence`` (a candidate fence, held); ``bare`` (the reply so
-    far starts as a bare call, held to the end)."""
+    not an opener); ``fence`` (a candidate fence, held); ``bare`` (a line
+    starts as a bare call: held to the end)."""
 
     def __init__(self, names: Iterable[str]):
         self.names = frozenset(names)
@@ -266,6 +269,13 @@ class FencedCalls:
                     self._mode, self._open, self._searched = "fence", indent + nl + 1, 0
                     return True
                 self._mode = "other"  # another language's fence streams
+            elif self._mode == "text":
+                head = bare_head(body, self.names)
+                if head is None:
+                    return False  # it may still open a call: held
+                if head:
+                    self._mode = "bare"  # a call after a line of prose: held to the end
+                    return False
         nl = buf.find("\n")
         if nl < 0:
             self._take(len(buf), out, line_end=False)
@@ -308,9 +318,9 @@ class FencedCalls:
         return [text if calls is None else Found(calls=calls, form=form, text=text)]
 
     def _run(self, body: str, text: str, form: Form) -> list[Piece] | None:
-        """Whole calls one after another, then nothing or one call cut short (the
-        output limit): the calls, and the cut call as counted text. Prose after
-        a call is not a run: the model may be showing how a call is written."""
+        """Whole calls one after another, then the rest: the calls, and the rest
+        read again (text, or one more call cut short by the output limit: counted
+        text). In a fence the rest must be nothing or that cut call."""
         run = read_call_run(body, self.names)
         if run is None:
             return None
@@ -318,15 +328,18 @@ class FencedCalls:
         tail = body[end:].lstrip(", \t\r\n")
         if not tail:  # a closed fence's closer is not in body
             return [Found(calls=calls, form=form, text=text)]
-        head = _HEAD.match(tail)
-        if head is None or head.group(1) not in self.names:
-            return None
         cut = text.index(body.lstrip()) + end - (len(body) - len(body.lstrip()))
-        log.warning("[tools] %d %s tool calls, then one cut short kept as text", len(calls), form)
-        return [
-            Found(calls=calls, form=form, text=text[:cut]),
-            Malformed(text=text[cut:], form=form, reason="a call cut short after whole calls"),
-        ]
+        head = _HEAD.match(tail)
+        if head is not None and head.group(1) in self.names:
+            log.warning("[tools] %d %s tool calls, then one cut short kept as text", len(calls), form)
+            rest: list[Piece] = [Malformed(text=text[cut:], form=form, reason="a call cut short after whole calls")]
+        elif form == "fence":
+            return None
+        else:
+            again = FencedCalls(self.names)
+            again._maybe_bare = again._line_start = False  # the rest goes on the call's line
+            rest = again.feed(text[cut:]) + again.finish()
+        return [Found(calls=calls, form=form, text=text[:cut]), *rest]
 
 
 def _joined(pieces: list[Piece]) -> list[Piece]:
