@@ -9,8 +9,9 @@ Ember's faults (any one in a session is counted, pass or fail, and makes the har
 - ``malformed call``: a tool call without a name, or whose arguments are not a JSON object;
 - ``call not parsed``: an answer with no tool call whose text holds a JSON object naming a tool the
   request offered (the model called it; Ember sent it back as text);
-- ``cache lost``: a turn that continues an earlier turn of the same conversation (same system, tools
-  and first message, a longer prompt) found less than half of that earlier prompt in the cache.
+- ``cache lost``: a finished turn that continues an earlier finished turn of the same conversation
+  (same system, tools and first message, a longer prompt) found less than half of that earlier prompt
+  in the cache.
 
 Otherwise a failed task is the model's: no tool call at all, or calls that did not do the task (the
 judge's detail says what the file system showed). A session stopped at its time cap with a clean wire
@@ -69,7 +70,9 @@ def ember_faults(exchanges: list[Exchange]) -> list[str]:
             named = named_tool_in_text(ex.text, ex.tools_offered)
             if named:
                 faults.append(f"call not parsed: text names {named!r}")
-        if ex.is_turn and ex.prompt_tokens is not None:
+        # only a finished answer's usage is final: an Anthropic stream's message_start goes out before
+        # the prefix lookup (cache_read 0), and one the client left never sent its message_delta
+        if ex.is_turn and ex.prompt_tokens is not None and ex.ended in ("complete", "body"):
             before = earlier.get(ex.lineage)
             if before is not None and before.prompt_tokens and ex.prompt_tokens > before.prompt_tokens:
                 cached = ex.cached_tokens or 0

@@ -191,6 +191,9 @@ def test_malformed_calls_and_a_lost_cache_are_embers_faults():
     other = _turn(prompt_tokens=1300, cached_tokens=0, lineage="side request")
     assert ember_faults([first, warm, other]) == []
     assert ember_faults([first, warm, cold]) == ["cache lost: 10 of 1200 cached after a 1100"]
+    # a stream the client left (the time cap) carries only message_start's usage: not final, not judged
+    left = _turn(prompt_tokens=1300, cached_tokens=0, ended="client_gone")
+    assert ember_faults([first, warm, left]) == []
 
 
 def _session(passed: bool, exchanges: list[Exchange], timed_out: bool = False) -> Session:
