@@ -1,8 +1,8 @@
 """Anthropic Messages: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
 
 The request becomes OpenAI-style template messages and a ``ToolSetup``
-(transport/anthropic/schema.py), then runs like a chat completion
-(transport/turn/chat_turn.py); the output is rendered as a Message, or streamed as
+(transport/anthropic/schema.py), then runs the one road every chat route
+runs (transport/turn/road.py); the output is rendered as a Message, or streamed as
 Anthropic's events: ``message_start``, ``ping``, per content block
 ``content_block_start`` / ``content_block_delta`` (``text_delta``,
 ``input_json_delta``) / ``content_block_stop``, then ``message_delta`` (stop
@@ -17,7 +17,6 @@ counts it: ``input_tokens + cache_read_input_tokens`` is the whole prompt.
 
 from __future__ import annotations
 
-import functools
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -43,14 +42,15 @@ from transport.anthropic.schema import (
     template_error,
     tool_input,
 )
-from transport.turn import cache_miss, chat_turn
+from transport.turn import cache_miss, road
+from transport.turn.chat_turn import matched_stop
 from transport.turn.decode import decode_request
 from transport.turn.reasoning import OutputSplitter, Reasoning, signature
+from transport.turn.road import Admitted, ChatRoute, Opened, Turn
 from transport.turn.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 from transport.wire.errors import ApiError, from_engine_error
-from transport.wire.limits import output_limit
-from transport.wire.metrics import TokenTimer
-from transport.wire.request_io import count_answer, read_body, request_namespace
+from transport.wire.request_io import count_answer
+from transport.wire.sse import Renderer
 
 _encode = msgspec.json.Encoder().encode
 
@@ -94,17 +94,6 @@ def _endpoint(
 
 def _sse(name: str, payload: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + _encode(payload) + b"\n\n"
-
-
-def matched_stop(text: str, token_ids: list[int], stops: list[str], tokenizer: Any) -> str | None:
-    """Which stop sequence ended the output: the engine cuts the text before it,
-    but the tokens that spelled it were generated."""
-    if not stops:
-        return None
-    full = tokenizer.decode(token_ids)
-    rest = full[len(text) :] if full.startswith(text) else full
-    hits = [s for s in stops if rest.startswith(s)] or [s for s in stops if s in rest]
-    return hits[0] if hits else None
 
 
 class MessagesRenderer:
@@ -262,56 +251,62 @@ class MessagesRenderer:
 
 
 # ---------------------------------------------------------------------------
-# Routes.
+# Routes: the door onto the one road (transport/turn/road.py).
 
 
-async def _prompt(host: Any, engine: Any, req: Any, setup: Any, ns: str) -> Any:
-    """The request's prompt: system messages where they stand, or — for a
-    template that refuses a non-leading system message — as reminders in the
-    neighbouring user turn (``template_messages(reminders=True)``); ``thinking``
-    as the template's reasoning switch."""
-    note = functools.partial(host.envelope.note, "messages")
-    req.system_text(note)  # counts the volatile head lines taken out
-    req.note_envelope(note)
-    thinking = chat_turn.thinking_kwargs(host, engine, "messages", "thinking", req.thinking_choice())
-    try:
-        return await host.chat_prompt(engine, req.template_messages(setup), setup, template_kwargs=thinking, ns=ns)
-    except InvalidRequest as exc:
-        if not (req.inner_system and template_error(exc)):
-            raise
-    prompt = await host.chat_prompt(
-        engine, req.template_messages(setup, reminders=True), setup, template_kwargs=thinking, ns=ns
-    )
-    note("messages[].role=system", "canonicalised")  # rendered as a <system-reminder>
-    return prompt
+class Messages(ChatRoute):
+    name = "messages"
+    call_id_prefix = "toolu_"
+    request_type: type = MessagesRequest
+
+    def decode(self, body: bytes, host: Any) -> MessagesRequest | CountTokensRequest:
+        return decode_request(body, self.request_type)
+
+    def turn(self, o: Opened) -> Turn:
+        """System messages where they stand, or — for a template that refuses a
+        non-leading system message — as reminders in the neighbouring user turn
+        (``template_messages(reminders=True)``); ``thinking`` as the template's
+        reasoning switch."""
+        req = o.req
+        setup = req.tool_setup()
+        req.system_text(o.note)  # counts the volatile head lines taken out
+        req.note_envelope(o.note)
+
+        def retry(exc: InvalidRequest) -> list[dict[str, Any]] | None:
+            if not (req.inner_system and template_error(exc)):
+                return None
+            return req.template_messages(setup, reminders=True)
+
+        return Turn(
+            messages=req.template_messages(setup),
+            tools=setup,
+            thinking=req.thinking_choice(),
+            thinking_field="thinking",
+            retry=retry,
+            retry_note=("messages[].role=system", "canonicalised"),  # rendered as a <system-reminder>
+        )
+
+    def encoder(self, a: Admitted) -> Renderer:
+        o = a.opened
+        return MessagesRenderer(o.model, len(a.prompt), a.splitter(), o.engine.tokenizer, a.params.stop)
+
+
+class CountTokens(Messages):
+    """``count_tokens``: the prompt ``/v1/messages`` would run, counted."""
+
+    request_type = CountTokensRequest
+
+
+MESSAGES = Messages()
+COUNT_TOKENS = CountTokens()
 
 
 async def messages(request: Request, host: Any) -> Response:
-
-    host.require_engine()
-    req: MessagesRequest = decode_request(await read_body(request, host.max_body_bytes), MessagesRequest)
-    engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
-    timer = TokenTimer(host.metrics, engine.clock.now, model)
-    setup = req.tool_setup()
-    ns = request_namespace(request, host.adapter_id(req.model))
-    prompt = await _prompt(host, engine, req, setup, ns)
-    limit = output_limit(req.max_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
-    params = req.sampling_params(limit, engine.info.vocab_size)
-    params = chat_turn.tool_params(engine, params, setup)
-    stream = await chat_turn.submit(engine, prompt, params, req.param_names(), ns)
-    count = host.metrics.tool_calls.for_route("messages")
-    splitter = chat_turn.splitter(engine, setup, "toolu_", prompt=prompt, count=count)
-    renderer = MessagesRenderer(model, len(prompt), splitter, engine.tokenizer, params.stop)
-    return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
+    return await road.run_turn(request, host, MESSAGES)
 
 
 async def count_tokens(request: Request, host: Any) -> Response:
-
-    host.require_engine()
-    req: CountTokensRequest = decode_request(await read_body(request, host.max_body_bytes), CountTokensRequest)
-    engine, _ = await host.engine_for(req.model, keep_alive=req.keep_alive)
-    setup = req.tool_setup()
-    prompt = await _prompt(host, engine, req, setup, request_namespace(request, host.adapter_id(req.model)))
+    prompt = await road.count_prompt(request, host, COUNT_TOKENS)
     return Response(_encode({"input_tokens": len(prompt)}), media_type="application/json")
 
 

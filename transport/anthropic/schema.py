@@ -444,6 +444,9 @@ class _Prompt(_Strict, kw_only=True):
         that user's recent prefixes: either way what comes back soon is kept."""
         return self.metadata.user_id if self.metadata is not None and self.metadata.user_id else None
 
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
     def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         """``max_tokens``: the output limit resolved against the context (transport.wire.limits)."""
         d = SamplingParams()

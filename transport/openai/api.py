@@ -1,7 +1,8 @@
-"""The OpenAI chat completions and completions routes: decode the request
-(``schema``), build the prompt and admit it on the shared road
-(``transport.turn``), and encode the answer (``render``). ``host`` is the
-server's ``ServerState`` (transport.server.http), which mounts ``routes()``."""
+"""The OpenAI chat completions and completions routes: their doors onto the
+one road (transport/turn/road.py). A door decodes the request (``schema``,
+``gateway_compat``), says what it asks for as a canonical turn, and encodes
+the answer (``render``); the road does the rest. ``host`` is the server's
+``ServerState`` (transport.server.http), which mounts ``routes()``."""
 
 from __future__ import annotations
 
@@ -11,73 +12,80 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from engine.types import SamplingParams
 from transport.openai.gateway_compat import request_type, requested_model
 from transport.openai.render import ChatRenderer, CompletionRenderer
-from transport.turn import chat_turn, reasoning
-from transport.turn.chat_turn import collect
-from transport.turn.choices import ChoiceStream, submit_choices
+from transport.openai.schema import ChatCompletionRequest, CompletionRequest
+from transport.turn import reasoning, road
 from transport.turn.decode import decode_request
-from transport.wire.limits import output_limit
-from transport.wire.metrics import TokenTimer
-from transport.wire.request_io import endpoint, event_stream, read_body, request_namespace
+from transport.turn.road import Admitted, ChatRoute, Opened, Turn
+from transport.wire.request_io import endpoint
+from transport.wire.sse import Renderer
 
 
-async def _generate(request: Request, host: Any, chat: bool) -> Response:
-    host.require_engine()
-    body = await read_body(request, host.max_body_bytes)
-    req = decode_request(body, request_type(chat, host.trust_gateway))
-    ns = request_namespace(request, host.adapter_id(requested_model(req)))
-    engine, model = await host.engine_for(requested_model(req), keep_alive=req.keep_alive)
-    timer = TokenTimer(host.metrics, engine.clock.now, model)
-    thinks = reasoning.markup_of(engine.tokenizer) is not None
-    req = host.extensions.check(req, host.envelope, "chat" if chat else "completions", thinks)
-    prompt: Any  # a chat_turn.Prompt for a chat, token ids otherwise
-    if chat:
-        tools = req.tool_setup()
-        field = "chat_template_kwargs" if "enable_thinking" in (req.chat_template_kwargs or {}) else "reasoning_effort"
-        thinking = chat_turn.thinking_kwargs(host, engine, "chat", field, req.thinking_choice())
-        messages = [m.as_template_message() for m in req.messages]
-        prompt = await host.chat_prompt(engine, messages, tools, template_kwargs=thinking, ns=ns)
-    else:
-        if isinstance(req.prompt, str):
-            host.check_prompt_bytes([req.prompt], "prompt", engine)
-            prompt = await host.off_loop(engine.encode, req.prompt, engine=engine)
-        else:
-            prompt = engine.encode(req.prompt)
-    limit = output_limit(req.requested_max_tokens(), len(prompt), engine.info.context_length, host.default_max_tokens)
-    params = req.sampling_params(limit, engine.info.vocab_size)
-    rename = req.param_names()
-    if chat:
-        params = chat_turn.tool_params(engine, params, tools)
-        if tools.forced:
-            rename["constraint"] = tools.param_choice
-    stream = await submit_choices(engine, prompt, req.choice_params(params), rename, ns)
-    rids = stream.rids if isinstance(stream, ChoiceStream) else [stream.rid]
-    if chat:
-        counts = host.metrics.tool_calls.for_route("chat")
-        renderer = ChatRenderer(
-            model,
-            req.include_usage,
-            rids=rids,
-            token_bytes=engine.token_bytes,
-            splitter=lambda: chat_turn.splitter(engine, tools, prompt=prompt, count=counts),
+class _OpenAIRoute(ChatRoute):
+    chat = True
+
+    def decode(self, body: bytes, host: Any) -> ChatCompletionRequest | CompletionRequest:
+        return decode_request(body, request_type(self.chat, host.trust_gateway))
+
+    def model(self, req: Any) -> str | None:
+        return requested_model(req)  # the gateway's "unknown" is no model named
+
+    def checked(self, o: Opened) -> Any:
+        """The request with the gateway's extension fields checked and counted."""
+        thinks = reasoning.markup_of(o.engine.tokenizer) is not None
+        return o.host.extensions.check(o.req, o.host.envelope, self.name, thinks)
+
+    def choices(self, req: Any, params: SamplingParams) -> list[SamplingParams]:
+        return req.choice_params(params)  # n choices, each its own seed stream
+
+
+class ChatCompletions(_OpenAIRoute):
+    name = "chat"
+
+    def turn(self, o: Opened) -> Turn:
+        req = o.req = self.checked(o)
+        thinking_field = (
+            "chat_template_kwargs" if "enable_thinking" in (req.chat_template_kwargs or {}) else "reasoning_effort"
         )
-        return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
-    completion_renderer = CompletionRenderer(model, req.include_usage, rids=rids, token_bytes=engine.token_bytes)
-    if req.stream:
-        return event_stream(host, stream, completion_renderer, timer)
-    completion = await collect(stream, request.receive, timer)
-    if completion is None:
-        return Response(status_code=400)  # the client left; nothing is sent
-    return Response(completion_renderer.body(completion), media_type="application/json")
+        return Turn(
+            tools=req.tool_setup(),
+            thinking=req.thinking_choice(),
+            thinking_field=thinking_field,
+            messages=[m.as_template_message() for m in req.messages],
+        )
+
+    def encoder(self, a: Admitted) -> Renderer:
+        o = a.opened
+        return ChatRenderer(
+            o.model, o.req.include_usage, rids=a.rids, token_bytes=o.engine.token_bytes, splitter=a.splitter
+        )
+
+
+class Completions(_OpenAIRoute):
+    name = "completions"
+    chat = False
+
+    def turn(self, o: Opened) -> Turn:
+        o.req = self.checked(o)
+        return Turn(text=o.req.prompt)
+
+    def encoder(self, a: Admitted) -> Renderer:
+        o = a.opened
+        return CompletionRenderer(o.model, o.req.include_usage, rids=a.rids, token_bytes=o.engine.token_bytes)
+
+
+CHAT = ChatCompletions()
+COMPLETIONS = Completions()
 
 
 async def chat_completions(request: Request, host: Any) -> Response:
-    return await _generate(request, host, chat=True)
+    return await road.run_turn(request, host, CHAT)
 
 
 async def completions(request: Request, host: Any) -> Response:
-    return await _generate(request, host, chat=False)
+    return await road.run_turn(request, host, COMPLETIONS)
 
 
 def routes() -> list[Route]:

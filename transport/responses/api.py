@@ -2,8 +2,8 @@
 
 The input items (after the stored conversation of ``previous_response_id``,
 transport/responses/store.py) become template messages and a ``ToolSetup``
-(transport/responses/schema.py) and run like a chat completion
-(transport/turn/chat_turn.py). Output: a ``message`` item with one ``output_text``
+(transport/responses/schema.py) and run the one road every chat route runs
+(transport/turn/road.py). Output: a ``message`` item with one ``output_text``
 part for the text, then one ``function_call`` item per call (with
 ``namespace`` for a call to a namespaced tool) or ``custom_tool_call`` (with
 ``input``) for a custom tool. ``store: true`` keeps the whole conversation
@@ -35,17 +35,16 @@ from starlette.routing import Route
 
 from ember.api import Completion
 from engine.errors import EngineError
-from engine.types import Delta
+from engine.types import Delta, SamplingParams
 from transport.responses.schema import CUSTOM_INPUT, ResponsesRequest
 from transport.responses.store import ResponseNotFound, ResponseStore, stored_id
-from transport.turn import cache_miss, chat_turn
+from transport.turn import cache_miss, chat_turn, road
 from transport.turn.decode import decode_request
 from transport.turn.reasoning import OutputSplitter, Reasoning
+from transport.turn.road import Admitted, ChatRoute, Opened, Turn
 from transport.turn.tool_calls import CallArgs, CallEnd, CallSplitter, CallStart, Event, Text
 from transport.wire.errors import ApiError, from_engine_error
-from transport.wire.limits import output_limit
-from transport.wire.metrics import TokenTimer
-from transport.wire.request_io import read_body, request_namespace
+from transport.wire.sse import Renderer
 
 _encode = msgspec.json.Encoder().encode
 
@@ -358,56 +357,68 @@ def _input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return list(req.input)
 
 
+class Responses(ChatRoute):
+    """The door onto the one road (transport/turn/road.py)."""
+
+    name = "responses"
+
+    def decode(self, body: bytes, host: Any) -> ResponsesRequest:
+        return decode_request(body, ResponsesRequest)
+
+    def turn(self, o: Opened) -> Turn:
+        """The stored conversation of ``previous_response_id``, then the input items."""
+        req: ResponsesRequest = o.req
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            try:  # another key's response is not found either: stored responses are scoped like the caches
+                history = response_store(o.host).get(stored_id(o.ns, req.previous_response_id))
+            except ResponseNotFound:
+                raise ApiError(
+                    400,
+                    f"previous response {req.previous_response_id!r} is not stored here (unknown, evicted, or from "
+                    "before a restart): resend the whole conversation as input items",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                ) from None
+        for field, action in req.envelope_notes():
+            o.note(field, action)
+        setup = req.tool_setup()
+        return Turn(
+            messages=req.template_messages(history),
+            tools=setup,
+            thinking=req.thinking_choice(),
+            thinking_field="reasoning",
+            param="input",
+            state=history,
+        )
+
+    def sampling_params(self, o: Opened, turn: Turn, limit: int) -> SamplingParams:
+        """``text.format``'s constraint — none when a forced tool call constrains the
+        output: the output is then the call, and a text format has nothing to shape
+        (instructor's RESPONSES_TOOLS sends both)."""
+        params = o.req.sampling_params(limit, o.engine.info.vocab_size)
+        constraint = None if turn.tools.forced else o.req.constraint()
+        return chat_turn.with_constraint(o.engine, params, constraint, "text.format")
+
+    def encoder(self, a: Admitted) -> Renderer:
+        o = a.opened
+        req: ResponsesRequest = o.req
+        on_done = None
+        if req.store:
+            store, ns = response_store(o.host), o.ns
+            conversation = a.turn.state + _input_items(req)
+
+            def on_done(rid: str, output: list[dict[str, Any]]) -> None:
+                store.put(stored_id(ns, rid), conversation + [_copy(item) for item in output])
+
+        return ResponsesRenderer(o.model, req, a.splitter(), on_done)
+
+
+RESPONSES = Responses()
+
+
 async def responses(request: Request, host: Any) -> Response:
-
-    host.require_engine()
-    req: ResponsesRequest = decode_request(await read_body(request, host.max_body_bytes), ResponsesRequest)
-    engine, model = await host.engine_for(req.model, keep_alive=req.keep_alive)
-    timer = TokenTimer(host.metrics, engine.clock.now, model)
-    store = response_store(host)
-    ns = request_namespace(request, host.adapter_id(req.model))
-    history: list[dict[str, Any]] = []
-    if req.previous_response_id is not None:
-        try:  # another key's response is not found either: stored responses are scoped like the caches
-            history = store.get(stored_id(ns, req.previous_response_id))
-        except ResponseNotFound:
-            raise ApiError(
-                400,
-                f"previous response {req.previous_response_id!r} is not stored here (unknown, evicted, or from "
-                "before a restart): resend the whole conversation as input items",
-                param="previous_response_id",
-                code="previous_response_not_found",
-            ) from None
-    for field, action in req.envelope_notes():
-        host.envelope.note("responses", field, action)
-    setup = req.tool_setup()
-    thinking = chat_turn.thinking_kwargs(host, engine, "responses", "reasoning", req.thinking_choice())
-    messages = req.template_messages(history)
-    prompt = await host.chat_prompt(engine, messages, setup, param="input", template_kwargs=thinking, ns=ns)
-    limit = output_limit(req.max_output_tokens, len(prompt), engine.info.context_length, host.default_max_tokens)
-    params = msgspec.structs.replace(req.sampling_params(limit, engine.info.vocab_size), max_tokens=limit)
-    params = chat_turn.with_constraint(engine, params, _text_constraint(req, setup), "text.format")
-    params = chat_turn.tool_params(engine, params, setup)
-    stream = await chat_turn.submit(engine, prompt, params, req.param_names(setup.forced), ns)
-    on_done = None
-    if req.store:
-        conversation = history + _input_items(req)
-
-        def on_done(rid: str, output: list[dict[str, Any]]) -> None:
-            store.put(stored_id(ns, rid), conversation + [_copy(item) for item in output])
-
-    count = host.metrics.tool_calls.for_route("responses")
-    renderer = ResponsesRenderer(model, req, chat_turn.splitter(engine, setup, prompt=prompt, count=count), on_done)
-    return await chat_turn.respond(request, host, engine, prompt, stream, renderer, req.stream, timer)
-
-
-def _text_constraint(req: ResponsesRequest, setup: Any) -> Any:
-    """``text.format``'s constraint — none when a forced tool call constrains the
-    output: the output is then the call, and a text format has nothing to shape
-    (instructor's RESPONSES_TOOLS sends both)."""
-    if setup.forced:
-        return None
-    return req.constraint()
+    return await road.run_turn(request, host, RESPONSES)
 
 
 def routes(endpoint: Any) -> list[Route]:

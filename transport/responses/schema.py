@@ -487,15 +487,20 @@ class ResponsesRequest(_Strict, kw_only=True, dict=True):
             # ReasoningItem: not rendered (module docstring)
         return out
 
-    def param_names(self, forced_tool: bool) -> dict[str, str]:
+    def param_names(self) -> dict[str, str]:
         """The engine's names for fields this API spells differently (the ranges
-        are the engine's, ``engine.limits``, checked once for every API)."""
-        return {"max_tokens": "max_output_tokens", "constraint": "tool_choice" if forced_tool else "text.format"}
+        are the engine's, ``engine.limits``, checked once for every API; a forced
+        tool call's constraint is reported on ``tool_choice`` by the road)."""
+        return {"max_tokens": "max_output_tokens", "constraint": "text.format"}
 
-    def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
+    def requested_max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
+        """``max_tokens``: the output limit resolved against the context (transport.wire.limits)."""
         d = SamplingParams()
         return SamplingParams(
-            max_tokens=default_max_tokens if self.max_output_tokens is None else self.max_output_tokens,
+            max_tokens=max_tokens,
             temperature=d.temperature if self.temperature is None else self.temperature,
             top_p=d.top_p if self.top_p is None else self.top_p,
             cache_session=self.prompt_cache_key,

@@ -2,10 +2,11 @@
 model's chat template, offering the tools), the constraint that forces a tool
 call, and the splitter that cuts calls out of the output.
 
-Chat Completions (transport/server/http.py), Anthropic Messages
+Chat Completions (transport/openai/api.py), Anthropic Messages
 (transport/anthropic/api.py) and OpenAI Responses (transport/responses/api.py)
 each turn their own request shape into OpenAI-style template messages and a
-``ToolSetup``, call these, and render the same events their own way.
+``ToolSetup``; the one road (transport/turn/road.py) calls these for all of
+them, and each renders the same events its own way.
 """
 
 from __future__ import annotations
@@ -199,22 +200,27 @@ async def submit(
 
 
 async def respond(
-    request: Any, host: Any, engine: Engine, prompt: Prompt, stream: Any, renderer: Any, streaming: bool, timer: Any
+    request: Any, host: Any, engine: Engine, prompt: list[int], stream: Any, renderer: Any, streaming: bool, timer: Any
 ) -> Any:
-    """Send the answer — SSE or one body — and remember its ids for the next turn."""
+    """Send the answer — SSE or one body — and, for a chat (a ``Prompt``: a
+    completion's raw prompt has no template to continue or explain), remember
+    its ids for the next turn and explain a cache miss."""
     from starlette.responses import Response
 
+    chat = prompt if isinstance(prompt, Prompt) else None
+
     def on_finish(text: str, ids: list[int]) -> None:
-        remember(engine, prompt, text, ids)
+        if chat is not None:
+            remember(engine, chat, text, ids)
 
     async def on_usage(usage: Any) -> None:
         """A usage reporting a cache miss gets its message and excerpts (off the loop)."""
-        if usage is not None and usage.cache_miss is not None:
-            await host.off_loop(cache_miss.explain, engine, prompt, usage.cache_miss, engine=engine)
+        if chat is not None and usage is not None and usage.cache_miss is not None:
+            await host.off_loop(cache_miss.explain, engine, chat, usage.cache_miss, engine=engine)
 
     if streaming:
-        recording = Recording(renderer, on_finish)
-        return event_stream(host, stream, recording, timer, on_usage=on_usage)
+        out = Recording(renderer, on_finish) if chat is not None else renderer
+        return event_stream(host, stream, out, timer, on_usage=on_usage if chat is not None else None)
     completion = await collect(stream, request.receive, timer)
     if completion is None:
         return Response(status_code=400)  # the client left; nothing is sent
@@ -222,6 +228,17 @@ async def respond(
         on_finish(c.text, c.token_ids)
         await on_usage(c.usage)
     return Response(renderer.body(completion), media_type="application/json")
+
+
+def matched_stop(text: str, token_ids: list[int], stops: list[str], tokenizer: Any) -> str | None:
+    """Which stop string ended an output (Anthropic's ``stop_sequence``): the
+    engine cuts the text before it, but the tokens that spelled it were generated."""
+    if not stops:
+        return None
+    full = tokenizer.decode(token_ids)
+    rest = full[len(text) :] if full.startswith(text) else full
+    hits = [s for s in stops if rest.startswith(s)] or [s for s in stops if s in rest]
+    return hits[0] if hits else None
 
 
 async def collect(stream: RequestStream | ChoiceStream, receive: Any, timer: TokenTimer) -> Any:
