@@ -178,12 +178,25 @@ def verify_costs(
     """The width leg at one OpenBLAS thread (as the engine runs a 1-row step),
     and a one-token step of the draft model (None for ``ngram`` and ``suffix``), median ms:
     what bench.spec.sweep's ceiling columns divide by."""
+    import sysconfig
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from engine.config import EngineConfig
+    from engine.mlx import qmm_linear
     from engine.mlx.blas import blas_threads
     from engine.mlx.cpu_layout import pretranspose_linears, wants_pretranspose
+    from engine.mlx.loading import read_model
+    from engine.models import resolve_model
     from engine.speculation import model_free
 
-    model, _, ids = load_with_ids(model_name)
-    if wants_pretranspose():  # the target's layout in the engine (engine.mlx.cpu_layout)
+    # the engine's own load: its weight format, the quantized-matmul kernel and the CPU layout
+    # (a quantized target timed through MLX's own quantized_matmul would price a step ~3x too high)
+    loaded = read_model(resolve_model(model_name), EngineConfig(model=model_name))
+    model, tok = loaded.model, loaded.tokenizer
+    ids = tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text() * 3)
+    if wants_pretranspose() and loaded.cpu_choice is None:  # the target's layout in the engine
         pretranspose_linears(model)
     blas_threads().use(1)
     width = width_leg(model, ids, rounds, steps, widths)
@@ -191,9 +204,10 @@ def verify_costs(
     if not model_free(draft_name):  # load_model: a drafter may ship without a tokenizer (it borrows the target's)
         from mlx_lm.utils import load_model
 
-        from engine.models import resolve_model
-
-        draft = width_leg(load_model(resolve_model(draft_name))[0], ids, rounds, steps, 1)[1]
+        drafter = load_model(resolve_model(draft_name))[0]
+        if mx.default_device() == mx.cpu:
+            qmm_linear.install(drafter)  # as engine.mlx.draft_model does
+        draft = width_leg(drafter, ids, rounds, steps, 1)[1]
     return width, draft
 
 
