@@ -2,7 +2,11 @@
 
     python -m bench.cpu.forward            # the first three legs
     python -m bench.cpu.forward --legs width,mask,prefill,layout --rounds 8
+    python -m bench.cpu.forward --legs verify --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
 
+* ``verify`` (alone): the width leg and a drafter's one-token step, each model
+  loaded as the engine loads it (weight format, quantized-matmul kernel, CPU
+  layout): what a speculation round costs (docs/bench/spec-real.md).
 * ``width``: a forward over n = 1..5 tokens on a warm KV cache (a verify
   window of γ = n − 1), one OpenBLAS thread as the engine runs it; ratio to
   n = 1 (docs/bench/spec.md, finding 5).
@@ -219,7 +223,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--legs", default="width,mask,prefill")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--draft", default=None, help="the verify leg: a draft model whose one-token step is timed too")
+    ap.add_argument("--widths", type=int, default=5, help="the verify leg: forwards over n = 1..WIDTHS tokens")
     args = ap.parse_args(argv)
+    if args.legs == "verify":  # loads as the engine does (verify_costs), not as the other legs
+        width, draft = verify_costs(args.model, args.draft or "ngram", args.rounds, 10, args.widths)
+        print(f"`{args.model}` as the engine loads it, forward over n tokens on a warm cache (median ms):")
+        for n, ms in width.items():
+            print(f"  n={n}: {ms:7.1f} ms  {ms / width[1]:.2f}x of n=1")
+        if draft is not None:
+            print(
+                f"  one-token step of the drafter `{args.draft}`: {draft:.1f} ms, {draft / width[1]:.2f}x of the target's"
+            )
+        return
 
     model, tok, ids = load_with_ids(args.model)
     legs = args.legs.split(",")
