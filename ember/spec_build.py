@@ -143,7 +143,7 @@ def _mlx_core(config: Any, backend: Any, device: Any) -> DrafterCore:
     from engine.mlx.draft_model import MlxDraftModel
     from engine.models import resolve_model
 
-    path = resolve_model(config.draft_model).resolve()
+    path = resolve_model(config.draft_model, draft=True).resolve()
     try:
         target = resolve_model(config.model).resolve()
     except FileNotFoundError:

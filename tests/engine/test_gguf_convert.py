@@ -292,3 +292,25 @@ def test_the_served_weight_format_is_the_packaged_models_measured_choice(monkeyp
     monkeypatch.setenv("EMBER_WEIGHTS", "q3")
     with pytest.raises(GGUFError, match="EMBER_WEIGHTS"):
         default_dtype("q8")
+
+
+def test_a_packaged_drafter_resolves_in_its_drafting_format(monkeypatch):
+    """``--draft-model qwen2.5-coder-0.5b`` loads the q8 conversion (a draft step is one
+    token's latency: docs/bench/spec-real.md); served alone it stays float32; EMBER_WEIGHTS
+    still decides both."""
+    import mlx.core as mx
+
+    import engine.mlx.gguf_convert as gc
+    import engine.mlx.gguf_models as gm
+    from engine.models import resolve_model
+
+    assert mx.default_device() == mx.cpu
+    monkeypatch.delenv("EMBER_WEIGHTS", raising=False)
+    monkeypatch.setattr(gm, "packaged_gguf", lambda key: f"/gguf/{key}")
+    monkeypatch.setattr(gc, "cached_conversion", lambda path, dtype=None, **_: (path, dtype))
+    assert resolve_model("qwen2.5-coder-0.5b", draft=True) == ("/gguf/qwen2.5-coder-0.5b", "q8")
+    assert resolve_model("qwen2.5-coder-0.5b") == ("/gguf/qwen2.5-coder-0.5b", "float32")
+    assert resolve_model("qwen2.5-coder-1.5b", draft=True) == ("/gguf/qwen2.5-coder-1.5b", "q8")  # as served
+    assert resolve_model("smollm2-135m", draft=True) == ("/gguf/smollm2-135m", "float32")
+    monkeypatch.setenv("EMBER_WEIGHTS", "float32")
+    assert resolve_model("qwen2.5-coder-0.5b", draft=True) == ("/gguf/qwen2.5-coder-0.5b", "float32")
