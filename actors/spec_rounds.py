@@ -52,6 +52,8 @@ class RowSpec:
     off: bool = False  # the backend refused a window: plain decode from now on
     targets: list[int] | None = None  # this step's target tokens, until the verdict
     fed: int = 0  # tokens this step fed into the row's cache
+    left: int = 0  # tokens the request may still generate, as of this step (Window.left)
+    behind: int = 0  # context tokens not yet sent to the Drafter, as of this step (Window.behind)
     drafted: int = 0
     accepted: int = 0
     target_calls: int = 0
@@ -225,6 +227,8 @@ class SpecRounds:
             return False
         spec.targets = list(targets)
         spec.fed = len(targets)  # the window, or 1 if the backend decoded only `last`
+        spec.left = max(0, row.params.max_tokens - len(row.generated))
+        spec.behind = max(0, len(row.prompt) + len(row.generated) - spec.synced)
         return True
 
     def note_step(
@@ -262,6 +266,8 @@ class SpecRounds:
                 empty=spec.empty,
                 ns=spec.ns,
                 proposer=spec.proposer if spec.drafts else "",
+                left=spec.left,
+                behind=spec.behind,
             )
             for rid, spec in self.rows.items()
             if spec.targets is not None

@@ -62,6 +62,11 @@ class Window(msgspec.Struct, frozen=True, kw_only=True):
     empty: int = 0  # rounds since the last window in which the drafter proposed nothing
     ns: str = ""  # the request's cache namespace: whose learned seeds it reads and teaches (policy.Learned)
     proposer: str = ""  # who drafted ``drafts`` (prompt lookup, suffix decoding, a draft model)
+    # What starting to draft would cost and could save (GammaPolicy._catch_up_pays):
+    # tokens the request may still generate (None: not told), and context tokens
+    # its drafter was not sent (a draft model feeds them all before drafting).
+    left: int | None = None
+    behind: int = 0
 
 
 class StepCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -169,6 +174,7 @@ class VerifierCore:
         row = self.rows.get(w.rid)
         if row is None:
             row = self.rows[w.rid] = self.policy.new_row(w.fixed_gamma, w.ns)
+        row.left, row.behind = w.left, w.behind
         if w.drafts and len(w.targets) == 1:
             # The backend decoded only `last`: this row's cache cannot take a window.
             row.off = True

@@ -54,7 +54,12 @@ plain decode, ``E = 1``.
   them all before the probe (the catch-up); that is priced too, per token as
   measured, so the hold grows with it, and where even the longest hold
   cannot keep probing within budget the row stops speculating for good
-  (``retired``). A lone row none of whose own drafts were judged yet holds
+  (``retired``). The catch-up also decides whether a row starts drafting:
+  a row not drafting starts (or probes) only when what its draft model must
+  feed first (``Window.behind`` tokens: at a request's first draft the whole
+  prompt) costs less than drafting could save over the tokens the request
+  may still generate (``Window.left``); otherwise it is retired
+  (``_catch_up_pays``). A lone row none of whose own drafts were judged yet holds
   only the engine's probe spacing before its first probe: its choice rests on
   other requests' prices and acceptance, and the budget's hold can outlast
   the request. A lone row that was drafting and stops (not a failed probe)
@@ -142,6 +147,8 @@ class RowPolicy:
     accepted_any: bool = False  # has any of its own drafts been accepted?
     watching: bool = False  # held in a batch: drafts γ_max only on a strong prompt-lookup match (watch_match)
     learned: Learned | None = None  # its namespace's seeds, which its rounds teach (GammaPolicy.new_row)
+    left: int | None = None  # tokens the request may still generate (None: not told, no catch-up gate)
+    behind: int = 0  # context tokens its drafter was not sent: a draft model catches up on them first
 
 
 class GammaPolicy:
@@ -214,7 +221,8 @@ class GammaPolicy:
         # a held row skips its drafter for ``hold`` tokens and pays them all
         # before its probe, so a probe costs its verify round plus hold × this.
         self._catch_up: deque[float] = deque(maxlen=16)
-        self.retired = 0  # rows switched off because probing could not pay
+        self.retired = 0  # rows switched off because probing (or catching up) could not pay
+        self.gain = 1.0  # the latest best(): its γ's tokens per second over plain decode's
         self.rows_now = 1  # rows in the latest step
         self.together = False  # the latest choice counts on every row of the batch drafting
         self.live: dict[int, RowPolicy] = {}  # every speculating row (the Verifier's table)
@@ -427,6 +435,7 @@ class GammaPolicy:
         base = p_none * self._cost(b, 0) + (1.0 - p_none) * self._cost(b, drafts)
         accept = self.effective_accept(row)
         rates = [(tokens + 1.0) / base]
+        self.gain = 1.0
         # One position past the deepest this request has had judged: a probe's
         # single accepted draft says nothing about positions 2..6, and jumping
         # to γ = 6 on it (6 draft-model steps and a 7-token verify, in a batch
@@ -484,6 +493,7 @@ class GammaPolicy:
             # so without this every row keeps drafting, all worse off together.
             return 0
         best = max(range(1, len(rates)), key=lambda g: (rates[g], -g))
+        self.gain = rates[best] / rates[0]
         self.together = jointly[best]  # the Verifier wakes the held rows: they pay only if all draft
         nxt = best + 1
         if best > 0 and nxt < len(rates) and not self.measured(shape[nxt]):
@@ -545,15 +555,15 @@ class GammaPolicy:
             row.probing = False
             row.probe_every = self.probe_first if g > 0 else min(self.probe_max, row.probe_every * 2)
             self._seeds(row).probe_seed = row.probe_every
+        if g > 0 and row.gamma == 0 and not self._catch_up_pays(row, self.gain):
+            return self._retire(row)
         if g > 0:
             return (0, self.explore_rounds) if self._explore_plain(row) else (g, 0)
         spacing = self._probe_spacing()
         if spacing is None:
             # Every probe would cost more than the budget however far apart:
             # the drafter's catch-up over the skipped tokens alone exceeds it.
-            row.retired = True
-            self.retired += 1
-            return 0, 1 << 30
+            return self._retire(row)
         if self.rows_now <= 1 and not row.seen[0]:
             # A lone row none of whose own drafts were judged yet chose on the
             # engine's past alone: prices and acceptance that other requests
@@ -581,6 +591,39 @@ class GammaPolicy:
             row.watching = True
             return self.gamma_max, 0
         return 0, max(row.probe_every, spacing)
+
+    def _retire(self, row: RowPolicy) -> tuple[int, int]:
+        """Plain decode for the rest of the request, the Drafter asked nothing more."""
+        row.retired = True
+        self.retired += 1
+        return 0, 1 << 30
+
+    def _catch_up_pays(self, row: RowPolicy, gain: float) -> bool:
+        """Whether drafting at ``gain`` (tokens per second over plain decode)
+        can win back, over the tokens the request may still generate, what its
+        draft model must first feed: every context token it was not sent
+        (``row.behind``: at a request's first draft the whole prompt, after a
+        hold the tokens held), at ``catch_up_token_s`` each, while the batch
+        waits. Drafting saves at most ``left · plain · (1 − 1/gain)``. The
+        round prices leave the catch-up out (it is not a cost of every round:
+        ``SpecRounds.note_step``), so without this a 48-token answer after a
+        1000-token prompt started drafting on a round price that paid, and the
+        0.5B drafter's prefill of the prompt cost more than its drafts could
+        save: 0.47–0.70× plain on the 1.5B (docs/bench/spec-real.md). If it
+        cannot pay now it never will: the budget only shrinks and the lag only
+        grows. A drafter that needs no catch-up (prompt lookup, suffix
+        decoding: 0 s per token) always passes."""
+        catch_up = row.behind * self.catch_up_token_s
+        if catch_up <= 0 or row.left is None:
+            return True
+        return catch_up < row.left * self._cost(self.rows_now, 0) * (1.0 - 1.0 / max(gain, 1.0))
+
+    def _gain_bound(self) -> float:
+        """The most any γ could gain over plain decode at this batch size, every
+        draft accepted: what a probe could at best find."""
+        b = self.rows_now
+        plain = self._cost(b, 0)
+        return max((g + 1) * plain / self._cost(b, g) for g in range(1, self.gamma_max + 1))
 
     def quorum(self, row: RowPolicy, gamma: int) -> int:
         """Rows of this batch, drafting like this one, that must propose in the
@@ -652,6 +695,11 @@ class GammaPolicy:
             return self.choose(row)
         if row.off or row.retired or row.fixed is not None:
             return self.choose(row)
+        if not self._catch_up_pays(row, self._gain_bound()):
+            # The probe would make the draft model catch up first (for a row
+            # that never drafted: the whole prompt), and not even drafts all
+            # accepted could win that back over what the request has left.
+            return self._retire(row)
         row.probing = True
         return self.probe_gamma(), 0
 
