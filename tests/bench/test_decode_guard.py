@@ -17,7 +17,7 @@ import pytest
 from bench.cpu import decode_step
 
 # docs/bench/decode-guard.md: the floors, the rounds and the noise they were set from
-GUARD = ["--arms", "plain", "--rounds", "5", "--tokens", "32", "--no-parts", "--min-ratio", "1=0.85,8=0.95"]
+GUARD = ["--arms", "plain", "--rounds", "5", "--tokens", "32", "--no-parts", "--min-ratio", "1=0.90,8=0.96"]
 
 
 @pytest.mark.heavy
