@@ -165,15 +165,21 @@ def layout_leg(model_name: str, ids: list[int], rounds: int, steps: int = 60) ->
 
 def load_with_ids(model_name: str) -> tuple[Any, Any, list[int]]:
     """The model, its tokenizer, and the token ids every leg feeds (textwrap.py, three times)."""
-    import sysconfig
-    from pathlib import Path
 
     from mlx_lm import load
 
     from engine.models import resolve_model
 
     model, tok = load(str(resolve_model(model_name)))
-    return model, tok, tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text() * 3)
+    return model, tok, _leg_ids(tok)
+
+
+def _leg_ids(tok: Any) -> list[int]:
+    """The token ids every leg feeds: textwrap.py, three times."""
+    import sysconfig
+    from pathlib import Path
+
+    return tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text() * 3)
 
 
 def verify_costs(
@@ -182,15 +188,11 @@ def verify_costs(
     """The width leg at one OpenBLAS thread (as the engine runs a 1-row step),
     and a one-token step of the draft model (None for ``ngram`` and ``suffix``), median ms:
     what bench.spec.sweep's ceiling columns divide by."""
-    import sysconfig
-    from pathlib import Path
-
     import mlx.core as mx
 
     from engine.config import EngineConfig
     from engine.mlx import qmm_linear
     from engine.mlx.blas import blas_threads
-    from engine.mlx.cpu_layout import pretranspose_linears, wants_pretranspose
     from engine.mlx.loading import read_model
     from engine.models import resolve_model
     from engine.speculation import model_free
@@ -198,10 +200,7 @@ def verify_costs(
     # the engine's own load: its weight format, the quantized-matmul kernel and the CPU layout
     # (a quantized target timed through MLX's own quantized_matmul would price a step ~3x too high)
     loaded = read_model(resolve_model(model_name), EngineConfig(model=model_name))
-    model, tok = loaded.model, loaded.tokenizer
-    ids = tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text() * 3)
-    if wants_pretranspose() and loaded.cpu_choice is None:  # the target's layout in the engine
-        pretranspose_linears(model)
+    model, ids = loaded.model, _leg_ids(loaded.tokenizer)
     blas_threads().use(1)
     width = width_leg(model, ids, rounds, steps, widths)
     draft = None

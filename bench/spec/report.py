@@ -246,7 +246,7 @@ def _commit() -> str:
 
     try:
         return commit()
-    except (OSError, ValueError, RuntimeError, subprocess.CalledProcessError):  # not a git checkout
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout
         return "unknown"
 
 
