@@ -181,15 +181,19 @@ def progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-async def leg_decode1(client, srv, prompts, rnd):
-    s = await stream_completion(client, srv.url, prompts.of(64, offset=5000 + rnd), 128)
+DECODE_TOKENS = 128  # new tokens of the single-stream leg (--decode-tokens)
+AGG_TOKENS = 64  # new tokens of each stream of the aggregate legs (--agg-tokens)
+
+
+async def leg_decode1(client, srv, prompts, rnd, tokens=DECODE_TOKENS):
+    s = await stream_completion(client, srv.url, prompts.of(64, offset=5000 + rnd), tokens)
     return s.decode_tps
 
 
-async def leg_agg(client, srv, prompts, rnd, n):
+async def leg_agg(client, srv, prompts, rnd, n, tokens=AGG_TOKENS):
     t0 = time.perf_counter()
     samples = await asyncio.gather(
-        *[stream_completion(client, srv.url, prompts.of(48, offset=9000 + 300 * i + rnd), 64) for i in range(n)]
+        *[stream_completion(client, srv.url, prompts.of(48, offset=9000 + 300 * i + rnd), tokens) for i in range(n)]
     )
     return sum(s.completion_tokens for s in samples) / (time.perf_counter() - t0)
 
@@ -329,11 +333,11 @@ async def run(args: argparse.Namespace) -> Results:
                     tag = f"round {rnd + 1}/{args.rounds} {who}"
                     if "decode1" in legs:
                         progress(f"{tag}: decode1")
-                        res.add("decode1", who, await leg_decode1(client, srv, prompts, rnd))
+                        res.add("decode1", who, await leg_decode1(client, srv, prompts, rnd, args.decode_tokens))
                     for n in (4, 8):
                         if f"agg{n}" in legs:
                             progress(f"{tag}: agg{n}")
-                            res.add(f"agg{n}", who, await leg_agg(client, srv, prompts, rnd, n))
+                            res.add(f"agg{n}", who, await leg_agg(client, srv, prompts, rnd, n, args.agg_tokens))
                     if "ttft1k_cold" in legs or "ttft1k_warm" in legs:
                         progress(f"{tag}: ttft1k cold/warm")
                         p1k = prompts.of(1000, offset=20000 + 50 * rnd, nonce=uuid.uuid4().hex)
@@ -434,6 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gamma", type=int, default=2, help="γ for the speculation leg")
     ap.add_argument("--long-tokens", type=int, default=8000)
     ap.add_argument("--long-rounds", type=int, default=3, help="rounds that run the long-prompt legs (ttft8k, restart)")
+    ap.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=DECODE_TOKENS,
+        help="new tokens of the single-stream leg (a slow model: fewer)",
+    )
+    ap.add_argument("--agg-tokens", type=int, default=AGG_TOKENS, help="new tokens of each stream of agg4/agg8")
     ap.add_argument("--out", default="docs/bench/vs-mlx-lm.md")
     args = ap.parse_args(argv)
     res = asyncio.run(run(args))

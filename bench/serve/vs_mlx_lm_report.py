@@ -57,9 +57,14 @@ RESTART_TARGET = 0.02  # restart TTFT as a fraction of Ember's own cold TTFT
 
 def command_line(args: argparse.Namespace) -> str:
     """The full command that reproduces this run."""
-    parts = ["python -m bench.serve.vs_mlx_lm", f"--model {args.model}", f"--rounds {args.rounds}"]
+    weights = os.environ.get("EMBER_WEIGHTS", "")
+    parts = [f"EMBER_WEIGHTS={weights}"] if weights else []  # both servers get the directory it selects
+    parts += ["python -m bench.serve.vs_mlx_lm", f"--model {args.model}", f"--rounds {args.rounds}"]
     if args.legs:
         parts.append(f"--legs {args.legs}")
+    for flag, value, default in (("--decode-tokens", "decode_tokens", 128), ("--agg-tokens", "agg_tokens", 64)):
+        if getattr(args, value, default) != default:
+            parts.append(f"{flag} {getattr(args, value)}")
     parts += [
         f"--gamma {args.gamma}",
         f"--long-tokens {args.long_tokens}",
