@@ -257,23 +257,48 @@ def as_text(history: list[dict[str, str]]) -> str:
     return "".join(out) + "\nAgent:"
 
 
-def run_session(args: argparse.Namespace) -> list[Turn]:
+def model_dir_in(name: str, weights: str | None) -> Path:
+    """``name``'s directory as ``resolve_model`` gives it, in ``weights``
+    (``EMBER_WEIGHTS``'s values) where given: a packaged model converted to that format."""
     from engine.models import resolve_model
 
-    model_dir = resolve_model(args.model)
+    if not weights:
+        return resolve_model(name)
+    before = os.environ.get("EMBER_WEIGHTS")
+    os.environ["EMBER_WEIGHTS"] = weights
+    try:
+        return resolve_model(name)
+    finally:  # the servers' environment is this one: Ember must still choose its own format
+        if before is None:
+            del os.environ["EMBER_WEIGHTS"]
+        else:
+            os.environ["EMBER_WEIGHTS"] = before
+
+
+def run_session(args: argparse.Namespace) -> list[Turn]:
+    model_dir = model_dir_in(args.model, None)
+    # mlx_lm.server and the peers read a quantized model through MLX's one-thread
+    # quantized matmul on this CPU (docs/bench/cpu-qmm.md: a 1.5B q8 step ~5 s, a
+    # 500-token prefill ~20 min): --peer-weights float32 gives them MLX's fastest
+    # format instead while Ember serves its default
+    peer_dir = model_dir_in(args.model, args.peer_weights)
     work = Path(tempfile.mkdtemp(prefix="ember-agent-session-"))
     servers = [
         ember_server(model_dir, work, args.ember_flags.split() if args.ember_flags else []),
-        mlx_server(model_dir, work),
+        mlx_server(peer_dir, work),
     ]
-    servers += [peer_server(p, model_dir, work) for p in (args.peers.split(",") if args.peers else [])]
+    servers += [peer_server(p, peer_dir, work) for p in (args.peers.split(",") if args.peers else [])]
+    dirs = {s.name: model_dir if s.name == SUBJECT else peer_dir for s in servers}
     completion = args.completion or "gemma" in args.model
     turns_text = user_turns(args.turns)
     restart_at = args.restart_at or (args.turns // 2 + 1)
     histories = {s.name: [{"role": "system", "content": SYSTEM}] for s in servers}
     rows: list[Turn] = []
     client = httpx.Client()
-    print(f"work dir {work}; model {model_dir}; {'completion' if completion else 'chat'} session", flush=True)
+    print(
+        f"work dir {work}; model {model_dir} (peers: {peer_dir}); {'completion' if completion else 'chat'} session",
+        flush=True,
+    )
     for s in servers:
         start(s)
     try:
@@ -290,7 +315,7 @@ def run_session(args: argparse.Namespace) -> list[Turn]:
                     got = stream(
                         client,
                         s,
-                        str(model_dir),
+                        str(dirs[s.name]),
                         {"prompt": as_text(h), "max_tokens": args.max_tokens},
                         "/v1/completions",
                     )
@@ -298,7 +323,7 @@ def run_session(args: argparse.Namespace) -> list[Turn]:
                     got = stream(
                         client,
                         s,
-                        str(model_dir),
+                        str(dirs[s.name]),
                         {"messages": h, "max_tokens": args.max_tokens},
                         "/v1/chat/completions",
                     )
@@ -409,7 +434,14 @@ def add_splits(rows: list[Turn], model_dir: Path) -> None:
 
 def report(rows: list[Turn], args: argparse.Namespace) -> str:
     vs = verdicts(rows)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    weights = os.environ.get("EMBER_WEIGHTS")
+    command = " ".join(
+        [*([f"EMBER_WEIGHTS={weights}"] if weights else []), "python -m bench.agent_session", *sys.argv[1:]]
+    )
     parts = [
+        f"Command: `{command}`, commit `{commit.strip() or 'unknown'}`, load (1/5/15 min) at the end "
+        + "/".join(f"{x:.1f}" for x in os.getloadavg()),
         "## Per turn\n\n" + turn_table(rows),
         "## Session totals\n\n" + totals_table(rows),
         "## Targets\n\n" + verdict_table(vs),
@@ -437,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", help="also vllm-mlx and/or rapid-mlx (comma-separated; venvs from --setup-peers)")
     ap.add_argument("--setup-peers", action="store_true", help="create the peers' venvs and exit (heavy download)")
     ap.add_argument("--ember-flags", help="extra `ember serve` flags, e.g. '--draft-model ngram'")
+    ap.add_argument(
+        "--peer-weights",
+        help="the format mlx_lm.server and the peers serve a packaged model in (e.g. float32: MLX's fastest on a "
+        "CPU); default: the directory Ember serves",
+    )
     ap.add_argument("--no-split", action="store_true", help="skip the attention probe")
     ap.add_argument("--out", help="also write the report (markdown) here")
     ap.add_argument("--json", help="also write the rows here")
