@@ -155,6 +155,145 @@ AI void tile(const job_t* J, int64_t n, int64_t m, const int BITS, const int NB,
     for (int mb = 0; mb < MB; mb++) memcpy(J->y + (m + mb) * N + n + 8 * nb, &acc[nb][mb], sizeof(v8f));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* The AVX-512 path: 16 rows in the 16 lanes of a 512-bit vector, the same
+ * per-lane statements. On Zen 4 a 512-bit op runs as two 256-bit halves, so
+ * the width alone does not pay; what pays is fewer instructions a weight:
+ * one op issued does 16 lanes, and at 8 bits a byte comes out of its word
+ * with one in-lane byte shuffle (which also zero-extends it) instead of a
+ * shift and a mask. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+AI v16f splat16(float v) { return (v16f){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
+
+/* out[j] lane r = src[r * stride + j], j < 8, r < 16: the 8x8 transpose
+ * above, on rows r and r + 8 in the two 256-bit halves at once */
+AI void transpose16x8(const uint32_t* src, int64_t stride, __m512i out[8]) {
+  __m512i r[8];
+  for (int i = 0; i < 8; i++)
+    r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(src + i * stride))),
+                              _mm256_loadu_si256((const __m256i*)(src + (i + 8) * stride)), 1);
+  __m512 t0 = _mm512_castsi512_ps(_mm512_unpacklo_epi32(r[0], r[1]));
+  __m512 t1 = _mm512_castsi512_ps(_mm512_unpackhi_epi32(r[0], r[1]));
+  __m512 t2 = _mm512_castsi512_ps(_mm512_unpacklo_epi32(r[2], r[3]));
+  __m512 t3 = _mm512_castsi512_ps(_mm512_unpackhi_epi32(r[2], r[3]));
+  __m512 t4 = _mm512_castsi512_ps(_mm512_unpacklo_epi32(r[4], r[5]));
+  __m512 t5 = _mm512_castsi512_ps(_mm512_unpackhi_epi32(r[4], r[5]));
+  __m512 t6 = _mm512_castsi512_ps(_mm512_unpacklo_epi32(r[6], r[7]));
+  __m512 t7 = _mm512_castsi512_ps(_mm512_unpackhi_epi32(r[6], r[7]));
+  __m512i s0 = _mm512_castps_si512(_mm512_shuffle_ps(t0, t2, 0x44));
+  __m512i s1 = _mm512_castps_si512(_mm512_shuffle_ps(t0, t2, 0xEE));
+  __m512i s2 = _mm512_castps_si512(_mm512_shuffle_ps(t1, t3, 0x44));
+  __m512i s3 = _mm512_castps_si512(_mm512_shuffle_ps(t1, t3, 0xEE));
+  __m512i s4 = _mm512_castps_si512(_mm512_shuffle_ps(t4, t6, 0x44));
+  __m512i s5 = _mm512_castps_si512(_mm512_shuffle_ps(t4, t6, 0xEE));
+  __m512i s6 = _mm512_castps_si512(_mm512_shuffle_ps(t5, t7, 0x44));
+  __m512i s7 = _mm512_castps_si512(_mm512_shuffle_ps(t5, t7, 0xEE));
+  /* s0's 128-bit lanes: word 0 of rows 0-3, word 4 of rows 0-3, word 0 of rows 8-11, word 4 of rows 8-11 */
+  const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  out[0] = _mm512_permutex2var_epi64(s0, lo, s4);
+  out[1] = _mm512_permutex2var_epi64(s1, lo, s5);
+  out[2] = _mm512_permutex2var_epi64(s2, lo, s6);
+  out[3] = _mm512_permutex2var_epi64(s3, lo, s7);
+  out[4] = _mm512_permutex2var_epi64(s0, hi, s4);
+  out[5] = _mm512_permutex2var_epi64(s1, hi, s5);
+  out[6] = _mm512_permutex2var_epi64(s2, hi, s6);
+  out[7] = _mm512_permutex2var_epi64(s3, hi, s7);
+}
+
+/* value p of every lane's word, as float */
+AI v16f unpack16(__m512i w, int p, const int BITS) {
+  const uint32_t MASK = (1u << BITS) - 1u;
+  const int PF = 32 / BITS;
+  __m512i q;
+  if (p == PF - 1) q = _mm512_srli_epi32(w, BITS * p);
+  else if (p == 0) q = _mm512_and_si512(w, _mm512_set1_epi32((int)MASK));
+  else if (BITS == 8) /* byte p of each dword to its low byte, the rest zero: one in-lane shuffle */
+    q = _mm512_shuffle_epi8(w, _mm512_or_si512(_mm512_set1_epi32((int)(0x80808000u | (uint32_t)p)),
+                                               _mm512_set_epi32(12, 8, 4, 0, 12, 8, 4, 0, 12, 8, 4, 0, 12, 8, 4, 0)));
+  else q = _mm512_and_si512(_mm512_srli_epi32(w, BITS * p), _mm512_set1_epi32((int)MASK));
+  return (v16f)_mm512_cvtepi32_ps(q);
+}
+
+/* One tile: rows n .. n + 16*NB of y, rows m .. m + MB of x. */
+AI void tile16(const job_t* J, int64_t n, int64_t m, const int BITS, const int NB, const int MB) {
+  const int PF = 32 / BITS;
+  const int64_t K = J->K, KW = K / PF, gs = J->gs, G = K / gs, N = J->N;
+  const float* x = J->x + m * K;
+  v16f acc[2][4];
+  v16f sc[2] = {0}, bi[2] = {0};
+  __m512i tw[2][8];
+#pragma GCC unroll 2
+  for (int nb = 0; nb < NB; nb++)
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; mb++) acc[nb][mb] = splat16(0.0f);
+  int64_t next_group = 0, g = 0;
+  for (int64_t kw = 0; kw < KW; kw += 8) {
+    const int nw = KW - kw < 8 ? (int)(KW - kw) : 8;
+#pragma GCC unroll 2
+    for (int nb = 0; nb < NB; nb++) {
+      const uint32_t* src = J->w + (n + 16 * nb) * KW + kw;
+      /* The next tile's rows follow this tile's in memory: fetch them into L2
+         in address order, a block's share a step (16 rows x 8 words), so the
+         next tile starts warm. Streams of 16*NB rows a few lines each are
+         more than the hardware prefetcher follows. */
+      const char* ahead = (const char*)(J->w + (n + 16 * NB) * KW) + (kw / 8 * NB + nb) * 512;
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+      if (nw == 8) {
+        transpose16x8(src, KW, tw[nb]);
+      } else {
+        for (int j = 0; j < nw; j++) {
+          uint32_t t[16];
+          for (int r = 0; r < 16; r++) t[r] = src[r * KW + j];
+          memcpy(&tw[nb][j], t, sizeof t);
+        }
+      }
+    }
+    for (int j = 0; j < nw; j++) {
+      const int64_t k0 = (kw + j) * PF;
+      if (k0 == next_group) {
+#pragma GCC unroll 2
+        for (int nb = 0; nb < NB; nb++) {
+          float ts[16], tb[16];
+          for (int r = 0; r < 16; r++) {
+            ts[r] = J->s[(n + 16 * nb + r) * G + g];
+            tb[r] = J->b[(n + 16 * nb + r) * G + g];
+          }
+          memcpy(&sc[nb], ts, sizeof ts);
+          memcpy(&bi[nb], tb, sizeof tb);
+        }
+        next_group += gs;
+        g++;
+      }
+#pragma GCC unroll 16
+      for (int p = 0; p < PF; p++) {
+        v16f xk[4];
+#pragma GCC unroll 4
+        for (int mb = 0; mb < MB; mb++) xk[mb] = splat16(x[mb * K + k0 + p]);
+#pragma GCC unroll 2
+        for (int nb = 0; nb < NB; nb++) {
+          v16f d = unpack16(tw[nb][j], p, BITS);
+          d = sc[nb] * d; /* MLX: scale * w + bias, two roundings */
+          d = d + bi[nb];
+#pragma GCC unroll 4
+          for (int mb = 0; mb < MB; mb++) acc[nb][mb] += xk[mb] * d;
+        }
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int nb = 0; nb < NB; nb++)
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; mb++) memcpy(J->y + (m + mb) * N + n + 16 * nb, &acc[nb][mb], sizeof(v16f));
+}
+#define HAVE_TILE16 1
+#else
+#define HAVE_TILE16 0
+#endif
+
 /* Rows that do not fill a block of 8: MLX's loop as it is. */
 static void rows_scalar(const job_t* J, int bits, int64_t n0, int64_t n1) {
   const int PF = 32 / bits;
@@ -173,6 +312,29 @@ static void rows_scalar(const job_t* J, int bits, int64_t n0, int64_t n1) {
     }
 }
 
+#if HAVE_TILE16
+/* The 16-row tiles where two blocks of 8 are left; 0 where not (the 8-row
+ * tiles below take them). *step: blocks of 8 done. */
+AI int TILE16(const job_t* J, int64_t n, int64_t left, const int BITS, int* step) {
+  if (left < 2) return 0;
+  int64_t m = 0;
+  if (J->M <= 2 && left >= 4) {
+    if (J->M == 1) tile16(J, n, 0, BITS, 2, 1);
+    else tile16(J, n, 0, BITS, 2, 2);
+    *step = 4;
+    return 1;
+  }
+  for (; m + 4 <= J->M; m += 4) tile16(J, n, m, BITS, 1, 4);
+  if (J->M - m == 3) tile16(J, n, m, BITS, 1, 3);
+  else if (J->M - m == 2) tile16(J, n, m, BITS, 1, 2);
+  else if (J->M - m == 1) tile16(J, n, m, BITS, 1, 1);
+  *step = 2;
+  return 1;
+}
+#else
+#define TILE16(J, n, left, BITS, step) 0
+#endif
+
 /* Tiles of NB blocks along the job's rows (then single blocks for what is
  * left), MB rows of x at a time (then fewer for what is left). */
 #define DEFINE_ROWS(BITS)                                                                        \
@@ -183,6 +345,10 @@ static void rows_scalar(const job_t* J, int bits, int64_t n0, int64_t n1) {
       const int64_t left = (end - n) / 8;                                                        \
       int64_t m = 0;                                                                             \
       int step;                                                                                  \
+      if (TILE16(J, n, left, BITS, &step)) {                                                     \
+        n += 8 * (int64_t)step;                                                                  \
+        continue;                                                                                \
+      }                                                                                          \
       if (J->M == 1 && left >= 8) {                                                              \
         tile(J, n, 0, BITS, 8, 1);                                                               \
         step = 8;                                                                                \
