@@ -28,7 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
-#if defined(__AVX__)
+#include <time.h>
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -381,29 +382,151 @@ static void run_job(const job_t* J, int bits) {
   else rows_2(J);
 }
 
-/* Threads take chunks of CHUNK rows off a shared counter, not fixed shares:
+/* ---- the threads ----
+ *
+ * Threads take chunks of CHUNK rows off a shared counter, not fixed shares:
  * on a machine shared with other work one core may be slower than the other,
  * and a fixed split waits for the slower. A row's result does not depend on
- * which thread computes it. */
+ * which thread computes it.
+ *
+ * The threads are made once and kept (a decode step makes ~200 calls; a
+ * pthread_create and join per call cost more than a small matrix's work),
+ * woken per call through a condition variable after a short spin (calls come
+ * back to back within a step). The caller works too and waits only for the
+ * chunks to be done, never for a worker to wake: a worker that wakes late
+ * finds the counter spent (the call's number is in the counter's high bits,
+ * so a late worker cannot take a chunk of the next call). Calls from several
+ * threads take turns (a mutex); after fork() the child starts with no workers
+ * and makes them again on its first call. */
 #define CHUNK 64
+#define MAX_THREADS 16
+#ifndef SPIN_US
+#define SPIN_US 100 /* how long an idle worker polls before it sleeps */
+#endif
+
+typedef void (*chunk_fn)(const void* ctx, int64_t c);
+
+static struct {
+  pthread_mutex_t call; /* one call at a time */
+  pthread_mutex_t mu;   /* with wake: workers sleep on it */
+  pthread_cond_t wake;
+  int workers;      /* started so far */
+  int want;         /* workers that take part in this call (index < want) */
+  uint32_t gen;     /* the call's number; a change wakes the workers */
+  uint64_t counter; /* gen << 32 | next chunk (atomic) */
+  int64_t chunks;
+  int64_t done; /* chunks finished (atomic) */
+  chunk_fn fn;
+  const void* ctx;
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+/* Take and run chunks of call `gen` until none is left. */
+static void take_chunks(uint32_t gen) {
+  uint64_t cur = __atomic_load_n(&P.counter, __ATOMIC_ACQUIRE);
+  for (;;) {
+    if ((uint32_t)(cur >> 32) != gen || (int64_t)(uint32_t)cur >= P.chunks) return;
+    if (!__atomic_compare_exchange_n(&P.counter, &cur, cur + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+    P.fn(P.ctx, (int64_t)(uint32_t)cur); /* the call waits for this chunk: its fn and ctx stay valid */
+    __atomic_fetch_add(&P.done, 1, __ATOMIC_RELEASE);
+    cur = __atomic_load_n(&P.counter, __ATOMIC_ACQUIRE);
+  }
+}
+
+static double now_us(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
+}
+
+static void* worker(void* arg) {
+  const int index = (int)(intptr_t)arg;
+  uint32_t seen = __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE);
+  for (;;) {
+    const double until = now_us() + SPIN_US;
+    for (int i = 0; __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE) == seen; i++) {
+      if ((i & 63) == 63 && now_us() > until) {
+        pthread_mutex_lock(&P.mu);
+        while (__atomic_load_n(&P.gen, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&P.wake, &P.mu);
+        pthread_mutex_unlock(&P.mu);
+        break;
+      }
+#if defined(__SSE2__)
+      _mm_pause();
+#endif
+    }
+    seen = __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE);
+    if (index < __atomic_load_n(&P.want, __ATOMIC_ACQUIRE)) take_chunks(seen);
+  }
+  return 0;
+}
+
+static void at_fork_prepare(void) { pthread_mutex_lock(&P.call); }
+static void at_fork_parent(void) { pthread_mutex_unlock(&P.call); }
+static void at_fork_child(void) { /* only the forking thread lives on: no workers, fresh locks */
+  pthread_mutex_init(&P.call, 0);
+  pthread_mutex_init(&P.mu, 0);
+  pthread_cond_init(&P.wake, 0);
+  P.workers = 0;
+}
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void register_fork(void) { pthread_atfork(at_fork_prepare, at_fork_parent, at_fork_child); }
+
+/* fn(ctx, c) for every c in [0, chunks), on up to nthreads threads (this one included). */
+static void parallel_for(int64_t chunks, chunk_fn fn, const void* ctx, int nthreads) {
+  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  if (nthreads > chunks) nthreads = (int)chunks;
+  if (nthreads <= 1 || chunks >= (1ll << 31)) {
+    for (int64_t c = 0; c < chunks; c++) fn(ctx, c);
+    return;
+  }
+  pthread_once(&fork_once, register_fork);
+  pthread_mutex_lock(&P.call);
+  while (P.workers < nthreads - 1) { /* a thread that cannot start leaves its chunks to the others */
+    pthread_t th;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int ok = pthread_create(&th, &attr, worker, (void*)(intptr_t)P.workers) == 0;
+    pthread_attr_destroy(&attr);
+    if (!ok) break;
+    P.workers++;
+  }
+  P.fn = fn;
+  P.ctx = ctx;
+  P.chunks = chunks;
+  __atomic_store_n(&P.done, 0, __ATOMIC_RELAXED);
+  __atomic_store_n(&P.want, nthreads - 1, __ATOMIC_RELAXED);
+  const uint32_t gen = P.gen + 1;
+  __atomic_store_n(&P.counter, (uint64_t)gen << 32, __ATOMIC_RELEASE);
+  pthread_mutex_lock(&P.mu);
+  __atomic_store_n(&P.gen, gen, __ATOMIC_RELEASE);
+  pthread_cond_broadcast(&P.wake);
+  pthread_mutex_unlock(&P.mu);
+  take_chunks(gen);
+  /* the chunks others took are under way: short waits */
+  while (__atomic_load_n(&P.done, __ATOMIC_ACQUIRE) < chunks) {
+#if defined(__SSE2__)
+    _mm_pause();
+#endif
+  }
+  /* spent for good: a worker still holding this call's last counter value
+     cannot take "chunk `chunks`" once the next call's fields are written */
+  __atomic_store_n(&P.counter, (uint64_t)gen << 32 | 0xFFFFFFFFu, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&P.call);
+}
+
 typedef struct {
   job_t base;
   int bits;
   int64_t chunks;
-  int64_t next; /* the next chunk to take (atomic) */
-} pool_t;
+} qmm_ctx_t;
 
-static void* run(void* a) {
-  pool_t* p = a;
-  for (;;) {
-    int64_t c = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
-    if (c >= p->chunks) break;
-    job_t j = p->base;
-    j.n0 = c * CHUNK;
-    j.n1 = c == p->chunks - 1 ? p->base.N : j.n0 + CHUNK; /* the last takes the rows past the last block */
-    run_job(&j, p->bits);
-  }
-  return 0;
+static void qmm_chunk(const void* a, int64_t c) {
+  const qmm_ctx_t* p = a;
+  job_t j = p->base;
+  j.n0 = c * CHUNK;
+  j.n1 = c == p->chunks - 1 ? p->base.N : j.n0 + CHUNK; /* the last takes the rows past the last block */
+  run_job(&j, p->bits);
 }
 
 /* The entry point. x: M x K, w: N x K*bits/32 words, scales and biases: N x
@@ -415,20 +538,12 @@ int qmm_t(float* y, const float* x, const uint32_t* w, const float* scales, cons
   if ((bits != 2 && bits != 4 && bits != 8) || group_size <= 0 || K % group_size || group_size % (32 / bits))
     return -1;
   if (M <= 0 || N <= 0) return 0;
-  pool_t pool = {{y, x, w, scales, biases, M, N, K, group_size, 0, N}, bits, 0, 0};
-  pool.chunks = N / CHUNK > 0 ? N / CHUNK : 1;
-  if (nthreads > 16) nthreads = 16;
-  if (nthreads > pool.chunks) nthreads = (int)pool.chunks;
-  if (nthreads <= 1) {
-    run_job(&pool.base, bits);
+  qmm_ctx_t ctx = {{y, x, w, scales, biases, M, N, K, group_size, 0, N}, bits, N / CHUNK > 0 ? N / CHUNK : 1};
+  if (nthreads <= 1 || ctx.chunks == 1) {
+    run_job(&ctx.base, bits);
     return 0;
   }
-  pthread_t th[16];
-  int started[16] = {0};
-  for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&th[t], 0, run, &pool) == 0;
-  run(&pool); /* this thread works too; a thread that could not start leaves its chunks to the others */
-  for (int t = 1; t < nthreads; t++)
-    if (started[t]) pthread_join(th[t], 0);
+  parallel_for(ctx.chunks, qmm_chunk, &ctx, nthreads);
   return 0;
 }
 
@@ -488,27 +603,21 @@ typedef struct {
   int64_t N, K, gs;
   int bits;
   int64_t chunks;
-  int64_t next; /* the next chunk to take (atomic) */
-} dq_pool_t;
+} dq_ctx_t;
 
-static void* dq_run(void* a) {
-  dq_pool_t* p = a;
+static void dq_chunk(const void* a, int64_t c) {
+  const dq_ctx_t* p = a;
   const int64_t KW = p->K * p->bits / 32, G = p->K / p->gs;
-  for (;;) {
-    int64_t c = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
-    if (c >= p->chunks) break;
-    const int64_t n0 = c * CHUNK, n1 = c == p->chunks - 1 ? p->N : n0 + CHUNK;
-    for (int64_t n = n0; n < n1; n++) {
-      float* o = p->out + n * p->K;
-      const uint32_t* w = p->w + n * KW;
-      const float *s = p->s + n * G, *b = p->b + n * G;
-      if (p->gs % 16) dq_row_scalar(o, w, s, b, p->K, p->gs, p->bits);
-      else if (p->bits == 8) dq_row(o, w, s, b, p->K, p->gs, 8);
-      else if (p->bits == 4) dq_row(o, w, s, b, p->K, p->gs, 4);
-      else dq_row(o, w, s, b, p->K, p->gs, 2);
-    }
+  const int64_t n0 = c * CHUNK, n1 = c == p->chunks - 1 ? p->N : n0 + CHUNK;
+  for (int64_t n = n0; n < n1; n++) {
+    float* o = p->out + n * p->K;
+    const uint32_t* w = p->w + n * KW;
+    const float *s = p->s + n * G, *b = p->b + n * G;
+    if (p->gs % 16) dq_row_scalar(o, w, s, b, p->K, p->gs, p->bits);
+    else if (p->bits == 8) dq_row(o, w, s, b, p->K, p->gs, 8);
+    else if (p->bits == 4) dq_row(o, w, s, b, p->K, p->gs, 4);
+    else dq_row(o, w, s, b, p->K, p->gs, 2);
   }
-  return 0;
 }
 
 /* out (N x K float32) = dequantize(w, scales, biases) as mx.dequantize
@@ -518,14 +627,7 @@ int dequantize(float* out, const uint32_t* w, const float* scales, const float* 
   if ((bits != 2 && bits != 4 && bits != 8) || group_size <= 0 || K % group_size || group_size % (32 / bits))
     return -1;
   if (N <= 0 || K <= 0) return 0;
-  dq_pool_t pool = {out, w, scales, biases, N, K, group_size, bits, N / CHUNK > 0 ? N / CHUNK : 1, 0};
-  if (nthreads > 16) nthreads = 16;
-  if (nthreads > pool.chunks) nthreads = (int)pool.chunks;
-  pthread_t th[16];
-  int started[16] = {0};
-  for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&th[t], 0, dq_run, &pool) == 0;
-  dq_run(&pool);
-  for (int t = 1; t < nthreads; t++)
-    if (started[t]) pthread_join(th[t], 0);
+  dq_ctx_t ctx = {out, w, scales, biases, N, K, group_size, bits, N / CHUNK > 0 ? N / CHUNK : 1};
+  parallel_for(ctx.chunks, dq_chunk, &ctx, nthreads);
   return 0;
 }
