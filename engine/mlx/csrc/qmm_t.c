@@ -37,6 +37,9 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
+#ifndef PF_ROWS
+#define PF_ROWS 32 /* the AVX-512 tiles' prefetch distance: two tiles */
+#endif
 #ifndef PREFETCH
 #define PREFETCH 128 /* words: 512 bytes */
 #endif
@@ -218,77 +221,64 @@ AI v16f unpack16(__m512i w, int p, const int BITS) {
   return (v16f)_mm512_cvtepi32_ps(q);
 }
 
-/* One tile: rows n .. n + 16*NB of y, rows m .. m + MB of x. */
-AI void tile16(const job_t* J, int64_t n, int64_t m, const int BITS, const int NB, const int MB) {
+/* One tile: rows n .. n + 16 of y, rows m .. m + MB of x. One block of 16
+ * rows, not several side by side as the 8-row tiles: the whole block's words
+ * for 8 k-words and its scales stay in registers (two blocks spill them: a
+ * third slower in L2), and one sum a lane is not the limit here. */
+AI void tile16(const job_t* J, int64_t n, int64_t m, const int BITS, const int MB) {
   const int PF = 32 / BITS;
   const int64_t K = J->K, KW = K / PF, gs = J->gs, G = K / gs, N = J->N;
   const float* x = J->x + m * K;
-  v16f acc[2][4];
-  v16f sc[2] = {0}, bi[2] = {0};
-  __m512i tw[2][8];
-#pragma GCC unroll 2
-  for (int nb = 0; nb < NB; nb++)
+  const uint32_t* src = J->w + n * KW;
+  /* The rows PF_ROWS ahead follow in memory: fetched into L2 in address
+     order, a tile's size over a tile's steps, the next tiles start warm; 16
+     streams of a few lines each are more than the hardware prefetcher
+     follows (measured: half the speed of an L2-resident matrix without it). */
+  const char* ahead = (const char*)(src + PF_ROWS * KW);
+  v16f acc[4];
+  v16f sc = {0}, bi = {0};
+  __m512i tw[8];
 #pragma GCC unroll 4
-    for (int mb = 0; mb < MB; mb++) acc[nb][mb] = splat16(0.0f);
+  for (int mb = 0; mb < MB; mb++) acc[mb] = splat16(0.0f);
   int64_t next_group = 0, g = 0;
-  for (int64_t kw = 0; kw < KW; kw += 8) {
+  for (int64_t kw = 0; kw < KW; kw += 8, ahead += 512) {
     const int nw = KW - kw < 8 ? (int)(KW - kw) : 8;
-#pragma GCC unroll 2
-    for (int nb = 0; nb < NB; nb++) {
-      const uint32_t* src = J->w + (n + 16 * nb) * KW + kw;
-      /* The next tile's rows follow this tile's in memory: fetch them into L2
-         in address order, a block's share a step (16 rows x 8 words), so the
-         next tile starts warm. Streams of 16*NB rows a few lines each are
-         more than the hardware prefetcher follows. */
-      const char* ahead = (const char*)(J->w + (n + 16 * NB) * KW) + (kw / 8 * NB + nb) * 512;
 #pragma GCC unroll 8
-      for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
-      if (nw == 8) {
-        transpose16x8(src, KW, tw[nb]);
-      } else {
-        for (int j = 0; j < nw; j++) {
-          uint32_t t[16];
-          for (int r = 0; r < 16; r++) t[r] = src[r * KW + j];
-          memcpy(&tw[nb][j], t, sizeof t);
-        }
+    for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+    if (nw == 8) {
+      transpose16x8(src + kw, KW, tw);
+    } else {
+      for (int j = 0; j < nw; j++) {
+        uint32_t t[16];
+        for (int r = 0; r < 16; r++) t[r] = src[r * KW + kw + j];
+        memcpy(&tw[j], t, sizeof t);
       }
     }
     for (int j = 0; j < nw; j++) {
       const int64_t k0 = (kw + j) * PF;
-      if (k0 == next_group) {
-#pragma GCC unroll 2
-        for (int nb = 0; nb < NB; nb++) {
-          float ts[16], tb[16];
-          for (int r = 0; r < 16; r++) {
-            ts[r] = J->s[(n + 16 * nb + r) * G + g];
-            tb[r] = J->b[(n + 16 * nb + r) * G + g];
-          }
-          memcpy(&sc[nb], ts, sizeof ts);
-          memcpy(&bi[nb], tb, sizeof tb);
+      if (k0 == next_group) { /* a new group: its scale and bias for the tile's rows */
+        float ts[16], tb[16];
+        for (int r = 0; r < 16; r++) {
+          ts[r] = J->s[(n + r) * G + g];
+          tb[r] = J->b[(n + r) * G + g];
         }
+        memcpy(&sc, ts, sizeof ts);
+        memcpy(&bi, tb, sizeof tb);
         next_group += gs;
         g++;
       }
 #pragma GCC unroll 16
       for (int p = 0; p < PF; p++) {
-        v16f xk[4];
+        v16f d = unpack16(tw[j], p, BITS);
+        d = sc * d; /* MLX: scale * w + bias, two roundings */
+        d = d + bi;
 #pragma GCC unroll 4
-        for (int mb = 0; mb < MB; mb++) xk[mb] = splat16(x[mb * K + k0 + p]);
-#pragma GCC unroll 2
-        for (int nb = 0; nb < NB; nb++) {
-          v16f d = unpack16(tw[nb][j], p, BITS);
-          d = sc[nb] * d; /* MLX: scale * w + bias, two roundings */
-          d = d + bi[nb];
-#pragma GCC unroll 4
-          for (int mb = 0; mb < MB; mb++) acc[nb][mb] += xk[mb] * d;
-        }
+        for (int mb = 0; mb < MB; mb++) acc[mb] += splat16(x[mb * K + k0 + p]) * d;
       }
     }
   }
-#pragma GCC unroll 2
-  for (int nb = 0; nb < NB; nb++)
 #pragma GCC unroll 4
-    for (int mb = 0; mb < MB; mb++) memcpy(J->y + (m + mb) * N + n + 16 * nb, &acc[nb][mb], sizeof(v16f));
+  for (int mb = 0; mb < MB; mb++) memcpy(J->y + (m + mb) * N + n, &acc[mb], sizeof(v16f));
 }
 #define HAVE_TILE16 1
 #else
@@ -314,21 +304,15 @@ static void rows_scalar(const job_t* J, int bits, int64_t n0, int64_t n1) {
 }
 
 #if HAVE_TILE16
-/* The 16-row tiles where two blocks of 8 are left; 0 where not (the 8-row
- * tiles below take them). *step: blocks of 8 done. */
+/* A 16-row tile where two blocks of 8 are left (*step = 2 blocks), x's rows
+ * four at a time; 0 where not (the 8-row tiles below take it). */
 AI int TILE16(const job_t* J, int64_t n, int64_t left, const int BITS, int* step) {
   if (left < 2) return 0;
   int64_t m = 0;
-  if (J->M <= 2 && left >= 4) {
-    if (J->M == 1) tile16(J, n, 0, BITS, 2, 1);
-    else tile16(J, n, 0, BITS, 2, 2);
-    *step = 4;
-    return 1;
-  }
-  for (; m + 4 <= J->M; m += 4) tile16(J, n, m, BITS, 1, 4);
-  if (J->M - m == 3) tile16(J, n, m, BITS, 1, 3);
-  else if (J->M - m == 2) tile16(J, n, m, BITS, 1, 2);
-  else if (J->M - m == 1) tile16(J, n, m, BITS, 1, 1);
+  for (; m + 4 <= J->M; m += 4) tile16(J, n, m, BITS, 4);
+  if (J->M - m == 3) tile16(J, n, m, BITS, 3);
+  else if (J->M - m == 2) tile16(J, n, m, BITS, 2);
+  else if (J->M - m == 1) tile16(J, n, m, BITS, 1);
   *step = 2;
   return 1;
 }
