@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as d:
         tmp = pathlib.Path(d)
-        libs = {name: _lib(_source(spec, tmp, name), tmp, name) for name, spec in (("old", args.old), ("new", args.new))}
+        libs = {
+            name: _lib(_source(spec, tmp, name), tmp, name) for name, spec in (("old", args.old), ("new", args.new))
+        }
         print(f"old={args.old} new={args.new} threads={args.threads} group={args.group} load={os.getloadavg()}")
         print("| bits | matrix | M | old ms | new ms | old/new | same bits |")
         print("|---:|---|---:|---:|---:|---:|---|")
