@@ -53,7 +53,7 @@ def _lib(source: pathlib.Path, tmp: pathlib.Path, name: str) -> ctypes.CDLL:
 def _weights(N: int, K: int, bits: int, gs: int, rng: np.random.Generator) -> list[tuple[np.ndarray, ...]]:
     nbytes = N * K * bits // 8
     copies = max(1, -(-STREAM_BYTES // nbytes)) if nbytes < STREAM_BYTES else 1
-    out = []
+    out: list[tuple[np.ndarray, ...]] = []
     for _ in range(copies):
         w = rng.integers(0, 1 << 32, (N, K * bits // 32), dtype=np.uint32)
         s = rng.uniform(0.001, 0.02, (N, K // gs)).astype(np.float32)

@@ -143,7 +143,9 @@ def test_calls_from_several_threads_and_after_fork(lib):
 
 
 def _in_child(arg) -> bytes:
-    got = qk.qmm_t(qk.load(), *arg, bits=8, group_size=64, threads=2)
+    lib = qk.load()
+    assert lib is not None
+    got = qk.qmm_t(lib, *arg, bits=8, group_size=64, threads=2)
     return got.view(np.uint32).tobytes()
 
 

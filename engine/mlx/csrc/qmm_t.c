@@ -24,6 +24,12 @@
  * A tile is NB blocks of 8 rows x MB rows of x: NB*MB independent sums keep
  * the adders busy (one sum is a chain of dependent adds). Threads split the
  * output rows; a row's result does not depend on the split.
+ *
+ * With AVX-512 (F, BW) the tiles hold 16 rows a 512-bit vector instead (see
+ * tile16: fewer instructions a weight, and a prefetch that the 16 row streams
+ * need); the 8-row tiles stay for other CPUs and for a last block of 8 rows.
+ * Measured in docs/bench/cpu-qmm.md, against the previous source with
+ * python -m bench.cpu.qmm_ab.
  */
 #include <stdint.h>
 #include <string.h>
