@@ -9,7 +9,11 @@ Qwen2.5-Coder-1.5B token in 4-bit takes seconds where float32 takes ~0.4 s
 statement (each row's sum in k order, no fused multiply-add), vectorized
 across output rows and split across cores by output rows: the same bits
 (tests/engine/test_qmm_kernel.py compares with ``array_equal``), several
-times faster (``python -m bench.cpu.qmm``).
+times faster (``python -m bench.cpu.qmm``). 16 rows a vector where the CPU
+has AVX-512 (Zen 4 runs it as two halves: it pays in instructions a weight,
+not width), and threads made once and kept: a decode step makes ~200 calls,
+and a thread made and joined per call cost more than a small matrix's work
+(``python -m bench.cpu.qmm_ab`` times two sources of the kernel side by side).
 
 Built like ``engine.mlx.softmax_kernel`` (``engine.mlx.cc_build``: once, into
 the user's cache, keyed by source, flags and CPU); without a compiler, or

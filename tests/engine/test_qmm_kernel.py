@@ -90,6 +90,65 @@ def test_random_shapes(lib):
         assert np.array_equal(_bits(got), _bits(want)), (M, N, K, bits, gs)
 
 
+# The AVX-512 tiles (16 rows a vector, x's rows four at a time) where the
+# CPU has it: N = 16 blocks + an 8-row block + a scalar tail, M = 1..9 (4 + 4
+# + 1, 4 + 3, ...), K words not a multiple of 8 (the gathered tail), groups
+# of 1, 2 and 8 words, every bit width.
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize(("N", "K", "gs"), [(59, 512, 32), (48, 96, 32), (40, 1152, 128), (16, 64, 64)])
+def test_sixteen_row_tiles_every_m(lib, bits, N, K, gs):
+    for M in range(1, 10):
+        x, wq, s, b, want = _case(M * 1000 + N + bits, M, N, K, bits, gs, scale=2.0)
+        assert np.array_equal(_bits(_kernel(lib, x, wq, s, b, bits, gs)), _bits(want)), M
+
+
+def test_kernel_without_avx512_is_mlx_bit_for_bit(tmp_path):
+    """The 256-bit path (8 rows a vector) a CPU without AVX-512 takes, built
+    here with AVX-512 switched off; on such a CPU the main build is this one."""
+    import shutil
+    import subprocess
+
+    from engine.mlx import cc_build
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None
+    target = tmp_path / "qmm_avx2.so"
+    subprocess.run([cc, *cc_build.FLAGS, "-mno-avx512f", "-o", str(target), str(qk.SOURCE), *cc_build.LIBS], check=True)
+    avx2 = qk._open(target)
+    for M, N, K, bits, gs in [(1, 264, 512, 8, 64), (2, 136, 640, 4, 32), (5, 40, 96, 2, 32), (9, 72, 256, 8, 128)]:
+        x, wq, s, b, want = _case(M + N + K, M, N, K, bits, gs)
+        assert np.array_equal(_bits(_kernel(avx2, x, wq, s, b, bits, gs)), _bits(want)), (M, N, K, bits)
+
+
+def test_calls_from_several_threads_and_after_fork(lib):
+    """The kept worker threads: callers on several Python threads take turns
+    (each gets its own product), and a forked child (no workers there) makes
+    its own and gets the same bits."""
+    import concurrent.futures
+    import multiprocessing
+
+    cases = [_case(i, 1 + i % 3, 200 + 16 * i, 256, 8, 64) for i in range(6)]
+    args = [tuple(np.asarray(a) for a in c[:4]) for c in cases]
+    wants = [_bits(c[4]) for c in cases]
+
+    def one(i: int) -> bool:
+        got = [qk.qmm_t(lib, *args[i], bits=8, group_size=64, threads=2) for _ in range(20)]
+        return all(np.array_equal(_bits(g), wants[i]) for g in got)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(one, range(len(cases))))
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(_in_child, (args[0],)) == wants[0].tobytes()
+
+
+def _in_child(arg) -> bytes:
+    lib = qk.load()
+    assert lib is not None
+    got = qk.qmm_t(lib, *arg, bits=8, group_size=64, threads=2)
+    return got.view(np.uint32).tobytes()
+
+
 def test_rejects_what_it_does_not_handle(lib):
     x, wq, s, b, _ = _case(0, 2, 16, 128, 4, 64)
     xs, ws, ss, bs = (np.asarray(a) for a in (x, wq, s, b))

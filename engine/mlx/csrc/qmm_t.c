@@ -24,11 +24,17 @@
  * A tile is NB blocks of 8 rows x MB rows of x: NB*MB independent sums keep
  * the adders busy (one sum is a chain of dependent adds). Threads split the
  * output rows; a row's result does not depend on the split.
+ *
+ * With AVX-512 (F, BW) the tiles hold 16 rows a 512-bit vector instead (see
+ * tile16: fewer instructions a weight, and a prefetch that the 16 row streams
+ * need); the 8-row tiles stay for other CPUs and for a last block of 8 rows.
+ * Measured in docs/bench/cpu-qmm.md, against the previous source with
+ * python -m bench.cpu.qmm_ab.
  */
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
-#if defined(__AVX__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -36,6 +42,9 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
+#ifndef PF_ROWS
+#define PF_ROWS 32 /* the AVX-512 tiles' prefetch distance: two tiles */
+#endif
 #ifndef PREFETCH
 #define PREFETCH 128 /* words: 512 bytes */
 #endif
@@ -155,6 +164,171 @@ AI void tile(const job_t* J, int64_t n, int64_t m, const int BITS, const int NB,
     for (int mb = 0; mb < MB; mb++) memcpy(J->y + (m + mb) * N + n + 8 * nb, &acc[nb][mb], sizeof(v8f));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* The AVX-512 path: 16 rows in the 16 lanes of a 512-bit vector, the same
+ * per-lane statements. On Zen 4 a 512-bit op runs as two 256-bit halves, so
+ * the width alone does not pay; what pays is fewer instructions a weight:
+ * one op issued does 16 lanes, and at 8 bits a byte comes out of its word
+ * with one in-lane byte shuffle (which also zero-extends it) instead of a
+ * shift and a mask. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+AI v16f splat16(float v) { return (v16f){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
+
+/* out[j] lane r = src[r * stride + j], j < 8, r < 16: the 8x8 transpose
+ * above, on rows r and r + 8 in the two 256-bit halves at once */
+AI void transpose16x8(const uint32_t* src, int64_t stride, __m512i out[8]) {
+  __m512i r[8];
+  for (int i = 0; i < 8; i++)
+    r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(src + i * stride))),
+                              _mm256_loadu_si256((const __m256i*)(src + (i + 8) * stride)), 1);
+  __m512 t0 = _mm512_castsi512_ps(_mm512_unpacklo_epi32(r[0], r[1]));
+  __m512 t1 = _mm512_castsi512_ps(_mm512_unpackhi_epi32(r[0], r[1]));
+  __m512 t2 = _mm512_castsi512_ps(_mm512_unpacklo_epi32(r[2], r[3]));
+  __m512 t3 = _mm512_castsi512_ps(_mm512_unpackhi_epi32(r[2], r[3]));
+  __m512 t4 = _mm512_castsi512_ps(_mm512_unpacklo_epi32(r[4], r[5]));
+  __m512 t5 = _mm512_castsi512_ps(_mm512_unpackhi_epi32(r[4], r[5]));
+  __m512 t6 = _mm512_castsi512_ps(_mm512_unpacklo_epi32(r[6], r[7]));
+  __m512 t7 = _mm512_castsi512_ps(_mm512_unpackhi_epi32(r[6], r[7]));
+  __m512i s0 = _mm512_castps_si512(_mm512_shuffle_ps(t0, t2, 0x44));
+  __m512i s1 = _mm512_castps_si512(_mm512_shuffle_ps(t0, t2, 0xEE));
+  __m512i s2 = _mm512_castps_si512(_mm512_shuffle_ps(t1, t3, 0x44));
+  __m512i s3 = _mm512_castps_si512(_mm512_shuffle_ps(t1, t3, 0xEE));
+  __m512i s4 = _mm512_castps_si512(_mm512_shuffle_ps(t4, t6, 0x44));
+  __m512i s5 = _mm512_castps_si512(_mm512_shuffle_ps(t4, t6, 0xEE));
+  __m512i s6 = _mm512_castps_si512(_mm512_shuffle_ps(t5, t7, 0x44));
+  __m512i s7 = _mm512_castps_si512(_mm512_shuffle_ps(t5, t7, 0xEE));
+  /* s0's 128-bit lanes: word 0 of rows 0-3, word 4 of rows 0-3, word 0 of rows 8-11, word 4 of rows 8-11 */
+  const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  out[0] = _mm512_permutex2var_epi64(s0, lo, s4);
+  out[1] = _mm512_permutex2var_epi64(s1, lo, s5);
+  out[2] = _mm512_permutex2var_epi64(s2, lo, s6);
+  out[3] = _mm512_permutex2var_epi64(s3, lo, s7);
+  out[4] = _mm512_permutex2var_epi64(s0, hi, s4);
+  out[5] = _mm512_permutex2var_epi64(s1, hi, s5);
+  out[6] = _mm512_permutex2var_epi64(s2, hi, s6);
+  out[7] = _mm512_permutex2var_epi64(s3, hi, s7);
+}
+
+/* value p of every lane's word, as float */
+AI v16f unpack16(__m512i w, int p, const int BITS) {
+  const uint32_t MASK = (1u << BITS) - 1u;
+  const int PF = 32 / BITS;
+  __m512i q;
+  if (p == PF - 1) q = _mm512_srli_epi32(w, BITS * p);
+  else if (p == 0) q = _mm512_and_si512(w, _mm512_set1_epi32((int)MASK));
+  else if (BITS == 8) /* byte p of each dword to its low byte, the rest zero: one in-lane shuffle */
+    q = _mm512_shuffle_epi8(w, _mm512_or_si512(_mm512_set1_epi32((int)(0x80808000u | (uint32_t)p)),
+                                               _mm512_set_epi32(12, 8, 4, 0, 12, 8, 4, 0, 12, 8, 4, 0, 12, 8, 4, 0)));
+  else q = _mm512_and_si512(_mm512_srli_epi32(w, BITS * p), _mm512_set1_epi32((int)MASK));
+  return (v16f)_mm512_cvtepi32_ps(q);
+}
+
+/* tile16 at M = 1 where groups are whole steps (8 words): the group's
+ * scales once, the step unrolled, ~1.1x. */
+AI void tile16_m1(const job_t* J, int64_t n, int64_t m, const int BITS) {
+  const int PF = 32 / BITS;
+  const int64_t K = J->K, KW = K / PF, gs = J->gs, G = K / gs, GW = gs / PF;
+  const float* x = J->x + m * K;
+  const uint32_t* src = J->w + n * KW;
+  const char* ahead = (const char*)(src + PF_ROWS * KW); /* as in tile16 */
+  v16f acc = splat16(0.0f), sc, bi;
+  __m512i tw[8];
+  for (int64_t g = 0, kw = 0; g < G; g++) {
+    float ts[16], tb[16];
+    for (int r = 0; r < 16; r++) {
+      ts[r] = J->s[(n + r) * G + g];
+      tb[r] = J->b[(n + r) * G + g];
+    }
+    memcpy(&sc, ts, sizeof ts);
+    memcpy(&bi, tb, sizeof tb);
+    for (const int64_t kend = kw + GW; kw < kend; kw += 8, ahead += 512) {
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+      transpose16x8(src + kw, KW, tw);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; j++)
+#pragma GCC unroll 16
+        for (int p = 0; p < PF; p++) {
+          v16f d = unpack16(tw[j], p, BITS);
+          d = sc * d; /* MLX: scale * w + bias, two roundings */
+          d = d + bi;
+          acc += splat16(x[(kw + j) * PF + p]) * d;
+        }
+    }
+  }
+  memcpy(J->y + m * J->N + n, &acc, sizeof acc);
+}
+/* One tile: rows n .. n + 16 of y, rows m .. m + MB of x. One block of 16
+ * rows, not several side by side as the 8-row tiles: the whole block's words
+ * for 8 k-words and its scales stay in registers (two blocks spill them: a
+ * third slower in L2), and one sum a lane is not the limit here. */
+AI void tile16(const job_t* J, int64_t n, int64_t m, const int BITS, const int MB) {
+  const int PF = 32 / BITS;
+  const int64_t K = J->K, KW = K / PF, gs = J->gs, G = K / gs, N = J->N;
+  const float* x = J->x + m * K;
+  const uint32_t* src = J->w + n * KW;
+  /* The rows PF_ROWS ahead follow in memory: fetched into L2 in address
+     order, a tile's size over a tile's steps, the next tiles start warm; 16
+     streams of a few lines each are more than the hardware prefetcher
+     follows (measured: half the speed of an L2-resident matrix without it). */
+  const char* ahead = (const char*)(src + PF_ROWS * KW);
+  v16f acc[4];
+  v16f sc = {0}, bi = {0};
+  __m512i tw[8];
+#pragma GCC unroll 4
+  for (int mb = 0; mb < MB; mb++) acc[mb] = splat16(0.0f);
+  if (MB == 1 && (gs / PF) % 8 == 0) {
+    tile16_m1(J, n, m, BITS);
+    return;
+  }
+  int64_t next_group = 0, g = 0;
+  for (int64_t kw = 0; kw < KW; kw += 8, ahead += 512) {
+    const int nw = KW - kw < 8 ? (int)(KW - kw) : 8;
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+    if (nw == 8) {
+      transpose16x8(src + kw, KW, tw);
+    } else {
+      for (int j = 0; j < nw; j++) {
+        uint32_t t[16];
+        for (int r = 0; r < 16; r++) t[r] = src[r * KW + kw + j];
+        memcpy(&tw[j], t, sizeof t);
+      }
+    }
+    for (int j = 0; j < nw; j++) {
+      const int64_t k0 = (kw + j) * PF;
+      if (k0 == next_group) { /* a new group: its scale and bias for the tile's rows */
+        float ts[16], tb[16];
+        for (int r = 0; r < 16; r++) {
+          ts[r] = J->s[(n + r) * G + g];
+          tb[r] = J->b[(n + r) * G + g];
+        }
+        memcpy(&sc, ts, sizeof ts);
+        memcpy(&bi, tb, sizeof tb);
+        next_group += gs;
+        g++;
+      }
+#pragma GCC unroll 16
+      for (int p = 0; p < PF; p++) {
+        v16f d = unpack16(tw[j], p, BITS);
+        d = sc * d; /* MLX: scale * w + bias, two roundings */
+        d = d + bi;
+#pragma GCC unroll 4
+        for (int mb = 0; mb < MB; mb++) acc[mb] += splat16(x[mb * K + k0 + p]) * d;
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int mb = 0; mb < MB; mb++) memcpy(J->y + (m + mb) * N + n, &acc[mb], sizeof(v16f));
+}
+#define HAVE_TILE16 1
+#else
+#define HAVE_TILE16 0
+#endif
+
 /* Rows that do not fill a block of 8: MLX's loop as it is. */
 static void rows_scalar(const job_t* J, int bits, int64_t n0, int64_t n1) {
   const int PF = 32 / bits;
@@ -173,6 +347,35 @@ static void rows_scalar(const job_t* J, int bits, int64_t n0, int64_t n1) {
     }
 }
 
+#if HAVE_TILE16
+/* A 16-row tile where two blocks of 8 are left (*step = 2 blocks), x's rows
+ * four at a time; 0 where not (the 8-row tiles below take it). */
+/* Each (bits, rows of x) tile a function of its own: inlined together
+ * into one loop the M = 2 tiles ran ~10% slower than alone. */
+#define DEFINE_TILE16(BITS, MB) \
+  __attribute__((noinline)) static void tile16_##BITS##_##MB(const job_t* J, int64_t n, int64_t m) { tile16(J, n, m, BITS, MB); }
+#define DEFINE_TILES16(BITS) DEFINE_TILE16(BITS, 1) DEFINE_TILE16(BITS, 2) DEFINE_TILE16(BITS, 3) DEFINE_TILE16(BITS, 4)
+DEFINE_TILES16(2)
+DEFINE_TILES16(4)
+DEFINE_TILES16(8)
+
+AI int TILE16(const job_t* J, int64_t n, int64_t left, const int BITS, int* step) {
+  if (left < 2) return 0;
+  static void (*const tiles[3][4])(const job_t*, int64_t, int64_t) = {
+      {tile16_2_1, tile16_2_2, tile16_2_3, tile16_2_4},
+      {tile16_4_1, tile16_4_2, tile16_4_3, tile16_4_4},
+      {tile16_8_1, tile16_8_2, tile16_8_3, tile16_8_4}};
+  void (*const* t)(const job_t*, int64_t, int64_t) = tiles[BITS == 2 ? 0 : BITS == 4 ? 1 : 2];
+  int64_t m = 0;
+  for (; m + 4 <= J->M; m += 4) t[3](J, n, m);
+  if (J->M > m) t[J->M - m - 1](J, n, m);
+  *step = 2;
+  return 1;
+}
+#else
+#define TILE16(J, n, left, BITS, step) 0
+#endif
+
 /* Tiles of NB blocks along the job's rows (then single blocks for what is
  * left), MB rows of x at a time (then fewer for what is left). */
 #define DEFINE_ROWS(BITS)                                                                        \
@@ -183,6 +386,10 @@ static void rows_scalar(const job_t* J, int bits, int64_t n0, int64_t n1) {
       const int64_t left = (end - n) / 8;                                                        \
       int64_t m = 0;                                                                             \
       int step;                                                                                  \
+      if (TILE16(J, n, left, BITS, &step)) {                                                     \
+        n += 8 * (int64_t)step;                                                                  \
+        continue;                                                                                \
+      }                                                                                          \
       if (J->M == 1 && left >= 8) {                                                              \
         tile(J, n, 0, BITS, 8, 1);                                                               \
         step = 8;                                                                                \
@@ -215,29 +422,135 @@ static void run_job(const job_t* J, int bits) {
   else rows_2(J);
 }
 
-/* Threads take chunks of CHUNK rows off a shared counter, not fixed shares:
+/* ---- the threads ----
+ *
+ * Threads take chunks of CHUNK rows off a shared counter, not fixed shares:
  * on a machine shared with other work one core may be slower than the other,
  * and a fixed split waits for the slower. A row's result does not depend on
- * which thread computes it. */
+ * which thread computes it.
+ *
+ * The threads are made once and kept (a decode step makes ~200 calls; a
+ * pthread_create and join per call cost more than a small matrix's work),
+ * woken per call through a condition variable. They do not spin for the
+ * next call: on a machine shared with other work a spinning thread takes a
+ * core from it (a whole decode step measured ~5-15% slower with a 100 us
+ * spin under load 3 on 2 cores, and no faster when quieter). The caller works too and waits only for the
+ * chunks to be done, never for a worker to wake: a worker that wakes late
+ * finds the counter spent (the call's number is in the counter's high bits,
+ * so a late worker cannot take a chunk of the next call). Calls from several
+ * threads take turns (a mutex); after fork() the child starts with no workers
+ * and makes them again on its first call. */
 #define CHUNK 64
+#define MAX_THREADS 16
+
+typedef void (*chunk_fn)(const void* ctx, int64_t c);
+
+static struct {
+  pthread_mutex_t call; /* one call at a time */
+  pthread_mutex_t mu;   /* with wake: workers sleep on it */
+  pthread_cond_t wake;
+  int workers;      /* started so far */
+  int want;         /* workers that take part in this call (index < want) */
+  uint32_t gen;     /* the call's number; a change wakes the workers */
+  uint64_t counter; /* gen << 32 | next chunk (atomic) */
+  int64_t chunks;
+  int64_t done; /* chunks finished (atomic) */
+  chunk_fn fn;
+  const void* ctx;
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+/* Take and run chunks of call `gen` until none is left. */
+static void take_chunks(uint32_t gen) {
+  uint64_t cur = __atomic_load_n(&P.counter, __ATOMIC_ACQUIRE);
+  for (;;) {
+    if ((uint32_t)(cur >> 32) != gen || (int64_t)(uint32_t)cur >= P.chunks) return;
+    if (!__atomic_compare_exchange_n(&P.counter, &cur, cur + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+    P.fn(P.ctx, (int64_t)(uint32_t)cur); /* the call waits for this chunk: its fn and ctx stay valid */
+    __atomic_fetch_add(&P.done, 1, __ATOMIC_RELEASE);
+    cur = __atomic_load_n(&P.counter, __ATOMIC_ACQUIRE);
+  }
+}
+
+static void* worker(void* arg) {
+  const int index = (int)(intptr_t)arg;
+  uint32_t seen = 0;
+  for (;;) {
+    pthread_mutex_lock(&P.mu);
+    while (__atomic_load_n(&P.gen, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&P.wake, &P.mu);
+    seen = __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE);
+    pthread_mutex_unlock(&P.mu);
+    if (index < __atomic_load_n(&P.want, __ATOMIC_ACQUIRE)) take_chunks(seen);
+  }
+  return 0;
+}
+
+static void at_fork_prepare(void) { pthread_mutex_lock(&P.call); }
+static void at_fork_parent(void) { pthread_mutex_unlock(&P.call); }
+static void at_fork_child(void) { /* only the forking thread lives on: no workers, fresh locks */
+  pthread_mutex_init(&P.call, 0);
+  pthread_mutex_init(&P.mu, 0);
+  pthread_cond_init(&P.wake, 0);
+  P.workers = 0;
+}
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void register_fork(void) { pthread_atfork(at_fork_prepare, at_fork_parent, at_fork_child); }
+
+/* fn(ctx, c) for every c in [0, chunks), on up to nthreads threads (this one included). */
+static void parallel_for(int64_t chunks, chunk_fn fn, const void* ctx, int nthreads) {
+  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  if (nthreads > chunks) nthreads = (int)chunks;
+  if (nthreads <= 1 || chunks >= (1ll << 31)) {
+    for (int64_t c = 0; c < chunks; c++) fn(ctx, c);
+    return;
+  }
+  pthread_once(&fork_once, register_fork);
+  pthread_mutex_lock(&P.call);
+  while (P.workers < nthreads - 1) { /* a thread that cannot start leaves its chunks to the others */
+    pthread_t th;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int ok = pthread_create(&th, &attr, worker, (void*)(intptr_t)P.workers) == 0;
+    pthread_attr_destroy(&attr);
+    if (!ok) break;
+    P.workers++;
+  }
+  P.fn = fn;
+  P.ctx = ctx;
+  P.chunks = chunks;
+  __atomic_store_n(&P.done, 0, __ATOMIC_RELAXED);
+  __atomic_store_n(&P.want, nthreads - 1, __ATOMIC_RELAXED);
+  const uint32_t gen = P.gen + 1;
+  __atomic_store_n(&P.counter, (uint64_t)gen << 32, __ATOMIC_RELEASE);
+  pthread_mutex_lock(&P.mu);
+  __atomic_store_n(&P.gen, gen, __ATOMIC_RELEASE);
+  pthread_cond_broadcast(&P.wake);
+  pthread_mutex_unlock(&P.mu);
+  take_chunks(gen);
+  /* the chunks others took are under way: short waits */
+  while (__atomic_load_n(&P.done, __ATOMIC_ACQUIRE) < chunks) {
+#if defined(__SSE2__)
+    _mm_pause();
+#endif
+  }
+  /* spent for good: a worker still holding this call's last counter value
+     cannot take "chunk `chunks`" once the next call's fields are written */
+  __atomic_store_n(&P.counter, (uint64_t)gen << 32 | 0xFFFFFFFFu, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&P.call);
+}
+
 typedef struct {
   job_t base;
   int bits;
   int64_t chunks;
-  int64_t next; /* the next chunk to take (atomic) */
-} pool_t;
+} qmm_ctx_t;
 
-static void* run(void* a) {
-  pool_t* p = a;
-  for (;;) {
-    int64_t c = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
-    if (c >= p->chunks) break;
-    job_t j = p->base;
-    j.n0 = c * CHUNK;
-    j.n1 = c == p->chunks - 1 ? p->base.N : j.n0 + CHUNK; /* the last takes the rows past the last block */
-    run_job(&j, p->bits);
-  }
-  return 0;
+static void qmm_chunk(const void* a, int64_t c) {
+  const qmm_ctx_t* p = a;
+  job_t j = p->base;
+  j.n0 = c * CHUNK;
+  j.n1 = c == p->chunks - 1 ? p->base.N : j.n0 + CHUNK; /* the last takes the rows past the last block */
+  run_job(&j, p->bits);
 }
 
 /* The entry point. x: M x K, w: N x K*bits/32 words, scales and biases: N x
@@ -249,20 +562,12 @@ int qmm_t(float* y, const float* x, const uint32_t* w, const float* scales, cons
   if ((bits != 2 && bits != 4 && bits != 8) || group_size <= 0 || K % group_size || group_size % (32 / bits))
     return -1;
   if (M <= 0 || N <= 0) return 0;
-  pool_t pool = {{y, x, w, scales, biases, M, N, K, group_size, 0, N}, bits, 0, 0};
-  pool.chunks = N / CHUNK > 0 ? N / CHUNK : 1;
-  if (nthreads > 16) nthreads = 16;
-  if (nthreads > pool.chunks) nthreads = (int)pool.chunks;
-  if (nthreads <= 1) {
-    run_job(&pool.base, bits);
+  qmm_ctx_t ctx = {{y, x, w, scales, biases, M, N, K, group_size, 0, N}, bits, N / CHUNK > 0 ? N / CHUNK : 1};
+  if (nthreads <= 1 || ctx.chunks == 1) {
+    run_job(&ctx.base, bits);
     return 0;
   }
-  pthread_t th[16];
-  int started[16] = {0};
-  for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&th[t], 0, run, &pool) == 0;
-  run(&pool); /* this thread works too; a thread that could not start leaves its chunks to the others */
-  for (int t = 1; t < nthreads; t++)
-    if (started[t]) pthread_join(th[t], 0);
+  parallel_for(ctx.chunks, qmm_chunk, &ctx, nthreads);
   return 0;
 }
 
@@ -322,27 +627,21 @@ typedef struct {
   int64_t N, K, gs;
   int bits;
   int64_t chunks;
-  int64_t next; /* the next chunk to take (atomic) */
-} dq_pool_t;
+} dq_ctx_t;
 
-static void* dq_run(void* a) {
-  dq_pool_t* p = a;
+static void dq_chunk(const void* a, int64_t c) {
+  const dq_ctx_t* p = a;
   const int64_t KW = p->K * p->bits / 32, G = p->K / p->gs;
-  for (;;) {
-    int64_t c = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
-    if (c >= p->chunks) break;
-    const int64_t n0 = c * CHUNK, n1 = c == p->chunks - 1 ? p->N : n0 + CHUNK;
-    for (int64_t n = n0; n < n1; n++) {
-      float* o = p->out + n * p->K;
-      const uint32_t* w = p->w + n * KW;
-      const float *s = p->s + n * G, *b = p->b + n * G;
-      if (p->gs % 16) dq_row_scalar(o, w, s, b, p->K, p->gs, p->bits);
-      else if (p->bits == 8) dq_row(o, w, s, b, p->K, p->gs, 8);
-      else if (p->bits == 4) dq_row(o, w, s, b, p->K, p->gs, 4);
-      else dq_row(o, w, s, b, p->K, p->gs, 2);
-    }
+  const int64_t n0 = c * CHUNK, n1 = c == p->chunks - 1 ? p->N : n0 + CHUNK;
+  for (int64_t n = n0; n < n1; n++) {
+    float* o = p->out + n * p->K;
+    const uint32_t* w = p->w + n * KW;
+    const float *s = p->s + n * G, *b = p->b + n * G;
+    if (p->gs % 16) dq_row_scalar(o, w, s, b, p->K, p->gs, p->bits);
+    else if (p->bits == 8) dq_row(o, w, s, b, p->K, p->gs, 8);
+    else if (p->bits == 4) dq_row(o, w, s, b, p->K, p->gs, 4);
+    else dq_row(o, w, s, b, p->K, p->gs, 2);
   }
-  return 0;
 }
 
 /* out (N x K float32) = dequantize(w, scales, biases) as mx.dequantize
@@ -352,14 +651,7 @@ int dequantize(float* out, const uint32_t* w, const float* scales, const float* 
   if ((bits != 2 && bits != 4 && bits != 8) || group_size <= 0 || K % group_size || group_size % (32 / bits))
     return -1;
   if (N <= 0 || K <= 0) return 0;
-  dq_pool_t pool = {out, w, scales, biases, N, K, group_size, bits, N / CHUNK > 0 ? N / CHUNK : 1, 0};
-  if (nthreads > 16) nthreads = 16;
-  if (nthreads > pool.chunks) nthreads = (int)pool.chunks;
-  pthread_t th[16];
-  int started[16] = {0};
-  for (int t = 1; t < nthreads; t++) started[t] = pthread_create(&th[t], 0, dq_run, &pool) == 0;
-  dq_run(&pool);
-  for (int t = 1; t < nthreads; t++)
-    if (started[t]) pthread_join(th[t], 0);
+  dq_ctx_t ctx = {out, w, scales, biases, N, K, group_size, bits, N / CHUNK > 0 ? N / CHUNK : 1};
+  parallel_for(ctx.chunks, dq_chunk, &ctx, nthreads);
   return 0;
 }
