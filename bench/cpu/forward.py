@@ -207,7 +207,8 @@ def verify_costs(
     if not model_free(draft_name):  # load_model: a drafter may ship without a tokenizer (it borrows the target's)
         from mlx_lm.utils import load_model
 
-        drafter = load_model(resolve_model(draft_name))[0]
+        # draft=True: the format the engine drafts in (the 0.5B in q8, not the float32 it is served in alone)
+        drafter = load_model(resolve_model(draft_name, draft=True))[0]
         if mx.default_device() == mx.cpu:
             qmm_linear.install(drafter)  # as engine.mlx.draft_model does
         draft = width_leg(drafter, ids, rounds, steps, 1)[1]
