@@ -11,8 +11,9 @@ Names: the bundled and packaged short names, every mlx-lm directory, GGUF file a
 sentence-transformers directory under ``models_dir``, ``--model`` itself, and
 the embedding short names (``all-minilm-l6-v2``); aliases (``--alias NAME=MODEL``,
 glob patterns allowed) map a client's fixed names onto them. Memory is measured
-once loaded (the weights' array bytes, KV and RAM-tier bytes from the engine's
-stats); before a load, the weights' size on disk stands in for it.
+once loaded (the weights' array bytes, a draft model's included, KV and RAM-tier
+bytes from the engine's stats); before a load, the weights' size on disk (the
+drafter's added) stands in for it.
 
 The SSD tier: each chat model has its own folder (``ember/ssd_folders.py``)
 and all of them share the one byte cap of ``--ssd-cache-max``
@@ -165,6 +166,23 @@ def _dir_size(path: pathlib.Path) -> int | None:
         return None
 
 
+def _disk_size(target: str) -> int | None:
+    """A bundled model's, a drafter's, a directory's or a downloaded hub model's
+    weights on disk; None when unknown (a packaged GGUF before its conversion,
+    a hub model before its pull)."""
+    with contextlib.suppress(Exception):
+        from engine.models import BUNDLED, DRAFTERS
+
+        path = BUNDLED.get(target) or DRAFTERS.get(target) or pathlib.Path(target).expanduser()
+        if not path.exists():  # a hub name: its size where it already is (none before a pull)
+            from engine.models import hub
+
+            ref = hub.parse(target)
+            path = (hub.local_path(ref) if ref is not None else None) or path
+        return _dir_size(path)
+    return None
+
+
 def discover(models_dir: str | None) -> list[tuple[str, str, str]]:
     """(name, kind, path) for every model under ``models_dir``: mlx-lm
     directories (config.json + safetensors), sentence-transformers
@@ -236,16 +254,10 @@ class Registry:
         target = config.model
         size = None
         if config.backend == "mlx":
-            with contextlib.suppress(Exception):
-                from engine.models import BUNDLED
-
-                path = BUNDLED.get(target) or pathlib.Path(target).expanduser()
-                if not path.exists():  # a hub name: its size where it already is (none before a pull)
-                    from engine.models import hub
-
-                    ref = hub.parse(target)
-                    path = (hub.local_path(ref) if ref is not None else None) or path
-                size = _dir_size(path)
+            size = _disk_size(target)
+            if size is not None and config.draft_model and not model_free(config.draft_model):
+                # the drafter loads inside this model's engine: it is this entry's memory too
+                size += _disk_size(config.draft_model) or 0
         kw.setdefault("size_bytes", size)
         return ModelEntry(name=name, kind="chat", source=source, target=target, config=config, **kw)
 
@@ -618,16 +630,30 @@ def busy(engine: Served) -> bool:
 
 
 def measure(engine: Any) -> dict[str, int]:
-    """What a loaded model holds, measured: its weights' array bytes, and its KV
-    and RAM-tier bytes from the engine's stats."""
+    """What a loaded model holds, measured: its weights' array bytes (its draft
+    model's too), and its KV and RAM-tier bytes from the engine's stats."""
     if isinstance(engine, EmbeddingEngine):
         return engine.memory()
     out = {"weights_bytes": weight_bytes(engine.backend)}
+    draft = draft_weight_bytes(engine)
+    if draft:
+        out["draft_weights_bytes"] = draft
     st = engine.stats()
     out["ram_tier_bytes"] = int((st.get("prompt_cache") or {}).get("bytes", 0) or 0)
     sched = st.get("scheduler") or {}
     out["kv_bytes"] = int(sched.get("kv_bytes", 0) or 0)
     return out
+
+
+def draft_weight_bytes(engine: Any) -> int:
+    """The draft model's weights (``--draft-model``): it loads inside the target's
+    engine (``ember.spec_build``), beside ``engine.backend``, so the backend's
+    parameters alone leave it out of the budget. 0 for prompt lookup and suffix
+    decoding, which hold no model."""
+    spec = getattr(engine, "speculation", None)
+    core = getattr(getattr(spec, "drafter", None), "core", None)
+    model = getattr(core, "model", None)  # ModelDrafterCore's DraftModel
+    return weight_bytes(model) if model is not None else 0
 
 
 def weight_bytes(backend: Any) -> int:

@@ -63,3 +63,34 @@ def test_keep_alive_and_lru_budget_in_virtual_time():
         assert {e.name for e in reg.loaded()} == {"b", "c"} and reg.evictions["memory"] == 1
 
     anyio.run(_run, reg, body, backend="asyncio", backend_options={"loop_factory": async_solipsism.EventLoop})
+
+
+def test_a_drafter_counts_in_its_models_memory_estimate():
+    """--draft-model loads inside --model's engine: the estimate before a load adds its weights on disk."""
+    from engine.models import BUNDLED
+
+    def disk(name):
+        return sum(p.stat().st_size for p in BUNDLED[name].glob("*.safetensors"))
+
+    def estimate(draft):
+        base = EngineConfig(backend="mlx", model="tiny", draft_model=draft)
+        return Registry(base, default="tiny", short_names=False).entries["tiny"].size_bytes
+
+    assert estimate(None) == estimate("ngram") == disk("tiny")  # prompt lookup holds no model
+    assert estimate("tiny-draft") == disk("tiny") + disk("tiny-draft")
+
+
+def test_a_drafter_counts_in_its_models_measured_memory():
+    from types import SimpleNamespace
+
+    from actors.drafter_cores import ModelDrafterCore, NgramDrafterCore
+    from ember.registry import measure
+
+    def engine(core):
+        spec = SimpleNamespace(drafter=SimpleNamespace(core=core)) if core is not None else None
+        return SimpleNamespace(backend=SimpleNamespace(weight_bytes=100), speculation=spec, stats=dict)
+
+    drafted = measure(engine(ModelDrafterCore(SimpleNamespace(weight_bytes=7))))
+    assert drafted["draft_weights_bytes"] == 7 and sum(drafted.values()) == 107
+    for core in (None, NgramDrafterCore()):
+        assert "draft_weights_bytes" not in measure(engine(core)) and sum(measure(engine(core)).values()) == 100
