@@ -5,9 +5,10 @@
         [--embed all-minilm-l6-v2] [--max-memory 6] [--tokens 8] [--out FILE]
 
 One ``ember serve --model M [--draft-model D] --max-memory G --no-ssd-cache`` (a
-subprocess on a free port), then, one request at a time: a streamed greedy chat
-completion to M (which loads M and its drafter), one ``/v1/embeddings`` request
-to E (which loads E on demand), one more chat completion to M. After each step:
+subprocess on a free port), which loads M and its drafter as it starts (step 0),
+then, one request at a time: a streamed greedy chat completion to M, one
+``/v1/embeddings`` request to E (which loads E on demand), one more chat
+completion to M. After each step:
 the server's RSS and peak RSS (``/proc/PID/status`` VmRSS and VmHWM, its child
 processes added), the registry's own accounting from ``/stats`` (its
 ``max_memory_bytes``, the bytes it counts per loaded model, its evictions) and
@@ -16,7 +17,10 @@ which models are loaded.
 Met when every model is still loaded at the end, M with its drafter (none was
 unloaded to make room: no memory eviction, M and E loaded once each) and the
 peak RSS is within the budget. A Markdown table and the verdict on stdout
-(and in ``--out``).
+(and in ``--out``); exit status 1 when not met. A step whose request or
+``/stats`` fails is a row with the error: once the registry has unloaded
+--model itself to make room, the server answers 503 to both
+(``transport/server/http.py``'s ``require_engine`` wants the default loaded).
 """
 
 from __future__ import annotations
@@ -94,6 +98,10 @@ def process_memory(pid: int) -> tuple[int, int]:
         rss += st.get("VmRSS", 0)
         peak += st.get("VmHWM", 0)
     return rss, peak
+
+
+async def _nothing() -> None:
+    return None
 
 
 async def chat(client: httpx.AsyncClient, model: str, prompt: str, tokens: int) -> None:
@@ -209,6 +217,7 @@ async def run(args: argparse.Namespace) -> tuple[bool, str]:
         try:
             async with httpx.AsyncClient(base_url=server.url, timeout=900) as client:
                 plan = [
+                    ("0. started, no request yet", _nothing),  # the server loads --model (and its drafter) at start
                     (f"1. chat `{args.model}`", lambda: chat(client, args.model, "Say hello.", args.tokens)),
                     (f"2. embed `{args.embed}`", lambda: embed(client, args.embed, "a short note about rivers")),
                     (f"3. chat `{args.model}`", lambda: chat(client, args.model, "Name a color.", args.tokens)),

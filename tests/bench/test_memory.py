@@ -50,9 +50,9 @@ def test_end_to_end_on_tiny(tmp_path, capsys):
     assert main([*args, "--max-memory", "8", "--out", str(big)]) == 0
     report = big.read_text()
     rows = [r for r in report.splitlines() if r.startswith("| ") and not r.startswith("| step")]
-    assert [r.split("|")[1].strip()[:2] for r in rows] == ["1.", "2.", "3."]
-    assert f"`{M}` + draft `{D}`" in rows[0] and f"`{E}`" not in rows[0]
-    assert f"`{M}` + draft `{D}`" in rows[2] and f"`{E}`" in rows[2]
+    assert [r.split("|")[1].strip()[:2] for r in rows] == ["0.", "1.", "2.", "3."]
+    assert f"`{M}` + draft `{D}`" in rows[1] and f"`{E}`" not in rows[1]
+    assert f"`{M}` + draft `{D}`" in rows[3] and f"`{E}`" in rows[3]
     assert "**Verdict:** MET" in report
     # a budget below the server's own RSS (~0.4 GiB here) and below tiny + the encoder
     # (~0.105 GiB): the registry unloads one to load the other, and RSS exceeds it
