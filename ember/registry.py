@@ -41,6 +41,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from actors.durability import FlushReport
 from ember.api import Engine
 from ember.assemble import load_ports
 from ember.embed import EmbeddingEngine
@@ -121,6 +122,9 @@ class ModelEntry:
     memory: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     loads: int = 0
+    # what the flush of its last unload found (the drain runs it); None: loaded since, unloading,
+    # or the drain missed its deadline (not durable)
+    unload_flush: FlushReport | None = None
     _ready: anyio.Event | None = None
     _stop: anyio.Event | None = None
     _stopped: anyio.Event | None = None
@@ -509,6 +513,7 @@ class Registry:
         try:
             async with self._open(entry) as engine:
                 entry.engine = engine
+                entry.unload_flush = None  # requests run on it from here: an earlier unload's flush is stale
                 entry.fire(ModelEvent.OPENED)
                 entry.loads += 1
                 entry.load_s = time.perf_counter() - t0
@@ -519,7 +524,10 @@ class Registry:
                 log.info("[registry] loaded %s in %.2fs memory=%s", entry.name, entry.load_s, entry.memory)
                 await entry._stop.wait()
                 entry.fire(ModelEvent.STOP)
-                await engine.drain()  # running requests finish, write-behind flushes
+                drained = await engine.drain()  # running requests finish, write-behind flushes
+                # no SSD tier: no flush ran, and an empty report is durable (as Engine.aflush answers)
+                flush = getattr(engine, "last_flush", None) or FlushReport(durable=True)
+                entry.unload_flush = flush if drained else None
         except Exception as exc:  # noqa: BLE001 - a failed load is the requests' 5xx, not the server's death
             entry.error = f"{type(exc).__name__}: {exc}"
             log.error("[registry] %s failed: %s", entry.name, entry.error)
@@ -568,6 +576,11 @@ class Registry:
         await entry._stopped.wait()
         _release_memory()
         return True
+
+    def last_flush(self, name: str) -> FlushReport:
+        """What an unloaded model's cache flush found: the one its unload ran, since
+        nothing has run on it after. Not durable when that drain missed its deadline."""
+        return self.resolve(name).unload_flush or FlushReport(durable=False)
 
     async def _reaper(self) -> None:
         """Unload models idle longer than their keep-alive (none for --model by default, or pinned)."""

@@ -643,16 +643,16 @@ def _drain_first(server: Any, state: Any) -> None:
 
     def handle_exit(sig: int, frame: Any) -> None:
         nonlocal draining
-        engine = state.engine
-        if draining or engine is None or state.phase != "ready":
+        # ready, the default model loaded or not (the registry may have unloaded it): drain what is loaded
+        if draining or state.phase != "ready":
             default(sig, frame)
             return
         draining = True
-        loop.call_soon_threadsafe(lambda: loop.create_task(drain(engine)))
+        loop.call_soon_threadsafe(lambda: loop.create_task(drain()))
 
-    async def drain(engine: Any) -> None:
+    async def drain() -> None:
         try:
-            if not await state.drain_all():  # every loaded model, the default (``engine``) among them
+            if not await state.drain_all():  # every loaded model, the default among them when loaded
                 server.force_exit = True  # the deadline is spent: do not wait for connections again
         finally:
             server.should_exit = True

@@ -290,6 +290,28 @@ async def test_http_flush_route_answers_200_only_when_durable(tmp_path, monkeypa
             assert stats["pending_snapshots"] == 1 and stats["failed_spills"] == 1
 
 
+async def test_http_flush_route_with_the_default_model_unloaded_answers_its_unloads_flush(tmp_path):
+    """The registry may unload ``--model``; its unload drained and flushed it, and nothing
+    has run on it since, so that flush's report is the route's answer (and nothing loads)."""
+    import httpx
+
+    from transport.server.http import build_app
+
+    app = build_app(fake(tmp_path))
+    async with app.router.lifespan_context(app):
+        await app.state.ember.settled.wait()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ember") as client:
+            r = await client.post("/v1/completions", json={"prompt": "persist me please " * 4, "max_tokens": 3})
+            assert r.status_code == 200
+            r = await client.post("/admin/models/fake-gpu-0/unload", json={})
+            assert r.status_code == 200 and r.json()["unloaded"] is True
+            r = await client.post("/admin/cache/flush", json={})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["durable"] is True and body["flushed"] == 1 and body["entries"] == 1
+            assert app.state.ember.registry.entries["fake-gpu-0"].state == "available"
+
+
 # ---------------------------------------------------------------------------
 # Real processes: `ember serve --fake-gpu --ssd-cache DIR`, signals, restarts.
 

@@ -239,7 +239,7 @@ async def test_models_and_model_detail():
 async def test_health_stats_and_metrics():
     async with serving() as (app, client):
         r = await client.get("/health")
-        assert r.status_code == 200 and r.json() == {"status": "ready"}
+        assert r.status_code == 200 and r.json() == {"status": "ready", "loaded": ["fake-gpu-0"]}
         for _ in range(2):
             await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4})
         await client.post("/v1/completions", json={"prompt": "a", "max_tokens": -1})
@@ -288,7 +288,7 @@ async def test_health_503_while_the_model_loads(monkeypatch):
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ember") as client:
             r = await client.get("/health")
-            assert r.status_code == 503 and r.json() == {"status": "starting"}
+            assert r.status_code == 503 and r.json() == {"status": "starting", "loaded": []}
             r = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
             assert_error(r, 503, code="engine_starting")
             assert r.headers["retry-after"] == "1"
@@ -297,6 +297,26 @@ async def test_health_503_while_the_model_loads(monkeypatch):
             assert (await client.get("/health")).status_code == 200
             r = await client.post("/v1/completions", json={"model": "slow", "prompt": "a", "max_tokens": 1})
             assert r.status_code == 200
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real loop: the model "loads" on a thread
+async def test_a_failed_start_answers_503_and_no_request_loads_the_model_again(monkeypatch):
+    loads = []
+
+    def broken_load_ports(config, ports, *, keep_events=None):
+        loads.append(config.model)
+        raise FileNotFoundError("no safetensors in /nonexistent/broken")
+
+    monkeypatch.setattr(registry_mod, "load_ports", broken_load_ports)
+    async with serving(EngineConfig(backend="mlx", model="broken")) as (app, client):
+        assert app.state.ember.phase == "failed"
+        r = await client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "failed"
+        assert_error(
+            await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}), 503, code="engine_dead"
+        )
+        assert_error(await client.get("/stats"), 503, code="engine_dead")
+        assert loads == ["broken"]  # the failed start is final: a request does not retry the load
 
 
 # ---------------------------------------------------------------------------
@@ -442,7 +462,7 @@ async def test_health_and_requests_503_while_draining():
             tg.start_soon(drain)
             await anyio.wait_all_tasks_blocked()
             r = await client.get("/health")
-            assert r.status_code == 503 and r.json() == {"status": "draining"}
+            assert r.status_code == 503 and r.json() == {"status": "draining", "loaded": ["fake-gpu-0"]}
             assert_error(await client.post("/v1/completions", json={"prompt": "a"}), 503, code="engine_draining")
             assert not drained.is_set()
             # the running request still finishes, and then the drain completes
@@ -464,7 +484,7 @@ async def test_a_dead_engine_answers_503_and_health_says_dead():
         r = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 50})
         assert_error(r, 503, code="engine_dead")
         r = await client.get("/health")
-        assert r.status_code == 503 and r.json() == {"status": "dead"}
+        assert r.status_code == 503 and r.json() == {"status": "dead", "loaded": ["fake-gpu-0"]}
         assert_error(await client.post("/v1/completions", json={"prompt": "abc"}), 503, code="engine_dead")
 
 

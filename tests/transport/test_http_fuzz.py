@@ -133,7 +133,7 @@ def test_no_body_gets_a_5xx(client, req):
 
 
 def test_the_server_still_serves_after_the_fuzzing(client):
-    assert client.get("/health").json() == {"status": "ready"}
+    assert client.get("/health").json()["status"] == "ready"
     r = client.post("/v1/completions", json={"prompt": "still here", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     stats = client.get("/stats").json()

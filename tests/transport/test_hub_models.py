@@ -162,7 +162,7 @@ async def test_health_shows_the_pull_at_start(fake_hub, monkeypatch):
             with anyio.fail_after(30):
                 await app.state.ember.settled.wait()
             r = await client.get("/health")
-            assert r.status_code == 200 and r.json() == {"status": "ready"}
+            assert r.status_code == 200 and r.json() == {"status": "ready", "loaded": ["org/tiny"]}
 
 
 async def _chat(client: httpx.AsyncClient, model: str) -> httpx.Response:

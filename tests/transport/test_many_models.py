@@ -245,3 +245,81 @@ async def test_metrics_carry_a_model_label_per_loaded_model():
         got = samples((await client.get("/metrics")).text)
         assert ("ember_ready", b) not in got and got[("ember_ready", a)] == 1
         assert got[("ember_time_to_first_token_seconds_count", b)] == 2  # the HTTP histograms outlive the engine
+
+
+async def test_the_default_model_unloaded_by_admin_loads_again_and_the_server_stays_up():
+    """``--model`` is not pinned, so an admin unload (or the budget, below) may take it. The
+    server is still ready: /health 200 naming what is loaded, /stats and the probes answer
+    without the default's engine stats, and the next request for it loads it again."""
+    async with serving(A, more_models={"b": B}) as (app, client):
+        reg = app.state.ember.registry
+        before = await _complete(client, None, "abc", 8, False)
+        assert before[0] == 200 and (await _complete(client, "b", "hi", 4, False))[0] == 200
+        r = await client.post("/admin/models/fake-gpu-0/unload", json={})
+        assert r.status_code == 200 and r.json()["unloaded"] is True
+        assert reg.entries["fake-gpu-0"].state == "available"
+
+        r = await client.get("/health")
+        assert r.status_code == 200 and r.json() == {"status": "ready", "loaded": ["b"]}
+        r = await client.get("/stats")
+        assert r.status_code == 200, r.text
+        stats = r.json()
+        assert stats["default_model"] == {"name": "fake-gpu-0", "state": "available"}
+        assert "scheduler" not in stats and "cache_misses" not in stats  # no engine: no engine stats
+        assert set(stats["models"]) == {"b"} and "scheduler" in stats["models"]["b"]
+        assert (await client.get("/metrics")).status_code == 200
+        r = await client.post("/admin/cache/flush", json={})  # its unload flushed it (no SSD tier: empty)
+        assert r.status_code == 200 and r.json()["durable"] is True
+        assert (await client.get("/server_info")).status_code == 200
+        assert (await client.get("/get_load")).json()[0]["num_reqs"] == 0
+        assert (await client.get("/health_generate")).status_code == 200
+        assert reg.entries["fake-gpu-0"].state == "available"  # none of these loaded it
+
+        r = await client.post(  # a request that needs the model loads it: count_tokens too
+            "/v1/messages/count_tokens", json={"model": "fake-gpu-0", "messages": [{"role": "user", "content": "x"}]}
+        )
+        assert r.status_code == 200 and r.json()["input_tokens"] > 0
+        assert reg.entries["fake-gpu-0"].loads == 2
+        await client.post("/admin/models/fake-gpu-0/unload", json={})
+        assert await _complete(client, None, "abc", 8, False) == before  # no model named: the default, loaded again
+        assert reg.entries["fake-gpu-0"].loads == 3
+        r = await client.get("/health")
+        assert r.status_code == 200 and r.json()["loaded"] == ["fake-gpu-0", "b"]
+        assert "scheduler" in (await client.get("/stats")).json()  # top-level again
+        await client.post("/admin/models/fake-gpu-0/unload", json={})
+        r = await client.post("/admin/models/fake-gpu-0/load", json={})
+        assert r.status_code == 200 and r.json()["state"] == "loaded"
+
+
+async def test_the_budget_evicts_the_default_model_and_a_chat_to_it_loads_it_again():
+    async with serving(A, more_models={"b": B}, registry_kw={"max_memory": 150}) as (app, client):
+        reg = app.state.ember.registry
+        for e in reg.entries.values():
+            e.size_bytes = 100  # two of them do not fit 150
+        msgs = [{"role": "user", "content": "hi"}]
+        first = await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6})
+        assert first.status_code == 200
+        assert (await _complete(client, "b", "hi", 4, False))[0] == 200  # evicts the default
+        assert reg.evictions["memory"] == 1 and reg.entries["fake-gpu-0"].state == "available"
+        assert (await client.get("/health")).json() == {"status": "ready", "loaded": ["b"]}
+        assert (await client.get("/stats")).status_code == 200
+        again = await client.post(
+            "/v1/chat/completions", json={"model": "fake-gpu-0", "messages": msgs, "max_tokens": 6}
+        )
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+        assert reg.evictions["memory"] == 2 and [e.name for e in reg.loaded()] == ["fake-gpu-0"]
+
+
+async def test_a_drain_with_the_default_model_unloaded_still_answers_503_and_loads_nothing():
+    async with serving(A, more_models={"b": B}) as (app, client):
+        host = app.state.ember
+        await client.post("/admin/models/fake-gpu-0/unload", json={})
+        assert (await _complete(client, "b", "hi", 4, False))[0] == 200
+        assert await host.drain_all()  # what SIGTERM runs (transport/cli.py) before uvicorn stops
+        r = await client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "draining"
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_draining"
+        assert (await client.get("/stats")).status_code == 503
+        assert host.registry.entries["fake-gpu-0"].state == "available"  # not loaded again while draining

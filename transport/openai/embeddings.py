@@ -69,7 +69,7 @@ def _inputs(req: EmbeddingsRequest) -> tuple[list[str] | None, list[list[int]] |
 
 
 async def embeddings(request: Request, host: Any) -> Response:
-    host.require_engine()
+    host.require_ready()
     req = _decode(await read_body(request, host.max_body_bytes))
     if req.encoding_format not in ("float", "base64"):
         raise ApiError(

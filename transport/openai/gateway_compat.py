@@ -177,7 +177,7 @@ async def server_info(request: Request) -> Response:
     """SGLang's ``/server_info`` fields the gateway reads (``served_model_name``,
     ``model_path``, batch limits), plus which extension fields were taken."""
     host = _host(request)
-    engine = host.engine
+    engine = host.engine  # None while the registry has the default model unloaded: its limits are left out
     config = host.config
     body: dict[str, Any] = {
         "engine": "ember",
@@ -227,7 +227,7 @@ def load(host: ServerState) -> dict[str, int]:
     """SGLang's per-DP-rank load entry: requests running and waiting, and the
     tokens held by the running batch (what ``power_of_two`` compares)."""
     engine = host.engine
-    if engine is None:
+    if engine is None:  # the default model is unloaded: nothing runs on it
         return {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
     core = engine.core
     running = [core.rows[rid] for rid in core.active if rid in core.rows]

@@ -5,9 +5,12 @@
 
 The lifespan opens the engine in the background, so ``/health`` answers 503
 while a model loads (and while draining) instead of refusing connections; a
-request that arrives before the engine is ready gets 503 too. Shutting the
-lifespan down closes ``Engine.open``, which drains: no new admissions, the
-running requests finish, then the actors stop. Routes and error shapes are in
+request that arrives before the engine is ready gets 503 too. Once ready, the
+server phase decides the 503s, not which models are loaded: the registry may
+unload any model, ``--model`` too (keep-alive, the memory budget, an admin
+unload), and the next request for it loads it again. Shutting the lifespan
+down closes ``Engine.open``, which drains: no new admissions, the running
+requests finish, then the actors stop. Routes and error shapes are in
 docs/http.md.
 """
 
@@ -154,14 +157,18 @@ class ServerState:
 
     @property
     def engine(self) -> Engine | None:
-        """The default model's engine (gateway_compat, /health, older callers)."""
+        """The default model's engine while it is loaded, else None (the registry may unload it):
+        for what reads its stats. A route that needs the model calls ``engine_for``, which loads it."""
         entry = self.registry.entries.get(self.registry.default or "")
         return entry.engine if entry is not None and entry.state == "loaded" else None
 
+    def loaded_entries(self) -> list[ModelEntry]:
+        """The models loaded now, the default first (/health, /metrics)."""
+        return sorted(self.registry.loaded(), key=lambda e: e.name != self.registry.default)
+
     def loaded_stats(self) -> dict[str, dict[str, Any]]:
         """Each loaded model's ``engine.stats()`` by its served name, the default first (/metrics)."""
-        entries = sorted(self.registry.loaded(), key=lambda e: e.name != self.registry.default)
-        return {e.name: e.engine.stats() for e in entries}
+        return {e.name: e.engine.stats() for e in self.loaded_entries()}
 
     def default_name(self) -> str:
         """The default model's served name, known before it loads (see ``model_name``)."""
@@ -177,7 +184,10 @@ class ServerState:
 
     async def drain_all(self) -> bool:
         """Drain every loaded model at once (each finishes its requests and flushes);
-        True if all of them did within their deadline."""
+        True if all of them did within their deadline. The server is draining from
+        here: /health and new requests answer 503, and no model loads again."""
+        if self.phase == "ready":
+            self.phase = "draining"
         results: list[bool] = []
 
         async def one(engine: Any) -> None:
@@ -242,19 +252,23 @@ class ServerState:
         )
 
     def health(self) -> tuple[str, int]:
-        if self.phase == "ready" and self.engine is not None:
-            status = self.engine.status
-            return status, 200 if status == "ready" else 503
-        return self.phase, 503
-
-    def require_engine(self) -> Engine:
+        """The phase decides; once ready, the default model's engine speaks for the
+        server while it is loaded (draining, dead: 503). Unloaded, it is no outage:
+        the next request for it loads it again."""
         engine = self.engine
-        if engine is None or self.phase != "ready":
+        if self.phase == "ready" and engine is not None:
+            status = engine.status
+            return status, 200 if status == "ready" else 503
+        return self.phase, 200 if self.phase == "ready" else 503
+
+    def require_ready(self) -> None:
+        """503 unless the server is ready (starting, draining, a failed start, stopped).
+        Whether a model is loaded is no reason: ``engine_for`` loads it."""
+        if self.phase != "ready":
             code = "engine_starting" if self.phase == "starting" else "engine_draining"
             if self.phase == "failed":
                 code = "engine_dead"
             raise ApiError(503, f"the server is {self.phase}", "server_error", code=code, headers={"retry-after": "1"})
-        return engine
 
     @property
     def model_name(self) -> str:
@@ -285,7 +299,7 @@ class ServerState:
         Unknown: 404 listing the names; the wrong kind (chat to an embedding
         model, or back): 400; a failed load: 500 naming the cause; a load
         that takes too long, or too many waiting: 503."""
-        self.require_engine()
+        self.require_ready()
         entry = self.entry(requested)
         if entry.kind != kind:
             what = "an embedding model: use /v1/embeddings" if entry.kind == "embed" else "not an embedding model"
@@ -310,8 +324,7 @@ class ServerState:
                 code=code,
                 headers={"retry-after": "1"},
             )
-        if self.phase != "ready":
-            self.require_engine()
+        self.require_ready()  # the server began draining during the load
         adapter = self.registry.adapter_for(requested)  # answers name the adapter asked for
         return engine, adapter.name if adapter is not None else entry.name
 
@@ -369,7 +382,7 @@ async def model_detail(request: Request, host: ServerState) -> Response:
 async def model_load(request: Request, host: ServerState) -> Response:
     """``POST /admin/models/{id}/load``: load now (waits for it); the card after."""
     entry = host.entry(request.path_params["model"])
-    host.require_engine()
+    host.require_ready()
     try:
         await host.registry.engine_for(entry.name)
     except ModelLoadFailed as exc:
@@ -389,10 +402,11 @@ async def model_unload(request: Request, host: ServerState) -> Response:
 
 
 async def health(request: Request, host: ServerState) -> Response:
-    """``{"status": ...}``; while a hub model downloads (``--model ORG/NAME`` at start, or a
-    request's pull), ``"pulls": [{"model", "done_bytes", "total_bytes"}]`` too."""
+    """``{"status": ..., "loaded": [names]}`` (the models loaded now, the default first:
+    any other loads on its first request); while a hub model downloads (``--model ORG/NAME``
+    at start, or a request's pull), ``"pulls": [{"model", "done_bytes", "total_bytes"}]`` too."""
     status, code = host.health()
-    body: dict[str, Any] = {"status": status}
+    body: dict[str, Any] = {"status": status, "loaded": [e.name for e in host.loaded_entries()]}
     pulls = hub.in_flight()
     if pulls:
         body["pulls"] = pulls
@@ -406,14 +420,20 @@ def _plain(obj: Any) -> Any:
 
 
 async def stats(request: Request, host: ServerState) -> Response:
-    engine = host.require_engine()
-    body = {
-        **engine.stats(),
+    """The default model's engine stats top-level (absent while it is unloaded: reading stats
+    loads nothing), the server's counters, and a section for each model held."""
+    host.require_ready()
+    engine = host.engine
+    default = host.registry.entries.get(host.registry.default or "")
+    body: dict[str, Any] = {
+        **(engine.stats() if engine is not None else {}),
+        "default_model": {"name": host.model_name, "state": default.state if default is not None else None},
         "envelope": host.envelope.snapshot(),
         "tool_calls": host.metrics.tool_calls.snapshot(),
         "recent_requests": host.metrics.recent.snapshot(),
-        "cache_misses": cache_miss.miss_log(engine).stats(),  # the last few explained (transport/turn/cache_miss.py)
     }
+    if engine is not None:  # the last few explained (transport/turn/cache_miss.py)
+        body["cache_misses"] = cache_miss.miss_log(engine).stats()
     reg = host.registry.stats()  # the default model's stats stay top-level; every held model gets a section
     body["models"] = {
         name: {**m.pop("stats", {}), "registry": m}
@@ -427,8 +447,11 @@ async def stats(request: Request, host: ServerState) -> Response:
 async def cache_flush(request: Request, host: ServerState) -> Response:
     """``POST /admin/cache/flush``: the durability boundary. 200 only when every
     finished prefix and queued spill is on SSD (renamed, folder fsynced), 503
-    otherwise; the body is the evidence either way (``FlushReport``)."""
-    report = await host.require_engine().aflush()
+    otherwise; the body is the evidence either way (``FlushReport``). The default
+    model unloaded: the flush its unload ran is the answer (nothing has run since)."""
+    host.require_ready()
+    engine = host.engine
+    report = await engine.aflush() if engine is not None else host.registry.last_flush(host.model_name)
     return Response(msgspec.json.encode(report), 200 if report.durable else 503, media_type="application/json")
 
 

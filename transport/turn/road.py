@@ -73,7 +73,7 @@ class Host(Protocol):
     metrics: Any  # transport.wire.metrics.Metrics
     envelope: Any  # transport.wire.envelope.EnvelopeCounter
 
-    def require_engine(self) -> Engine: ...
+    def require_ready(self) -> None: ...
 
     def adapter_id(self, requested: str | None) -> str: ...
 
@@ -216,7 +216,7 @@ async def count_prompt(request: Request, host: Host, route: ChatRoute) -> list[i
 
 
 async def _open(request: Request, host: Host, route: ChatRoute) -> Opened:
-    host.require_engine()
+    host.require_ready()  # before reading the body: a server starting or draining answers 503 at once
     req = route.decode(await read_body(request, host.max_body_bytes), host)
     model = route.model(req)
     ns = request_namespace(request, host.adapter_id(model))
