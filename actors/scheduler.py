@@ -265,7 +265,7 @@ class Scheduler(Actor[Inbox]):
         if spec is None:
             return
         assert self.verifier is not None  # set with core.spec
-        msg = spec.take_verify(len(plan.decode) + len(plan.verify))
+        msg = spec.take_verify(self.core.batch_ahead(len(plan.decode) + len(plan.verify)))
         if msg is None:
             return
         self.core.apply_verified(await self.verifier.ask(msg))

@@ -244,6 +244,18 @@ class SchedulerCore:
     def has_work(self) -> bool:
         return bool(self.queue or self.active or self._closing)
 
+    def batch_ahead(self, stepped: int) -> int:
+        """The rows the next decode steps will batch: those decoding or
+        prefilling now and those queued for a free slot (``stepped``, this
+        step's decoding rows, when none). Adaptive γ chooses for this batch,
+        not the step's: the first of four requests that arrive together
+        decodes its first token while the others still prefill, and its
+        choice made for a lone row (where a probe or a draft costs nobody
+        else) then ran in the batch of four (docs/speculation.md)."""
+        live = sum(1 for rid in self.active if self.rows[rid].state in (RowState.PREFILL, RowState.DECODE))
+        ahead = min(self.cfg.max_batch, live + len(self.queue))
+        return ahead if ahead > 0 else stepped
+
     def closes_pending(self) -> bool:
         """Rows finished but not yet closed (their caches are put by the next step)."""
         return bool(self._closing)

@@ -87,7 +87,7 @@ class Verify(Wire, frozen=True):
 
     windows: list[Window]
     costs: list[StepCost] = []
-    rows: int = 1  # rows in the step these windows came from: the batch the choice is for
+    rows: int = 1  # the batch the choice is for: rows decoding, prefilling or queued (SchedulerCore.batch_ahead)
     catch_up_s: float = 0.0  # draft caches fed since the last Verify (a held row's skipped tokens)
     catch_up_tokens: int = 0
 

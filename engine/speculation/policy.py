@@ -65,7 +65,10 @@ plain decode, ``E = 1``.
   the request. A lone row that was drafting and stops (not a failed probe)
   decodes one round plainly and probes: on copied text rejections come in
   bursts, and the budget's hold after one departure took most of an edited
-  file's request. A row drafts only when the model promises ``margin`` (5%)
+  file's request. A hold chosen alone is checked again when it runs out: in
+  a batch (the first of four requests decodes before the others are
+  admitted) the probe waits for the budget's spacing at that batch
+  (``after_hold``). A row drafts only when the model promises ``margin`` (5%)
   more than plain decode.
 * In a batch a row must also pay for the others: its γ is chosen for the
   most tokens per second of the whole batch, the other rows drafting as they
@@ -149,6 +152,7 @@ class RowPolicy:
     learned: Learned | None = None  # its namespace's seeds, which its rounds teach (GammaPolicy.new_row)
     left: int | None = None  # tokens the request may still generate (None: not told, no catch-up gate)
     behind: int = 0  # context tokens its drafter was not sent: a draft model catches up on them first
+    held: int = 0  # plain rounds of its current hold (choose): after_hold checks them against the batch now
 
 
 class GammaPolicy:
@@ -543,6 +547,11 @@ class GammaPolicy:
     def choose(self, row: RowPolicy) -> tuple[int, int]:
         """``(γ, hold)`` for the row's next round: γ = 0 is plain decode, and
         ``hold`` is how many rounds to stay plain before asking again."""
+        gamma, hold = self._choose(row)
+        row.held = hold if gamma == 0 else 0
+        return gamma, hold
+
+    def _choose(self, row: RowPolicy) -> tuple[int, int]:
         self.together = False
         if row.off or row.retired:
             return 0, 1 << 30
@@ -700,6 +709,22 @@ class GammaPolicy:
             # that never drafted: the whole prompt), and not even drafts all
             # accepted could win that back over what the request has left.
             return self._retire(row)
+        if self.rows_now > 1 and not self._watch():
+            # In a batch the budget rules, at the batch the probe would run
+            # in: a hold chosen while the row was alone (the first of four
+            # requests arriving together decodes its first token before the
+            # others are admitted) is a lone row's (the engine's probe
+            # spacing, 4 rounds), and its probe then turned a round of all
+            # four into a verify round behind γ_max draft-model steps and the
+            # prompt's catch-up: 0.93x plain decode at batch 4 on the fake
+            # GPU (tests/ember/test_spec_batch_draft.py). Hold the rest of
+            # the budget's spacing here, or stop where no spacing can pay.
+            spacing = self._probe_spacing()
+            if spacing is None:
+                return self._retire(row)
+            if row.held < spacing:
+                more, row.held = spacing - row.held, spacing
+                return 0, more
         row.probing = True
         return self.probe_gamma(), 0
 
