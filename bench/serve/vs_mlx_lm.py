@@ -253,7 +253,8 @@ async def run(args: argparse.Namespace) -> Results:
         str(port),
         *extra,
     ]
-    ember = Server("ember", ember_cmd(p := free_port(), "--ssd-cache", str(ssd)), p, work / "ember.log")
+    flags = args.ember_flags.split() if args.ember_flags else []
+    ember = Server("ember", ember_cmd(p := free_port(), "--ssd-cache", str(ssd), *flags), p, work / "ember.log")
     mlxlm = Server("mlx-lm", mlx_cmd(p := free_port()), p, work / "mlx-lm.log")
     extra: list[Server] = []
     if "tier" in legs:
@@ -445,6 +446,11 @@ def main(argv: list[str] | None = None) -> int:
         help="new tokens of the single-stream leg (a slow model: fewer)",
     )
     ap.add_argument("--agg-tokens", type=int, default=AGG_TOKENS, help="new tokens of each stream of agg4/agg8")
+    ap.add_argument(
+        "--ember-flags",
+        default="",
+        help="extra `ember serve` flags for the main Ember server, e.g. '--draft-model none'",
+    )
     ap.add_argument("--out", default="docs/bench/vs-mlx-lm.md")
     args = ap.parse_args(argv)
     res = asyncio.run(run(args))

@@ -62,6 +62,8 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["python -m bench.serve.vs_mlx_lm", f"--model {args.model}", f"--rounds {args.rounds}"]
     if args.legs:
         parts.append(f"--legs {args.legs}")
+    if getattr(args, "ember_flags", ""):
+        parts.append(f"--ember-flags '{args.ember_flags}'")
     for flag, value, default in (("--decode-tokens", "decode_tokens", 128), ("--agg-tokens", "agg_tokens", 64)):
         if getattr(args, value, default) != default:
             parts.append(f"{flag} {getattr(args, value)}")
