@@ -116,8 +116,14 @@ GREEDY_CASES = [
 
 
 @pytest.mark.parametrize("drafter,gamma", GREEDY_CASES)
-async def test_greedy_speculation_is_token_identical(drafter, gamma):
+async def test_greedy_speculation_is_token_identical(drafter, gamma, monkeypatch):
     _, draft = _paths()
+    if drafter == "draft-model" and gamma is None:
+        # A cold engine prices the draft model's step as measured at start
+        # (ember.spec_build.draft_prior): tiny-draft at ~0.15x tiny's step does
+        # not pay in this batch of five, and adaptive γ would never draft. The
+        # case is here for the drafting path under adaptive γ: the old prior.
+        monkeypatch.setattr("ember.spec_build.draft_prior", lambda *_: (0.0, 0.0))
     want = await reference()
     name = "ngram" if drafter == "ngram" else str(draft)
     crossings: list = []
