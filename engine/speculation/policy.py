@@ -763,6 +763,9 @@ class GammaPolicy:
             },
             "draft_token_s": None if self.draft_token_s is None else round(self.draft_token_s, 6),
             "catch_up_token_s": round(self.catch_up_token_s, 7),
+            # a draft model's step and caught-up token over the target's step, measured at start
+            "draft_step_prior": round(self.costs.draft_prior, 4),
+            "catch_up_prior": round(self.catch_up_prior, 5),
             "rows_retired": self.retired,
         }
 

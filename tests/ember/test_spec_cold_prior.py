@@ -103,3 +103,21 @@ async def test_the_policy_is_seeded_with_the_drafters_measured_costs():
     async with Engine.open(fixed) as engine:
         assert engine.speculation is not None
         assert engine.speculation.verifier.core.policy.costs.draft_prior == 0.0  # a fixed γ prices nothing
+
+
+def test_a_draft_token_is_priced_at_the_drafters_step_until_rounds_are_measured():
+    """The prior in plain rounds: the verify share per row (0.1 a draft token)
+    plus the draft model's step per draft token, whatever the batch; once plain
+    rounds are measured, the step is in one-row plain rounds (a line through
+    the sizes measured). A verify round measured at a size replaces it there."""
+    from engine.speculation.costs import RoundCosts
+
+    free, model = RoundCosts(), RoundCosts(draft_prior=0.6)
+    assert free.ratio(4, 12) == pytest.approx(1 + 0.1 * 3)  # prompt lookup: as before
+    assert model.ratio(4, 12) == pytest.approx(1 + 0.1 * 3 + 0.6 * 12)
+    assert model.ratio(1, 2) == pytest.approx(1 + 0.1 * 2 + 0.6 * 2)
+    for c in (free, model):
+        c.observe_many([(1, 0, 0.010)] * 4 + [(4, 0, 0.012)] * 4)
+    assert model.ratio(4, 12) == pytest.approx(1 + 0.1 * 3 + 0.6 * 0.010 * 12 / 0.012)
+    model.observe_many([(4, 12, 0.030)] * 2 + [(4, 24, 0.048)] * 2 + [(4, 0, 0.012)] * 8)
+    assert model.ratio(4, 12) == pytest.approx(0.030 / 0.012)  # measured: the prior is gone
