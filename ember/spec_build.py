@@ -112,7 +112,8 @@ def _fake_core(name: str, fake_cfg: Any) -> DrafterCore:
         p = float(agree) if agree else 0.7
     except ValueError:
         raise InvalidRequest(f"bad fake drafter {name!r}: use fake-draft or fake-draft:0.8", "draft_model") from None
-    return ModelDrafterCore(FakeDraftModel(fake_cfg, agree=p), name=name)
+    model = FakeDraftModel(fake_cfg, agree=p, token_cost_s=fake_cfg.draft_token_s, feed_cost_s=fake_cfg.draft_feed_s)
+    return ModelDrafterCore(model, name=name)
 
 
 def _vocab(tok: Any) -> dict[str, int] | None:
@@ -160,6 +161,32 @@ def _mlx_core(config: Any, backend: Any, device: Any) -> DrafterCore:
     return ModelDrafterCore(model, name=str(config.draft_model))
 
 
+def draft_prior(config: Any, core: DrafterCore, backend: Any, device: Any) -> tuple[float, float]:
+    """A draft model's step and its catch-up per token, each over the
+    target's one-row decode step, measured now: adaptive γ's prices before
+    its first measured round (``GammaPolicy(draft_prior=, catch_up_prior=)``).
+    Without them a cold engine priced a draft token as prompt lookup's (0.1 of
+    a plain round) and a caught-up token at nothing, and four rows arriving
+    together drafted γ = 3 behind a drafter at ~0.6–1.0× the target's step:
+    0.61–0.72× plain on the fake GPU (tests/ember/test_spec_cold_prior.py).
+    ``(0, 0)`` (the model-free priors) for prompt lookup and suffix decoding, and
+    under ``--distributed``, where a forward on rank 0 alone would wait for
+    the other ranks' shards forever."""
+    if not isinstance(core, ModelDrafterCore) or config.distributed:
+        return 0.0, 0.0
+    timing = getattr(backend, "decode_step_s", None)
+    costs = getattr(core.model, "step_costs_s", None)
+    if timing is None or costs is None:
+        return 0.0, 0.0
+    on_device = config.backend != "fake"  # real forwards run on the MLX thread; the fake's costs are its config
+    target = device.call(timing) if on_device else timing()
+    step, feed = device.call(costs) if on_device else costs()
+    if not target > 0:
+        return 0.0, 0.0
+    log.info("[speculation] draft step %.2fx the target's, a caught-up token %.3fx", step / target, feed / target)
+    return step / target, feed / target
+
+
 def build_speculation(config: Any, backend: Any, device: Any, clock: Any) -> Speculation | None:
     name = config.draft_model
     if not name:
@@ -184,7 +211,8 @@ def build_speculation(config: Any, backend: Any, device: Any, clock: Any) -> Spe
     free = isinstance(core, NgramDrafterCore | SuffixDrafterCore)
     watch = WATCH_MATCH if free else None
     try:
-        policy = GammaPolicy(fixed=config.num_draft_tokens, watch_match=watch)
+        step, feed = draft_prior(config, core, backend, device) if config.num_draft_tokens is None else (0.0, 0.0)
+        policy = GammaPolicy(fixed=config.num_draft_tokens, watch_match=watch, draft_prior=step, catch_up_prior=feed)
     except ValueError as exc:
         raise InvalidRequest(str(exc), "num_draft_tokens") from None
     log.info("[speculation] drafter=%s gamma=%s", name, config.num_draft_tokens or "adaptive")

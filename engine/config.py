@@ -24,6 +24,9 @@ class FakeGPUConfig(msgspec.Struct, frozen=True, kw_only=True):
     decode_c: float = 0.010
     decode_d: float = 0.0005
     verify_b: float = 0.0006
+    # the fake drafter (``draft_model="fake-draft"``): a draft step per token, a caught-up context token
+    draft_token_s: float = 0.002
+    draft_feed_s: float = 0.00002
     # faults
     fault_seed: int = 0
     slow_step_prob: float = 0.0

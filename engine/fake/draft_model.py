@@ -75,6 +75,10 @@ class FakeDraftModel:
     def cost_s(self, fed: int, drafted: int) -> float:
         return self.token_cost_s * drafted + self.feed_cost_s * fed
 
+    def step_costs_s(self) -> tuple[float, float]:
+        """``(one draft step, one caught-up token)``: the configured virtual costs."""
+        return self.token_cost_s, self.feed_cost_s
+
 
 def _uniform(seed: int, h: int) -> float:
     """A uniform draw in [0, 1) fixed by (seed, context hash): 53 bits of

@@ -178,6 +178,11 @@ class FakeBackend(BackendDefaults):
         return sample_token(logits, sp, row.rng)
 
     # ---- the port --------------------------------------------------------
+    def decode_step_s(self) -> float:
+        """A one-row decode step's virtual seconds (the cost model, no fault
+        draw): what adaptive γ prices a draft model's step against at start."""
+        return self.cfg.decode_c + self.cfg.decode_d
+
     def step_cost_s(self, plan: StepPlan) -> float:
         cfg = self.cfg
         cost = 0.0

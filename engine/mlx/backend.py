@@ -83,7 +83,7 @@ from engine.mlx.row_phases import RowPhases
 from engine.mlx.rows import _is_oom, _own_cache
 from engine.mlx.run_ahead import RunAhead
 from engine.mlx.tokenizer import MLXTokenizer
-from engine.mlx.warm_up import warm_up
+from engine.mlx.warm_up import decode_step_s, warm_up
 from engine.ports import StepPlan, StepResult
 
 CLEAR_CACHE_EVERY = 256  # steps; as generate_step, to hand freed buffers back
@@ -252,6 +252,12 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
 
     def step_cost_s(self, plan: StepPlan) -> float:
         return 0.0
+
+    def decode_step_s(self) -> float:
+        """Seconds of a one-row decode step, timed on a throwaway cache (on the
+        MLX thread): adaptive γ's measure of the target before any round ran."""
+        self.blas.use(self.cpu_threads.threads_for(1))
+        return decode_step_s(self.model, self.attention_parts, self.softmax_kernel)
 
     # ---- the step ------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:

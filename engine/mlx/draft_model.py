@@ -149,3 +149,20 @@ class MlxDraftModel:
 
     def cost_s(self, fed: int, drafted: int) -> float:
         return 0.0
+
+    def step_costs_s(self, context: int = 16, catch_up: int = 64, tries: int = 3) -> tuple[float, float]:
+        """``(one draft step, one caught-up token)`` in seconds, timed on a
+        throwaway cache (the fastest of ``tries``): a one-token ``generate``
+        after a ``context``-token feed, and a ``catch_up``-token feed per token."""
+        import time
+
+        step = feed = float("inf")
+        for _ in range(tries):
+            cache = self.new_cache()
+            t0 = time.perf_counter()
+            self.feed(cache, [0] * catch_up)
+            feed = min(feed, (time.perf_counter() - t0) / catch_up)
+            t0 = time.perf_counter()
+            self.generate(cache, [0], 1)
+            step = min(step, time.perf_counter() - t0)
+        return step, feed

@@ -40,3 +40,20 @@ def warm_up(model: Any, parts: int, kernel: CDLL | None) -> float:
         mx.eval(model(mx.zeros((1, WARM_TOKENS), dtype=mx.int32), cache=cache))
     del cache
     return time.perf_counter() - t0
+
+
+def decode_step_s(model: Any, parts: int, kernel: CDLL | None, context: int = 16, tries: int = 3) -> float:
+    """Seconds of one one-token forward after a ``context``-token prefill on a
+    throwaway cache, the fastest of ``tries``: the target's step that adaptive
+    γ prices a draft model's step against before any round was measured
+    (``ember.spec_build``). Like ``warm_up``, it changes no state a request sees."""
+    cache = make_prompt_cache(model)
+    best = float("inf")
+    with mx.stream(generation_stream), split_attention.parts(parts, kernel):
+        mx.eval(model(mx.zeros((1, context), dtype=mx.int32), cache=cache))
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            mx.eval(model(mx.zeros((1, 1), dtype=mx.int32), cache=cache))
+            best = min(best, time.perf_counter() - t0)
+    del cache
+    return best

@@ -24,6 +24,16 @@ that speculates every round has no plain rounds to compare with, so the
 policy decodes a few rounds plainly (``GammaPolicy.ref_rounds``) whenever
 no plain round was seen within the latest ``fresh_rounds`` (192) rounds
 (``fresh``): about 1% of its rounds.
+
+Before a verify round is measured the price is a prior: ``slope_prior`` of a
+plain round per draft token per row (the target's verify of a longer window:
+right for prompt lookup and suffix decoding, whose drafts cost nothing), plus,
+for a draft model, ``draft_prior`` one-row plain rounds per draft token (its
+one-token step over the target's, measured at engine start:
+``ember.spec_build``). A draft model's step is ~0.4–1.1 of the target's, and
+without it a cold engine priced a batch of four drafting γ = 3 at 1.3 plain
+rounds where it cost ~7: its first batch ran at 0.61–0.72× plain on the fake
+GPU (tests/ember/test_spec_cold_prior.py).
 """
 
 from __future__ import annotations
@@ -60,12 +70,14 @@ class RoundCosts:
         near: int = 8,
         fresh_rounds: int = 192,
         slope_prior: float = 0.1,
+        draft_prior: float = 0.0,
     ):
         self.window = window  # ratios kept per (rows, drafts)
         self.ref_rounds = ref_rounds  # plain rounds in a reference median, at most
         self.near = near  # a plain round this many rounds before or after a verify round is "the same time"
         self.fresh_rounds = fresh_rounds
         self.slope_prior = slope_prior  # a draft token's cost in plain rounds, per row, before any is measured
+        self.draft_prior = draft_prior  # a draft model's step in one-row plain rounds, per draft token (0: none)
         self.seq = 0  # rounds observed
         self._plain: dict[int, deque[tuple[int, float]]] = {}  # rows -> (seq, seconds)
         self._ratio: dict[tuple[int, int], deque[float]] = {}  # (rows, drafts) -> verify ÷ plain reference
@@ -180,11 +192,17 @@ class RoundCosts:
         extra = self._extra_s()  # seconds a round's drafts add, fitted over the other sizes
         if len(here) == 1:
             d0, r0 = here[0]
-            slope = extra["d"] if extra is not None and extra["d"] > 0 else self.slope_prior * plain / rows
+            slope = extra["d"] if extra is not None and extra["d"] > 0 else self._prior_token_s(rows)
             return r0 + slope * (drafts - d0) / plain
         if extra is not None:
             return 1.0 + (extra["a"] + extra["d"] * drafts) / plain
-        return 1.0 + self.slope_prior * drafts / rows
+        return 1.0 + self._prior_token_s(rows) * drafts / plain
+
+    def _prior_token_s(self, rows: int) -> float:
+        """Seconds a draft token adds to a round at ``rows`` before any was
+        measured: the verify share (``slope_prior``) and the draft model's
+        step, which runs once per draft token whatever the batch."""
+        return self.slope_prior * self.plain(rows) / rows + self.draft_prior * self.plain(1)
 
     def _line(self, rows: int) -> tuple[float, float]:
         """A robust line through every ratio sample at ``rows`` (Theil–Sen:

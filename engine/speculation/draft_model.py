@@ -50,6 +50,12 @@ class DraftModel(Protocol):
         """Virtual-time cost for the fake GPU's device; 0 for real hardware."""
         ...
 
+    def step_costs_s(self) -> tuple[float, float]:
+        """``(one draft step, one caught-up token)`` in seconds: timed on real
+        hardware, the configured costs on the fake GPU (adaptive γ's prior
+        before a round is measured: ``ember.spec_build``)."""
+        ...
+
 
 # ---------------------------------------------------------------------------
 

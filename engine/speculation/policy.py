@@ -38,9 +38,10 @@ plain decode, ``E = 1``.
   current plain round. A lone row that speculates every round decodes
   ``explore_rounds`` plainly when no plain round is recent enough to compare
   with. Before any round with drafts was measured, a draft token is priced
-  at ``slope_prior`` of a plain round; the γ just above the current choice
-  is tried until it has a few samples, so the prices cover the γ it is
-  choosing between.
+  at ``slope_prior`` of a plain round, plus, for a draft model, its step
+  over the target's (``draft_prior``, measured when the engine is built:
+  ``ember.spec_build``); the γ just above the current choice is tried until
+  it has a few samples, so the prices cover the γ it is choosing between.
 * When γ = 0 wins, the request decodes plainly for ``hold`` rounds — without
   asking the Drafter or the Verifier anything — and then probes γ = 1 once to
   find out whether drafts started paying (the text may have become
@@ -174,6 +175,8 @@ class GammaPolicy:
         explore_rounds: int = 3,
         first_match: int = 4,
         watch_match: int | None = None,
+        draft_prior: float = 0.0,
+        catch_up_prior: float = 0.0,
     ):
         if fixed is not None and not 0 <= fixed <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {fixed}")
@@ -219,7 +222,10 @@ class GammaPolicy:
         # rare (a probe every ~100 plain rounds), and a shared window of recent
         # rounds let the plain ones push it out before it could be used, so a
         # 4-row verify was priced from 1-row rounds for good (docs/bench/adaptive.md).
-        self.costs = RoundCosts(window=cost_window, slope_prior=slope_prior)
+        self.costs = RoundCosts(window=cost_window, slope_prior=slope_prior, draft_prior=draft_prior)
+        # A draft model's catch-up per token, in one-row plain rounds, until one
+        # is measured (``catch_up_token_s``); 0 for drafters that run no model.
+        self.catch_up_prior = catch_up_prior
         self._draft_s: deque[float] = deque(maxlen=64)  # per drafted token, for the stats
         # Seconds per token of a draft model's catch-up (feeding a lagging cache):
         # a held row skips its drafter for ``hold`` tokens and pays them all
@@ -356,8 +362,14 @@ class GammaPolicy:
 
     @property
     def catch_up_token_s(self) -> float:
-        """Median seconds per caught-up token (0: nothing to catch up, as prompt lookup)."""
-        return float(np.median(self._catch_up)) if self._catch_up else 0.0
+        """Median seconds per caught-up token (0: nothing to catch up, as prompt
+        lookup); before one is measured, the prior in one-row plain rounds
+        (``catch_up_prior``, measured at engine start for a draft model): a
+        fresh engine's first request otherwise started drafting behind a
+        catch-up of its whole prompt priced at nothing."""
+        if self._catch_up:
+            return float(np.median(self._catch_up))
+        return self.catch_up_prior * self.costs.plain(1) if self.catch_up_prior > 0 else 0.0
 
     @property
     def draft_token_s(self) -> float | None:
@@ -751,6 +763,9 @@ class GammaPolicy:
             },
             "draft_token_s": None if self.draft_token_s is None else round(self.draft_token_s, 6),
             "catch_up_token_s": round(self.catch_up_token_s, 7),
+            # a draft model's step and caught-up token over the target's step, measured at start
+            "draft_step_prior": round(self.costs.draft_prior, 4),
+            "catch_up_prior": round(self.catch_up_prior, 5),
             "rows_retired": self.retired,
         }
 

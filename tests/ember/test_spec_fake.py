@@ -322,7 +322,13 @@ async def test_greedy_speculation_is_token_identical(drafter, gamma, fake):
         if not sp.stop:
             want = expected_tokens(prompt, sp.max_tokens, fake, stop_at_eos=not sp.ignore_eos)
             assert toks == [t for t in want if t != EOS or sp.ignore_eos]
-    got, engine = await run_all(msgspec_replace(base, draft_model=drafter, num_draft_tokens=gamma), reqs)
+    spec = msgspec_replace(base, draft_model=drafter, num_draft_tokens=gamma)
+    if drafter.startswith("fake-draft") and gamma is None:
+        # A cold engine prices the drafter's step as measured (ember.spec_build.draft_prior):
+        # at the default 0.19x the target's step a batch of seven does not draft at all,
+        # so adaptive γ gets a drafter cheap enough to pay in this batch.
+        spec = msgspec_replace(spec, fake=msgspec_replace(fake, draft_token_s=0.0001))
+    got, engine = await run_all(spec, reqs)
     assert strip_usage(got) == strip_usage(ref)
     stats = engine.stats()["speculation"]
     if drafter.startswith("ngram") and gamma is None:
