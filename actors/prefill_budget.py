@@ -15,15 +15,29 @@ the latest steps, so it follows the growth with the offset. The trade: a long
 prompt's own time to first token grows while others stream (it gets about a
 third of the device instead of all of it), as in vLLM's decode-first
 chunked prefill; ``share=None`` restores the full chunk.
+
+A short prompt is not chunked that way (``whole``): a row whose whole
+remaining prompt costs at most ``burst`` decode steps prefills in one step,
+beside the share, up to ``burst`` decode steps of such rows a step. Eight
+48-token requests sent together to SmolLM2 had been admitted one every ~0.55 s
+(16 tokens a step, the floor, each row's prompt in three steps behind the
+previous one's): the eighth's first token came after 3.7 s and the batch ran
+at 0.71x mlx_lm.server's aggregate, which prefills them together (issue #45,
+the share's commit a45cce0). Holding a short prompt saves the running streams
+little (its prefill is a few steps' time whenever it runs) and costs the batch
+its row; a long prompt, the share's case, still advances by the share.
 """
 
 from __future__ import annotations
 
 
 class PrefillBudget:
-    def __init__(self, chunk: int, share: float | None = 0.5, *, floor: int = 16, alpha: float = 0.3):
+    def __init__(
+        self, chunk: int, share: float | None = 0.5, *, floor: int = 16, alpha: float = 0.3, burst: float = 16.0
+    ):
         self.chunk = chunk
         self.share = share
+        self.burst = burst  # decode steps' time a step may spend on short prompts whole (``whole``)
         self.floor = min(floor, chunk)
         self.alpha = alpha
         self.decode_s: float | None = None  # a step that only decoded
@@ -40,6 +54,15 @@ class PrefillBudget:
         if self.token_s is None or self.token_s <= 0:
             return self.floor  # decode priced, prefill not: measure before spending the streams' time
         return max(self.floor, min(self.chunk, int(self.share * self.decode_s / self.token_s)))
+
+    def whole(self, decoding: bool) -> int:
+        """Prompt tokens a step may spend, beyond ``budget``, on rows whose whole
+        remaining prompt fits (each prefilled in one step, not chunked): ``burst``
+        decode steps' worth at the measured price of a prompt token; 0 where
+        ``budget`` is already the full chunk or nothing is priced yet."""
+        if not decoding or self.share is None or self.decode_s is None or self.token_s is None or self.token_s <= 0:
+            return 0
+        return min(self.chunk, int(self.burst * self.decode_s / self.token_s))
 
     def observe(self, prefill_tokens: int, decoding: bool, seconds: float) -> None:
         """A step that prefilled ``prefill_tokens`` (and decoded, if ``decoding``) took ``seconds``."""

@@ -410,18 +410,26 @@ class SchedulerCore:
         self.queue.extendleft(reversed(held))
         decoding = any(self.rows[rid].state is RowState.DECODE for rid in self.active)
         budget = self.prefill_budget.budget(decoding)
+        whole = self.prefill_budget.whole(decoding)  # short prompts prefill whole, beside the budget
         self._checkpoint_at = {}
         for rid in self.active:
             row = self.rows[rid]
-            if row.state is not RowState.PREFILL or budget <= 0:
+            if row.state is not RowState.PREFILL:
                 continue
-            n = min(budget, row.prefill_total - row.in_cache)
+            left = row.prefill_total - row.in_cache
+            short = 0 < left <= whole
+            if not short and budget <= 0:
+                continue
+            n = left if short else min(budget, left)
             want = self._wanted.get(rid, 0)
             if row.in_cache < want:  # the chunk ends where its waiters' shared prefix does
                 n = min(n, want - row.in_cache)
             plan.prefill.append(PrefillChunk(rid, row.prompt[row.in_cache : row.in_cache + n]))
             row.in_cache += n
-            budget -= n
+            if short:
+                whole -= n
+            else:
+                budget -= n
             self.counters["prefilled_tokens"] += n
             if self.checkpointing:
                 self._plan_checkpoint(row, plan)

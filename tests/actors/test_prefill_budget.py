@@ -49,3 +49,32 @@ def test_the_scheduler_shrinks_a_long_prefill_beside_a_decoding_row():
     core.note_step_time(plan, 0.1 + 16 * 0.001)  # 1 ms per prompt token beside the decode
     plan = core.plan()
     assert [len(c.tokens) for c in plan.prefill] == [50]  # 0.5 x 100 ms / 1 ms per token
+
+
+def test_short_prompts_beside_decoding_rows_prefill_whole_up_to_the_burst():
+    b = PrefillBudget(512, 0.5, floor=16, burst=16)
+    assert b.whole(decoding=True) == 0  # nothing priced yet: the budget alone (the full chunk, above)
+    b.observe(0, decoding=True, seconds=0.100)
+    b.observe(16, decoding=True, seconds=0.100 + 16 * 0.005)  # 5 ms per prompt token beside a decode
+    assert b.whole(decoding=True) == 320  # 16 decode steps' time: 16 x 100 ms / 5 ms
+    assert b.whole(decoding=False) == 0  # nothing decodes: the full chunk is the budget anyway
+    assert PrefillBudget(512, None).whole(decoding=True) == 0  # share None: the old behaviour
+
+
+def test_a_burst_of_short_prompts_is_admitted_together_while_a_long_one_is_still_chunked():
+    # Eight 48-token requests sent together had been admitted one per ~0.55 s at the
+    # floor's 16 tokens a step: 0.71x mlx_lm.server's 8-stream aggregate (issue #45).
+    core = SchedulerCore(
+        FakeBackend(), SchedulerConfig(max_batch=8, prefill_chunk=512, prefill_share=0.5), FixedClock(), EventLog()
+    )
+    core.admit(1, [1, 2, 3], SamplingParams(max_tokens=100))
+    core.plan()
+    core.prefill_budget.observe(0, decoding=True, seconds=0.1)  # a decode-only step: 100 ms
+    core.prefill_budget.observe(16, decoding=True, seconds=0.1 + 16 * 0.005)  # 5 ms a prompt token
+    for rid in range(2, 8):  # six short prompts: 47 tokens each to prefill
+        core.admit(rid, list(range(1, 49)), SamplingParams(max_tokens=8))
+    core.admit(8, list(range(1, 2001)), SamplingParams(max_tokens=1))  # and a long one
+    plan = core.plan()
+    chunks = {c.rid: len(c.tokens) for c in plan.prefill}
+    # 320 tokens whole (6 x 47 = 282), the long prompt by the share (0.5 x 100 ms / 5 ms = 10 -> the floor, 16)
+    assert chunks == {2: 47, 3: 47, 4: 47, 5: 47, 6: 47, 7: 47, 8: 16}
