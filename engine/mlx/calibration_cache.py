@@ -39,7 +39,7 @@ from engine.mlx.cpu_layout import CALIBRATION_ROWS, LAYOUT_ROWS, CpuChoice
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 3  # bump when calibrate measures or chooses differently
+CACHE_VERSION = 4  # bump when calibrate measures or chooses differently (4: LAYOUT_MARGIN)
 RECALIBRATE = "EMBER_CPU_RECALIBRATE"
 # A calibration that took less than this is not written: re-measuring costs the
 # start less than the file is worth (the toy and the tests' small models take

@@ -119,6 +119,12 @@ LAYOUT_ROWS = (1, 8)
 # At most this long at the first load (the result is cached on disk: engine.mlx.calibration_cache).
 # Gemma-3-270M (a 262k-token head) needs ~50 s on the shared 2-core machine.
 CALIBRATION_BUDGET_S = 60.0
+# The stored-as-W.T layout must beat mlx-lm's own by this much (its summed slowdown
+# over LAYOUT_ROWS) to be chosen. A 1.5B float32 model, timed in two rounds at load,
+# came out 6% faster transposed; served, it decoded 0.86x mlx_lm.server, and 1.01x in
+# mlx-lm's layout (docs/bench/vs-mlx-lm-smollm2.md): a large model's matrix-vector
+# products read their weights row by row faster than column by column.
+LAYOUT_MARGIN = 0.10
 
 
 class CpuChoice:
@@ -219,6 +225,8 @@ def choose(ms: dict[str, float], layouts: list[bool], threads: list[int]) -> tup
         return sum(best(pre, r) / min(best(p, r) for p in layouts) for r in LAYOUT_ROWS)
 
     pre = min(layouts, key=lambda p: (slowdown(p), p))  # a tie keeps mlx-lm's own layout
+    if pre and slowdown(pre) > (1.0 - LAYOUT_MARGIN) * slowdown(False):
+        pre = False  # within the noise of a few rounds' minima: mlx-lm's own layout
     per_rows = {r: min(threads, key=lambda n: ms[_key(pre, n, r)]) for r in CALIBRATION_ROWS}
     return pre, per_rows
 
