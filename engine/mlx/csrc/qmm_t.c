@@ -226,6 +226,18 @@ AI v16f unpack16(__m512i w, int p, const int BITS) {
   return (v16f)_mm512_cvtepi32_ps(q);
 }
 
+/* The scales and biases of group g for rows n .. n + 16, a lane each. */
+AI void group16(const job_t* J, int64_t n, int64_t g, v16f* sc, v16f* bi) {
+  const int64_t G = J->K / J->gs;
+  float ts[16], tb[16];
+  for (int r = 0; r < 16; r++) {
+    ts[r] = J->s[(n + r) * G + g];
+    tb[r] = J->b[(n + r) * G + g];
+  }
+  memcpy(sc, ts, sizeof ts);
+  memcpy(bi, tb, sizeof tb);
+}
+
 /* tile16 at M = 1 where groups are whole steps (8 words): the group's
  * scales once, the step unrolled, ~1.1x. */
 AI void tile16_m1(const job_t* J, int64_t n, int64_t m, const int BITS) {
@@ -237,13 +249,7 @@ AI void tile16_m1(const job_t* J, int64_t n, int64_t m, const int BITS) {
   v16f acc = splat16(0.0f), sc, bi;
   __m512i tw[8];
   for (int64_t g = 0, kw = 0; g < G; g++) {
-    float ts[16], tb[16];
-    for (int r = 0; r < 16; r++) {
-      ts[r] = J->s[(n + r) * G + g];
-      tb[r] = J->b[(n + r) * G + g];
-    }
-    memcpy(&sc, ts, sizeof ts);
-    memcpy(&bi, tb, sizeof tb);
+    group16(J, n, g, &sc, &bi);
     for (const int64_t kend = kw + GW; kw < kend; kw += 8, ahead += 512) {
 #pragma GCC unroll 8
       for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
@@ -267,7 +273,7 @@ AI void tile16_m1(const job_t* J, int64_t n, int64_t m, const int BITS) {
  * third slower in L2), and one sum a lane is not the limit here. */
 AI void tile16(const job_t* J, int64_t n, int64_t m, const int BITS, const int MB) {
   const int PF = 32 / BITS;
-  const int64_t K = J->K, KW = K / PF, gs = J->gs, G = K / gs, N = J->N;
+  const int64_t K = J->K, KW = K / PF, gs = J->gs, N = J->N;
   const float* x = J->x + m * K;
   const uint32_t* src = J->w + n * KW;
   /* The rows PF_ROWS ahead follow in memory: fetched into L2 in address
@@ -275,15 +281,15 @@ AI void tile16(const job_t* J, int64_t n, int64_t m, const int BITS, const int M
      streams of a few lines each are more than the hardware prefetcher
      follows (measured: half the speed of an L2-resident matrix without it). */
   const char* ahead = (const char*)(src + PF_ROWS * KW);
+  if (MB == 1 && (gs / PF) % 8 == 0) {
+    tile16_m1(J, n, m, BITS);
+    return;
+  }
   v16f acc[4];
   v16f sc = {0}, bi = {0};
   __m512i tw[8];
 #pragma GCC unroll 4
   for (int mb = 0; mb < MB; mb++) acc[mb] = splat16(0.0f);
-  if (MB == 1 && (gs / PF) % 8 == 0) {
-    tile16_m1(J, n, m, BITS);
-    return;
-  }
   int64_t next_group = 0, g = 0;
   for (int64_t kw = 0; kw < KW; kw += 8, ahead += 512) {
     const int nw = KW - kw < 8 ? (int)(KW - kw) : 8;
@@ -301,13 +307,7 @@ AI void tile16(const job_t* J, int64_t n, int64_t m, const int BITS, const int M
     for (int j = 0; j < nw; j++) {
       const int64_t k0 = (kw + j) * PF;
       if (k0 == next_group) { /* a new group: its scale and bias for the tile's rows */
-        float ts[16], tb[16];
-        for (int r = 0; r < 16; r++) {
-          ts[r] = J->s[(n + r) * G + g];
-          tb[r] = J->b[(n + r) * G + g];
-        }
-        memcpy(&sc, ts, sizeof ts);
-        memcpy(&bi, tb, sizeof tb);
+        group16(J, n, g, &sc, &bi);
         next_group += gs;
         g++;
       }
