@@ -59,7 +59,7 @@ from bench.agent_session_report import (
     verdict_table,
     verdicts,
 )
-from bench.serve.vs_mlx_lm import Server, free_port
+from bench.serve.vs_mlx_lm import Server, free_port, model_dir_in
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_VENVS = Path(os.environ.get("EMBER_PEER_VENVS", "/work/venvs/peers"))
@@ -255,24 +255,6 @@ def as_text(history: list[dict[str, str]]) -> str:
     for m in history[1:]:
         out.append(f"\n{'User' if m['role'] == 'user' else 'Agent'}: {m['content']}\n")
     return "".join(out) + "\nAgent:"
-
-
-def model_dir_in(name: str, weights: str | None) -> Path:
-    """``name``'s directory as ``resolve_model`` gives it, in ``weights``
-    (``EMBER_WEIGHTS``'s values) where given: a packaged model converted to that format."""
-    from engine.models import resolve_model
-
-    if not weights:
-        return resolve_model(name)
-    before = os.environ.get("EMBER_WEIGHTS")
-    os.environ["EMBER_WEIGHTS"] = weights
-    try:
-        return resolve_model(name)
-    finally:  # the servers' environment is this one: Ember must still choose its own format
-        if before is None:
-            del os.environ["EMBER_WEIGHTS"]
-        else:
-            os.environ["EMBER_WEIGHTS"] = before
 
 
 def run_session(args: argparse.Namespace) -> list[Turn]:

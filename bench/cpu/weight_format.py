@@ -6,7 +6,9 @@
 The model's GGUF is dequantized once to float32 (``resolve_model`` of the packaged name with
 ``EMBER_WEIGHTS=float32``); every other format is made from those float32 weights in the process,
 the way ``ember convert --dtype`` writes it: ``bfloat16``/``float16`` by ``set_dtype``, ``q8``/``q4``
-by ``nn.quantize`` (MLX affine, group 64, what ``mlx_lm.convert -q`` writes). Each format is run as
+by ``nn.quantize`` (MLX affine, group 64, what ``mlx_lm.convert -q`` writes); ``q8dot`` is ``q8`` with
+decode-sized calls on the kernel's int8 dot path (``ember serve``'s default for 8-bit weights where the
+CPU has AVX-512 VNNI), ``q8`` then the exact kernel (``--no-qmm-dot``). Each format is run as
 ``ember serve`` runs it: MLX's CPU kernels plus, where Ember installs one for that format, its own
 (``engine.mlx.qmm_linear`` for q8/q4; ``--no-ember-kernels`` measures MLX alone).
 
@@ -15,7 +17,8 @@ Per format:
   the formats' order rotating round by round), cut at ``--budget-s`` (then the rate of the steps done);
 * **prefill**: tok/s of one forward over ``--prefill`` tokens of a fixed code text;
 * **quality** against float32 on the same fixed text: top-1 agreement of the next-token argmax at
-  every position (teacher forced), perplexity, and the greedy continuation's agreement (tokens equal
+  every position (teacher forced, ``--tf-chunk`` tokens a forward: the calls a decode or verify step
+  makes, where ``q8dot`` differs from ``q8``), perplexity, and the greedy continuation's agreement (tokens equal
   to float32's before the first difference, out of ``--tokens``);
 * weight bytes read per token and the fraction of the memory-bandwidth floor that decode reaches
   (bandwidth measured here by a numpy sum over ``--bandwidth-mib``).
@@ -32,7 +35,11 @@ import subprocess
 import time
 from typing import Any
 
-FORMATS = ("float32", "bfloat16", "float16", "q8", "q4")
+FORMATS = ("float32", "bfloat16", "float16", "q8", "q8dot", "q4")
+# q8dot: the q8 weights with decode-sized calls on the kernel's int8 dot path
+# (x rounded to int8 a group; engine.mlx.qmm_kernel.qmm_t_dot); q8 is then the
+# exact kernel, mlx-lm's bits
+QUANTIZED = {"q8": 8, "q8dot": 8, "q4": 4}
 
 # A fixed code text (no file of the machine: the same bytes everywhere).
 TEXT = '''import json
@@ -110,20 +117,20 @@ def _make(base_path: str, fmt: str, kernels: bool) -> Any:
     from mlx_lm import load
 
     model, _ = load(base_path)
-    if fmt in ("q8", "q4"):
+    if fmt in QUANTIZED:
         nn.quantize(
             model,
             group_size=64,
-            bits=int(fmt[1]),
+            bits=QUANTIZED[fmt],
             class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0,
         )
     elif fmt != "float32":
         model.set_dtype(getattr(mx, fmt))
     mx.eval(model.parameters())
-    if kernels and fmt in ("q8", "q4"):
+    if kernels and fmt in QUANTIZED:
         from engine.mlx import qmm_linear
 
-        qmm_linear.install(model)  # what read_model does on MLX's CPU backend
+        qmm_linear.install(model, dot=fmt == "q8dot")  # what read_model does on MLX's CPU backend
     return model
 
 
@@ -167,13 +174,27 @@ def _prefill(model: Any, ids: list[int]) -> float:
     return len(ids) / (time.perf_counter() - t0)
 
 
-def _teacher_forced(model: Any, ids: list[int]) -> tuple[Any, float]:
+def _teacher_forced(model: Any, ids: list[int], chunk: int) -> tuple[Any, float]:
+    """Next-token argmax at every position and the perplexity, the text fed
+    ``chunk`` tokens a forward through a KV cache (0: one forward), so that
+    the calls are the size a decode or a verify step makes, not a prefill's."""
     import math
 
     import mlx.core as mx
     import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
 
-    logits = model(mx.array([ids[:-1]])).astype(mx.float32)[0]
+    inp = ids[:-1]
+    if chunk <= 0:
+        logits = model(mx.array([inp])).astype(mx.float32)[0]
+    else:
+        cache = make_prompt_cache(model)
+        parts = []
+        for i in range(0, len(inp), chunk):
+            part = model(mx.array([inp[i : i + chunk]]), cache=cache).astype(mx.float32)[0]
+            mx.eval(part)
+            parts.append(part)
+        logits = mx.concatenate(parts, axis=0)
     ppl = math.exp(float(nn.losses.cross_entropy(logits, mx.array(ids[1:])).mean().item()))  # type: ignore[arg-type]
     return mx.argmax(logits, axis=-1), ppl
 
@@ -203,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=60.0, help="a decode leg stops after this long")
     ap.add_argument("--bandwidth-mib", type=int, default=1024)
+    ap.add_argument(
+        "--tf-chunk",
+        type=int,
+        default=8,
+        help="teacher-forced quality feeds the text this many tokens a forward (decode- and verify-sized calls, "
+        "the ones q8dot changes); 0: one forward (a prefill)",
+    )
     ap.add_argument("--no-ember-kernels", action="store_true", help="MLX's own kernels only")
     ap.add_argument("--out", help="write the markdown table here")
     args = ap.parse_args(argv)
@@ -224,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # quality first, one model at a time (float32's references kept as arrays)
     ref_model = _make(base, "float32", False)
-    ref_argmax, ref_ppl = _teacher_forced(ref_model, text_ids)
+    ref_argmax, ref_ppl = _teacher_forced(ref_model, text_ids, args.tf_chunk)
     _, ref_greedy = _decode(ref_model, prompt, args.tokens, 1e9)
     mx.eval(ref_argmax)
     del ref_model
@@ -237,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             row = rows[fmt]
             if r == 0:
                 row["bytes"], row["read"] = _weight_bytes(model)
-                argmax, ppl = _teacher_forced(model, text_ids)
+                argmax, ppl = _teacher_forced(model, text_ids, args.tf_chunk)
                 row["agree"] = float(mx.mean(argmax == ref_argmax).item())  # type: ignore[arg-type]
                 row["ppl"] = ppl
             rate, greedy = _decode(model, prompt, args.tokens, args.budget_s)
@@ -257,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     f32 = statistics.median(rows["float32"]["decode"]) if "float32" in rows else None
     lines = [
         f"Command: `python -m bench.cpu.weight_format --model {args.model} --formats {args.formats} "
-        f"--tokens {args.tokens} --prefill {args.prefill} --rounds {args.rounds}`",
+        f"--tokens {args.tokens} --prefill {args.prefill} --rounds {args.rounds} --tf-chunk {args.tf_chunk}`",
         "",
         f"Commit {_commit()}; load (1/5 min) {load_before} before, {_load_load()} after; "
         f"memory bandwidth measured {bw:.1f} GB/s; {os.cpu_count()} cores; "

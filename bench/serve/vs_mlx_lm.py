@@ -41,6 +41,7 @@ import httpx
 from bench.serve.vs_mlx_lm_report import OPENBLAS, Results, chart, report
 
 MODEL_NAME = "default"  # set to the model directory: both servers serve it under that name
+SERVED: dict[str, str] = {}  # a server's URL -> the model name its requests carry, where not MODEL_NAME
 LEGS = ["decode1", "agg4", "agg8", "ttft1k_cold", "ttft1k_warm", "ttft8k", "restart", "tier", "spec", "bare"]
 
 
@@ -116,7 +117,7 @@ class Sample:
 
 async def stream_completion(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, **extra) -> Sample:
     body = {
-        "model": MODEL_NAME,
+        "model": SERVED.get(url, MODEL_NAME),  # mlx_lm.server loads whatever model a request names
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -221,12 +222,34 @@ def bare_loop_tps(model_dir: Path, prompt: str, max_tokens: int, blas_threads: i
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def model_dir_in(name: str, weights: str | None) -> Path:
+    """``name``'s directory as ``resolve_model`` gives it, in ``weights``
+    (``EMBER_WEIGHTS``'s values) where given: a packaged model converted to that format."""
+    from engine.models import resolve_model
+
+    if not weights:
+        return resolve_model(name)
+    before = os.environ.get("EMBER_WEIGHTS")
+    os.environ["EMBER_WEIGHTS"] = weights
+    try:
+        return resolve_model(name)
+    finally:  # the servers' environment is this one: Ember must still choose its own format
+        if before is None:
+            del os.environ["EMBER_WEIGHTS"]
+        else:
+            os.environ["EMBER_WEIGHTS"] = before
+
+
 async def run(args: argparse.Namespace) -> Results:
     from engine.models import resolve_model
 
     global MODEL_NAME
     model_dir = resolve_model(args.model)
     MODEL_NAME = str(model_dir)
+    # --peer-weights: mlx_lm.server on another conversion of the model (the
+    # 1.5B's default q8 goes through MLX's one-thread quantized matmul there:
+    # seconds a token), Ember on its own default
+    peer_dir = model_dir_in(args.model, args.peer_weights) if args.peer_weights else model_dir
     prompts = Prompts(model_dir)
     work = Path(tempfile.mkdtemp(prefix="ember-bench-"))
     legs = set(args.legs.split(",")) if args.legs else set(LEGS)
@@ -248,7 +271,7 @@ async def run(args: argparse.Namespace) -> Results:
         "-m",
         "mlx_lm.server",
         "--model",
-        str(model_dir),
+        str(peer_dir),
         "--port",
         str(port),
         *extra,
@@ -256,6 +279,8 @@ async def run(args: argparse.Namespace) -> Results:
     flags = args.ember_flags.split() if args.ember_flags else []
     ember = Server("ember", ember_cmd(p := free_port(), "--ssd-cache", str(ssd), *flags), p, work / "ember.log")
     mlxlm = Server("mlx-lm", mlx_cmd(p := free_port()), p, work / "mlx-lm.log")
+    if peer_dir != model_dir:
+        SERVED[mlxlm.url] = str(peer_dir)
     extra: list[Server] = []
     if "tier" in legs:
         # Two fresh servers that see only the tier leg, so their histories match
@@ -450,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
         "--ember-flags",
         default="",
         help="extra `ember serve` flags for the main Ember server, e.g. '--draft-model none'",
+    )
+    ap.add_argument(
+        "--peer-weights",
+        help="mlx_lm.server on the model in this format (EMBER_WEIGHTS's values, e.g. float32), Ember on its default",
     )
     ap.add_argument("--out", default="docs/bench/vs-mlx-lm.md")
     args = ap.parse_args(argv)

@@ -64,6 +64,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts.append(f"--legs {args.legs}")
     if getattr(args, "ember_flags", ""):
         parts.append(f"--ember-flags '{args.ember_flags}'")
+    if getattr(args, "peer_weights", None):
+        parts.append(f"--peer-weights {args.peer_weights}")
     for flag, value, default in (("--decode-tokens", "decode_tokens", 128), ("--agg-tokens", "agg_tokens", 64)):
         if getattr(args, value, default) != default:
             parts.append(f"{flag} {getattr(args, value)}")

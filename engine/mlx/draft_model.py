@@ -88,7 +88,9 @@ class MlxDraftModel:
         if qmm_kernel and mx.default_device() == mx.cpu:
             from engine.mlx import qmm_linear
 
-            qmm_linear.install(self.model)  # a quantized drafter's layers as the target's (bit for bit MLX's)
+            qmm_linear.install(
+                self.model
+            )  # a quantized drafter's layers as the target's (its prefill and dot settings)
         # A small-head drafter's argmax is an index into its head: map it back.
         self._to_ids = getattr(self.model, "to_target_ids", lambda y: y)
         self.vocab_size = int(self.model.args.vocab_size) if hasattr(self.model, "args") else None

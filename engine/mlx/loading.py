@@ -46,7 +46,7 @@ def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
     digest = weights_digest(path)
     if wants_pretranspose():  # MLX's CPU backend: layout and thread counts measured on this model, cached
         if config.qmm_kernel:
-            qmm_layers = qmm_linear.install(model, prefill=config.qmm_prefill)
+            qmm_layers = qmm_linear.install(model, prefill=config.qmm_prefill, dot=config.qmm_dot)
         blas, allow = blas_threads(), config.cpu_pretranspose
         flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
         params = (v for _, v in flat if mx.issubdtype(v.dtype, mx.floating))
@@ -54,7 +54,8 @@ def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
             # the kernel changes what the calibration times: its choice is another entry
             model=f"{path.resolve()}:{digest}"
             + (":qmm-kernel" if qmm_layers else "")
-            + (":qmm-prefill" if qmm_layers and qmm_linear.prefill_rows() else ""),
+            + (":qmm-prefill" if qmm_layers and qmm_linear.prefill_rows() else "")
+            + (":qmm-dot" if qmm_layers and qmm_linear.dot() else ""),
             dtype=str(next(params, mx.array(0.0)).dtype),
             blas=blas,
             allow_pretranspose=allow,

@@ -26,6 +26,15 @@ The same library has ``dequantize``: the weight as float32, bit for bit
 ``mx.dequantize`` (scale * q + bias, two roundings), vectorized and threaded,
 for prefill-sized calls that ``engine.mlx.qmm_linear`` hands to a float32
 GEMM instead (MLX's own dequantize is scalar: ~110 ms for a 8960x1536 matrix).
+
+And ``qmm_t_dot``, the one path that is not MLX's arithmetic: 8-bit weights
+against x rounded to int8 a group, summed by AVX-512 VNNI (the packed word is
+already the four bytes an instruction takes). The exact loop is bound by its
+multiply-adds, not by the bytes it reads; this one reads the same bytes in
+~0.7x the time at one row of x and ~0.4x at eight
+(``python -m bench.cpu.qmm_ab --dot``), for a ~0.5% relative error a
+product whose cost in a real model's quality ``python -m
+bench.cpu.weight_format`` measures (format ``q8dot``).
 """
 
 from __future__ import annotations
@@ -68,7 +77,16 @@ def _open(path: pathlib.Path) -> ctypes.CDLL:
     dq = lib.dequantize
     dq.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
     dq.restype = ctypes.c_int
+    dot = lib.qmm_t_dot
+    dot.argtypes = fn.argtypes
+    dot.restype = ctypes.c_int
+    lib.qmm_t_dot_available.restype = ctypes.c_int
     return lib
+
+
+def dot_available(lib: ctypes.CDLL) -> bool:
+    """Whether this build has the int8 dot path (AVX-512 VNNI)."""
+    return bool(lib.qmm_t_dot_available())
 
 
 def load(directory: pathlib.Path | None = None) -> ctypes.CDLL | None:
@@ -117,6 +135,36 @@ def qmm_t(
     if rc != 0:
         raise ValueError(f"qmm_t refused bits={bits} group_size={group_size} K={K}")
     return out
+
+
+def qmm_t_dot(
+    lib: ctypes.CDLL,
+    x: np.ndarray,
+    w: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    *,
+    bits: int,
+    group_size: int,
+    threads: int = 1,
+) -> np.ndarray | None:
+    """``x @ dequantize(w)^T`` by the int8 dot path (``csrc/qmm_t.c``): x
+    rounded to int8 a group, an approximation of ``qmm_t`` (~0.5% relative
+    error a product), not its bits. None where the path does not apply (bits
+    other than 8, groups not a multiple of 32, more than 64 rows of x, a CPU
+    without AVX-512 VNNI): the caller runs ``qmm_t``."""
+    if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError(f"qmm_t_dot needs a 2-D C-contiguous float32 x, got {x.dtype} {x.shape}")
+    N, K = _check(w, scales, biases, bits, group_size)
+    M = x.shape[0]
+    if x.shape[1] != K:
+        raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape} holds K={K}")
+    out = np.empty((M, N), np.float32)
+    rc = lib.qmm_t_dot(
+        out.ctypes.data, x.ctypes.data, w.ctypes.data, scales.ctypes.data, biases.ctypes.data,
+        M, N, K, bits, group_size, threads,
+    )  # fmt: skip
+    return out if rc == 0 else None
 
 
 def _check(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> tuple[int, int]:

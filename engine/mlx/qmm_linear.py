@@ -21,6 +21,14 @@ in BLAS's order, not MLX's quantized_matmul's, so prefill logits differ from
 mlx-lm's by float rounding (~1e-5 relative; tests/engine/test_qmm_kernel.py);
 decode (few rows) stays on the bit-exact kernel. ``EMBER_QMM_PREFILL=0`` or
 ``install(..., prefill=False)`` (``ember serve --no-qmm-prefill``) turns it off.
+
+Decode-sized calls of 8-bit layers take the kernel's int8 dot path where the
+CPU has it (``qmm_kernel.qmm_t_dot``: x rounded to int8 a group, VNNI sums):
+not mlx-lm's bits but a ~0.5% error a product, for decode ~1.4x faster at one
+row and ~2.5x at eight. Its quality against float32 is measured and stated in
+docs/bench/weight-format.md (``q8dot``); ``EMBER_QMM_DOT=0`` or
+``install(..., dot=False)`` (``ember serve --no-qmm-dot``) keeps every call
+on the exact kernel, so greedy tokens are mlx-lm's again.
 """
 
 from __future__ import annotations
@@ -53,9 +61,10 @@ PREFILL_ROWS = 64
 # (a 151936-row head) is dequantized and multiplied in slabs of rows.
 SCRATCH_FLOATS = 1 << 24
 PREFILL_SWITCH = "EMBER_QMM_PREFILL"
+DOT_SWITCH = "EMBER_QMM_DOT"
 
-calls = {"kernel": 0, "dequant_gemm": 0, "mlx": 0}  # quantized matmuls by path (read by tests, bench and /stats)
-_state: dict[str, Any] = {"lib": None, "threads": 1, "prefill_rows": PREFILL_ROWS, "scratch": None}
+calls = {"kernel": 0, "dot": 0, "dequant_gemm": 0, "mlx": 0}  # quantized matmuls by path (read by tests and benches)
+_state: dict[str, Any] = {"lib": None, "threads": 1, "prefill_rows": PREFILL_ROWS, "scratch": None, "dot": False}
 
 
 def _threads() -> int:
@@ -87,6 +96,20 @@ def quantized_matmul(
     xs = np.ascontiguousarray(np.asarray(x).reshape(-1, K))
     macs = xs.shape[0] * N * K
     threads = _state["threads"] if macs >= THREAD_MIN_MACS else 1
+    if _state["dot"] and bits == 8:
+        yd = qmm_kernel.qmm_t_dot(
+            lib,
+            xs,
+            np.asarray(w),
+            np.asarray(scales),
+            np.asarray(biases),
+            bits=bits,
+            group_size=group_size,
+            threads=threads,
+        )
+        if yd is not None:
+            calls["dot"] += 1
+            return mx.array(yd).reshape(*x.shape[:-1], N)
     y = qmm_kernel.qmm_t(
         lib,
         xs,
@@ -187,17 +210,30 @@ _SWAP: dict[type, type] = {nn.QuantizedLinear: KernelQuantizedLinear, nn.Quantiz
 _BACK = {v: k for k, v in _SWAP.items()}
 
 
-def use(lib: ctypes.CDLL | None, *, threads: int | None = None, prefill: bool | None = None) -> None:
+def use(
+    lib: ctypes.CDLL | None, *, threads: int | None = None, prefill: bool | None = None, dot: bool | None = None
+) -> None:
     """The kernel ``quantized_matmul`` calls (None: none, MLX's everywhere), on
     ``threads`` (default: every core); ``prefill``: whether calls of
-    ``PREFILL_ROWS`` rows or more take dequantize + GEMM (None: as it was;
-    ``EMBER_QMM_PREFILL=0`` turns it off whatever is passed)."""
+    ``PREFILL_ROWS`` rows or more take dequantize + GEMM; ``dot``: whether
+    8-bit decode calls take the int8 dot path where the CPU has it (None: as
+    it was; ``EMBER_QMM_PREFILL=0`` / ``EMBER_QMM_DOT=0`` turn them off
+    whatever is passed)."""
     _state["lib"] = lib
     _state["threads"] = threads or _threads()
     if prefill is not None:
         _state["prefill_rows"] = PREFILL_ROWS if prefill else 0
     if os.environ.get(PREFILL_SWITCH, "1") == "0":
         _state["prefill_rows"] = 0
+    if dot is not None:
+        _state["dot"] = dot and lib is not None and qmm_kernel.dot_available(lib)
+    if os.environ.get(DOT_SWITCH, "1") == "0":
+        _state["dot"] = False
+
+
+def dot() -> bool:
+    """Whether 8-bit decode calls take the int8 dot path."""
+    return bool(_state["dot"])
 
 
 def prefill_rows() -> int:
@@ -206,17 +242,22 @@ def prefill_rows() -> int:
 
 
 def install(
-    model: Any, lib: ctypes.CDLL | None = None, *, threads: int | None = None, prefill: bool | None = None
+    model: Any,
+    lib: ctypes.CDLL | None = None,
+    *,
+    threads: int | None = None,
+    prefill: bool | None = None,
+    dot: bool | None = None,
 ) -> int:
     """Route ``model``'s quantized layers through the kernel (``lib``, else
     ``qmm_kernel.load()``); returns how many layers now take it (0 where the
     kernel is unavailable, off MLX's CPU backend, or nothing is quantized).
-    ``prefill`` as ``use`` (None: leave the setting, e.g. a drafter's install
-    after the target's)."""
+    ``prefill`` and ``dot`` as ``use`` (None: leave the setting, e.g. a
+    drafter's install after the target's)."""
     lib = lib if lib is not None else qmm_kernel.load()
     if lib is None or mx.default_device() != mx.cpu:
         return 0
-    use(lib, threads=threads, prefill=prefill)
+    use(lib, threads=threads, prefill=prefill, dot=dot)
     done = 0
     for m in model.modules():
         cls = _SWAP.get(type(m))

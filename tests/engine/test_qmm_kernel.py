@@ -28,6 +28,17 @@ def lib():
     return got
 
 
+@pytest.fixture(autouse=True)
+def exact_hook():
+    """The hook's settings as each test finds them: the int8 dot path off
+    (an engine loaded earlier in this process may have turned it on; the
+    tests of the exact kernel compare bits), put back after."""
+    saved = dict(ql._state)
+    ql._state["dot"] = False
+    yield
+    ql._state.update(saved)
+
+
 def _bits(a) -> np.ndarray:
     return np.asarray(a).view(np.uint32)
 
@@ -115,6 +126,9 @@ def test_kernel_without_avx512_is_mlx_bit_for_bit(tmp_path):
     target = tmp_path / "qmm_avx2.so"
     subprocess.run([cc, *cc_build.FLAGS, "-mno-avx512f", "-o", str(target), str(qk.SOURCE), *cc_build.LIBS], check=True)
     avx2 = qk._open(target)
+    assert not qk.dot_available(avx2)  # no VNNI: the dot path declines, the exact kernel runs
+    x, wq, s, b, _ = _case(1, 1, 64, 128, 8, 64)
+    assert qk.qmm_t_dot(avx2, *(np.asarray(a) for a in (x, wq, s, b)), bits=8, group_size=64) is None
     for M, N, K, bits, gs in [(1, 264, 512, 8, 64), (2, 136, 640, 4, 32), (5, 40, 96, 2, 32), (9, 72, 256, 8, 128)]:
         x, wq, s, b, want = _case(M + N + K, M, N, K, bits, gs)
         assert np.array_equal(_bits(_kernel(avx2, x, wq, s, b, bits, gs)), _bits(want)), (M, N, K, bits)
@@ -477,3 +491,125 @@ def test_tiny_quantized_prefill_logits_close_to_mlx(tmp_path, lib, prefill_on, b
     want = np.asarray(oracle(mx.array([prompt])))
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+# ---- the int8 dot path: x rounded to int8 a group, VNNI sums (not MLX's bits) ----
+
+
+def _dot_reference(x, wq, s, b, gs) -> np.ndarray:
+    """What qmm_t_dot computes, in numpy (float64 sums): x rounded to int8 a
+    group as the C does (float32 x * (127 / max|x|), nearest even), each
+    weight group's zero point z = round(-b / s) in [0, 255], and
+    s * xs * sum((q - z) xq) + (b + z s) * sum(x), the integer sums exact."""
+    x, s, b = (np.asarray(a, np.float32) for a in (x, s, b))
+    q = np.asarray(wq).view(np.uint8).reshape(wq.shape[0], -1).astype(np.int64)  # 4 weights a word, low byte first
+    M, K = x.shape
+    G = K // gs
+    xg = x.reshape(M, G, gs)
+    amax = np.abs(xg).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    xq = np.rint((xg * inv).astype(np.float32)).astype(np.int64)  # (M, G, gs)
+    xs = (amax[..., 0] / np.float32(127)).astype(np.float64)  # (M, G)
+    sx = xg.astype(np.float64).sum(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(s != 0, np.clip(np.nan_to_num(np.rint(-b / s), nan=0.0), 0, 255), 0).astype(np.int64)  # (N, G)
+    dots = np.einsum("mgk,ngk->mng", xq, q.reshape(-1, G, gs)) - z[None] * xq.sum(axis=-1)[:, None, :]  # exact
+    s64, b64 = s.astype(np.float64), b.astype(np.float64)
+    return np.einsum("ng,mng,mg->mn", s64, dots.astype(np.float64), xs) + np.einsum("ng,mg->mn", b64 + z * s64, sx)
+
+
+@pytest.fixture
+def dot(lib):
+    if not qk.dot_available(lib):
+        pytest.skip("this CPU has no AVX-512 VNNI: the dot path is not built (the exact kernel serves)")
+    return lib
+
+
+# 16-row blocks with a tail (N = 40, 59), M = 1..6 (the 4-, 3-, 2- and 1-row
+# tiles), groups of 32, 64 and 128, one thread and two
+@pytest.mark.parametrize(("N", "K", "gs"), [(40, 256, 32), (59, 512, 64), (1536, 1536, 64), (48, 1152, 128)])
+def test_dot_is_its_own_arithmetic_and_close_to_exact(dot, N, K, gs):
+    for M in range(1, 7):
+        x, wq, s, b, exact = _case(M * 100 + N, M, N, K, 8, gs, scale=2.0)
+        args = [np.asarray(a) for a in (x, wq, s, b)]
+        got = qk.qmm_t_dot(dot, *args, bits=8, group_size=gs, threads=2)
+        assert got is not None and got.shape == (M, N)
+        ref = _dot_reference(*args, gs)
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), M  # float32 rounding of the same sums
+        exact = np.asarray(exact)
+        assert np.linalg.norm(got - exact) <= 0.01 * np.linalg.norm(exact), M  # x's int8 rounding: ~0.5%
+        assert np.array_equal(_bits(got), _bits(qk.qmm_t_dot(dot, *args, bits=8, group_size=gs, threads=1)))
+
+
+def test_dot_rows_do_not_depend_on_the_batch(dot):
+    """A row of x gets the same bits alone or among others (a verify step's
+    rows equal the decode steps' one by one: speculation stays exact)."""
+    x, wq, s, b, _ = _case(5, 7, 264, 512, 8, 64)
+    args = [np.asarray(a) for a in (x, wq, s, b)]
+    whole = qk.qmm_t_dot(dot, *args, bits=8, group_size=64, threads=2)
+    for m in range(7):
+        one = qk.qmm_t_dot(dot, args[0][m : m + 1].copy(), *args[1:], bits=8, group_size=64, threads=2)
+        assert np.array_equal(_bits(one[0]), _bits(whole[m])), m
+
+
+def test_dot_declines_what_it_does_not_take(dot):
+    x, wq, s, b, _ = _case(0, 2, 64, 256, 4, 64)
+    assert qk.qmm_t_dot(dot, *(np.asarray(a) for a in (x, wq, s, b)), bits=4, group_size=64) is None  # 4-bit
+    x, wq, s, b, _ = _case(0, 65, 64, 256, 8, 64)
+    assert qk.qmm_t_dot(dot, *(np.asarray(a) for a in (x, wq, s, b)), bits=8, group_size=64) is None  # 65 rows
+    x = np.zeros((1, 256), np.float32)  # x all zero: zero scale, no division by it
+    got = qk.qmm_t_dot(dot, x, np.asarray(wq), np.asarray(s), np.asarray(b), bits=8, group_size=64)
+    assert got is not None and not np.any(got)
+
+
+def test_the_hook_takes_the_dot_path_for_8_bit_decode(dot, monkeypatch):
+    layer8 = nn.QuantizedLinear(256, 200, bias=True, group_size=64, bits=8)
+    layer4 = nn.QuantizedLinear(256, 200, bias=True, group_size=64, bits=4)
+    mx.eval(layer8.parameters(), layer4.parameters())
+    x = mx.random.normal((1, 3, 256))
+    for layer in (layer8, layer4):
+        assert ql.install(layer, dot, dot=True) == 1
+    assert ql.dot()
+    try:
+        before = dict(ql.calls)
+        got8, got4 = layer8(x), layer4(x)
+        assert ql.calls["dot"] - before["dot"] == 1 and ql.calls["kernel"] - before["kernel"] == 1
+        want8 = np.asarray(nn.QuantizedLinear.__call__(layer8, x))
+        assert np.linalg.norm(np.asarray(got8) - want8) <= 0.01 * np.linalg.norm(want8)
+        assert np.array_equal(_bits(got4), _bits(nn.QuantizedLinear.__call__(layer4, x)))  # 4-bit: exact
+        monkeypatch.setenv("EMBER_QMM_DOT", "0")
+        ql.use(dot, dot=True)  # the environment wins
+        assert not ql.dot()
+        before = dict(ql.calls)
+        assert np.array_equal(_bits(layer8(x)), _bits(want8))
+        assert ql.calls["dot"] == before["dot"] and ql.calls["kernel"] == before["kernel"] + 1
+    finally:
+        ql.uninstall(layer8)
+        ql.uninstall(layer4)
+
+
+def test_hooked_qwen2_on_the_dot_path_stays_close_to_mlx_lm(dot):
+    """A whole 8-bit model's decode on the dot path: every step's logits
+    within a few percent of mlx-lm's (x's rounding, through every layer)."""
+    model = _qwen2(False, 8, 64)
+    prompt = [1, 5, 9, 33, 100, 7, 250, 3, 17]
+    want, want_logits = _greedy(model, prompt, 8)
+    ql.install(model, dot, dot=True)
+    try:
+        before = ql.calls["dot"]
+        _, got_logits = _greedy(model, prompt, 8)
+        assert ql.calls["dot"] - before == (1 + 8) * (2 * 7 + 1)  # the 9-row prompt and 8 steps, every matmul
+    finally:
+        ql.uninstall(model)
+    for a, b in zip(got_logits, want_logits):
+        assert np.linalg.norm(a - b) <= 0.05 * np.linalg.norm(b)
+
+
+def test_dot_config_and_flag():
+    from engine.config import EngineConfig
+    from transport.cli import build_parser, engine_config
+
+    assert EngineConfig().qmm_dot is True
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["serve", "--model", "tiny", "--no-qmm-dot"]), parser).qmm_dot is False
+    assert engine_config(parser.parse_args(["serve", "--model", "tiny"]), parser).qmm_dot is True

@@ -32,6 +32,8 @@
  * python -m bench.cpu.qmm_ab.
  */
 #include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
 #include <string.h>
 #include <pthread.h>
 #if defined(__SSE2__)
@@ -655,3 +657,198 @@ int dequantize(float* out, const uint32_t* w, const float* scales, const float* 
   parallel_for(ctx.chunks, dq_chunk, &ctx, nthreads);
   return 0;
 }
+
+/* ---- the int8 dot path: 8-bit weights against x rounded to int8 ----
+ *
+ * Not MLX's arithmetic, and not bit for bit: an approximation of the same
+ * product, for decode where the exact loop above is bound by its arithmetic
+ * (a multiply and two adds a weight in MLX's order, one dependent sum a lane)
+ * rather than by the bytes it reads. Per group g of a row n:
+ *
+ *     y[m][n] += scale[n][g] * (xs[m][g] * sum_k q[n][k] * xq[m][k]) + bias[n][g] * sx[m][g]
+ *
+ * where xq is x rounded to int8 with one scale xs a group of x (max |x| /
+ * 127, round to nearest even), and sx is the exact float sum of x over the
+ * group, so the bias term loses nothing. (Computed as s (q - z) xq + (b + z s)
+ * x with the weight's zero point z: see dot16.) The integer sum runs on AVX-512
+ * VNNI (vpdpbusd: 4 unsigned weight bytes times 4 signed x bytes a lane, one
+ * instruction for 64 weights): a packed 8-bit word is already those 4
+ * bytes, so no weight is unpacked. llama.cpp computes its 8-bit formats the
+ * same way (x rounded to int8 a block). Its cost in quality is measured by
+ * python -m bench.cpu.weight_format (the q8 rows, exact and int8-dot) and
+ * stated in docs/bench/weight-format.md. Bits 8 only, groups of whole
+ * steps of 8 words, a CPU with AVX-512 VNNI; otherwise qmm_t_dot returns -1
+ * and the caller keeps the exact kernel. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+typedef struct {
+  job_t base;
+  const int8_t* xq; /* M x K */
+  const float* xs;  /* M x G */
+  const float* sx;  /* M x G */
+  const float* sq;  /* M x G: the sum of xq over the group */
+  int64_t chunks;
+} dot_ctx_t;
+
+/* rows n .. n + 16 of y, rows m .. m + MB of x */
+AI void dot16(const dot_ctx_t* D, int64_t n, int64_t m, const int MB) {
+  const job_t* J = &D->base;
+  const int64_t K = J->K, KW = K / 4, gs = J->gs, G = K / gs, GW = gs / 4;
+  const uint32_t* src = J->w + n * KW;
+  const char* ahead = (const char*)(src + PF_ROWS * KW); /* as in tile16 */
+  const int NA = MB == 1 ? 4 : 2;                         /* independent sums a row of x */
+  __m512 acc[4];
+  __m512i tw[8];
+  v16f sc, bi;
+#pragma GCC unroll 4
+  for (int mb = 0; mb < MB; mb++) acc[mb] = _mm512_setzero_ps();
+  for (int64_t g = 0, kw = 0; g < G; g++) {
+    group16(J, n, g, &sc, &bi);
+    /* The weight's zero point z = -bias / scale rounded, in [0, 255] (0
+       where the scale is 0): s (q - z) xq + (b + z s) x rounds x where it
+       meets s (q - z), the weight itself; s q xq + b x would round it where
+       it meets s q, whose terms near z's cancel against b but whose error
+       does not (measured: half the error on uniform weights). */
+    const __m512 z = _mm512_maskz_mov_ps(
+        _mm512_cmp_ps_mask((__m512)sc, _mm512_setzero_ps(), _CMP_NEQ_UQ),
+        _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(-(__m512)bi, (__m512)sc),
+                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                    _mm512_setzero_ps()),
+                      _mm512_set1_ps(255.0f)));
+    const __m512 bz = _mm512_fmadd_ps(z, (__m512)sc, (__m512)bi);
+    __m512i a[4][4];
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; mb++)
+#pragma GCC unroll 4
+      for (int i = 0; i < NA; i++) a[mb][i] = _mm512_setzero_si512();
+    for (const int64_t kend = kw + GW; kw < kend; kw += 8, ahead += 512) {
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+      transpose16x8(src + kw, KW, tw);
+#pragma GCC unroll 4
+      for (int mb = 0; mb < MB; mb++) {
+        const int32_t* x4 = (const int32_t*)(D->xq + (m + mb) * K) + kw;
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) a[mb][j % NA] = _mm512_dpbusd_epi32(a[mb][j % NA], tw[j], _mm512_set1_epi32(x4[j]));
+      }
+    }
+#pragma GCC unroll 4
+    for (int mb = 0; mb < MB; mb++) {
+      __m512i s = a[mb][0];
+#pragma GCC unroll 4
+      for (int i = 1; i < NA; i++) s = _mm512_add_epi32(s, a[mb][i]);
+      const int64_t i = (m + mb) * G + g;
+      /* sum (q - z) xq, exact in float (|.| < 2^24) */
+      const __m512 c = _mm512_fnmadd_ps(z, _mm512_set1_ps(D->sq[i]), _mm512_cvtepi32_ps(s));
+      acc[mb] = _mm512_fmadd_ps((__m512)sc, _mm512_mul_ps(c, _mm512_set1_ps(D->xs[i])), acc[mb]);
+      acc[mb] = _mm512_fmadd_ps(bz, _mm512_set1_ps(D->sx[i]), acc[mb]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int mb = 0; mb < MB; mb++) _mm512_storeu_ps(J->y + (m + mb) * J->N + n, acc[mb]);
+}
+__attribute__((noinline)) static void dot16_1(const dot_ctx_t* D, int64_t n, int64_t m) { dot16(D, n, m, 1); }
+__attribute__((noinline)) static void dot16_2(const dot_ctx_t* D, int64_t n, int64_t m) { dot16(D, n, m, 2); }
+__attribute__((noinline)) static void dot16_3(const dot_ctx_t* D, int64_t n, int64_t m) { dot16(D, n, m, 3); }
+__attribute__((noinline)) static void dot16_4(const dot_ctx_t* D, int64_t n, int64_t m) { dot16(D, n, m, 4); }
+
+/* A row past the last block of 16: the same sums, one row at a time. */
+static void dot_row(const dot_ctx_t* D, int64_t n, int64_t m) {
+  const job_t* J = &D->base;
+  const int64_t K = J->K, gs = J->gs, G = K / gs;
+  const uint8_t* q = (const uint8_t*)(J->w + n * (K / 4));
+  const int8_t* xq = D->xq + m * K;
+  float acc = 0.0f;
+  for (int64_t g = 0; g < G; g++) {
+    const float sc = J->s[n * G + g], bi = J->b[n * G + g];
+    float z = 0.0f; /* as in dot16 */
+    if (sc != 0.0f) {
+      z = nearbyintf(-bi / sc);
+      z = z > 0.0f ? (z < 255.0f ? z : 255.0f) : 0.0f; /* NaN: 0 */
+    }
+    int32_t s = 0;
+    for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += (int32_t)q[k] * (int32_t)xq[k];
+    const int64_t i = m * G + g;
+    acc += sc * (((float)s - z * D->sq[i]) * D->xs[i]) + (bi + z * sc) * D->sx[i];
+  }
+  J->y[m * J->N + n] = acc;
+}
+
+static void dot_chunk(const void* a, int64_t c) {
+  const dot_ctx_t* D = a;
+  const int64_t N = D->base.N, M = D->base.M;
+  const int64_t n0 = c * CHUNK, n1 = c == D->chunks - 1 ? N : n0 + CHUNK;
+  int64_t n = n0;
+  for (; n + 16 <= n1; n += 16) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) dot16_4(D, n, m);
+    if (M - m == 3) dot16_3(D, n, m);
+    else if (M - m == 2) dot16_2(D, n, m);
+    else if (M - m == 1) dot16_1(D, n, m);
+  }
+  for (; n < n1; n++)
+    for (int64_t m = 0; m < M; m++) dot_row(D, n, m);
+}
+
+/* x's rows rounded to int8 a group (scale max|x| / 127, nearest even), each
+ * group's scale, and its exact sum. */
+static void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xq, float* xs, float* sx, float* sq) {
+  const int64_t G = K / gs;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < G; g++) {
+      const float* xg = x + m * K + g * gs;
+      float amax = 0.0f, sum = 0.0f;
+      for (int64_t k = 0; k < gs; k++) {
+        const float v = xg[k], a = v < 0 ? -v : v;
+        amax = a > amax ? a : amax;
+        sum += v;
+      }
+      const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+      xs[m * G + g] = d;
+      sx[m * G + g] = sum;
+      __m512i t = _mm512_setzero_si512();
+      for (int64_t k = 0; k < gs; k += 16) {
+        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), _mm512_set1_ps(inv)));
+        t = _mm512_add_epi32(t, r);
+        _mm_storeu_si128((__m128i*)(xq + m * K + g * gs + k), _mm512_cvtsepi32_epi8(r));
+      }
+      sq[m * G + g] = (float)_mm512_reduce_add_epi32(t);
+    }
+}
+#define HAVE_DOT 1
+#else
+#define HAVE_DOT 0
+#endif
+
+/* The entry point of the int8 dot path: qmm_t's arguments (bits must be 8).
+ * Returns 0, or -1 where the path does not apply (then call qmm_t). */
+int qmm_t_dot(float* y, const float* x, const uint32_t* w, const float* scales, const float* biases, int64_t M,
+              int64_t N, int64_t K, int bits, int group_size, int nthreads) {
+#if HAVE_DOT
+  if (bits != 8 || group_size <= 0 || K % group_size || group_size % 32 || M <= 0 || M > 64) return -1;
+  if (N <= 0) return 0;
+  const int64_t G = K / group_size;
+  int8_t* xq = malloc((size_t)(M * K + 64));
+  float* xf = malloc((size_t)(3 * M * G) * sizeof(float));
+  if (!xq || !xf) {
+    free(xq);
+    free(xf);
+    return -1;
+  }
+  quantize_x(x, M, K, group_size, xq, xf, xf + M * G, xf + 2 * M * G);
+  dot_ctx_t ctx = {{y, x, w, scales, biases, M, N, K, group_size, 0, N},
+                   xq, xf, xf + M * G, xf + 2 * M * G, N / CHUNK > 0 ? N / CHUNK : 1};
+  if (nthreads <= 1 || ctx.chunks == 1)
+    for (int64_t c = 0; c < ctx.chunks; c++) dot_chunk(&ctx, c);
+  else parallel_for(ctx.chunks, dot_chunk, &ctx, nthreads);
+  free(xq);
+  free(xf);
+  return 0;
+#else
+  (void)y, (void)x, (void)w, (void)scales, (void)biases, (void)M, (void)N, (void)K, (void)bits, (void)group_size,
+      (void)nthreads;
+  return -1;
+#endif
+}
+
+/* 1 where qmm_t_dot can run on this build (AVX-512 VNNI), else 0. */
+int qmm_t_dot_available(void) { return HAVE_DOT; }
