@@ -71,55 +71,71 @@ def _threads() -> int:
     return max(1, min(os.cpu_count() or 1, MAX_THREADS))
 
 
+class _Weights:
+    """A quantized weight's arrays checked once and kept as numpy views (no
+    copy): a decode step makes ~200 calls, and evaluating and viewing the
+    three arrays again each time cost ~30-60 us a call."""
+
+    __slots__ = ("w", "scales", "biases", "wn", "sn", "bn", "N", "K", "group_size", "bits")
+
+    def __init__(self, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int):
+        mx.eval(w, scales, biases)
+        self.w, self.scales, self.biases = w, scales, biases  # the views below keep their buffers: so do these
+        self.wn, self.sn, self.bn = np.asarray(w), np.asarray(scales), np.asarray(biases)
+        self.N, self.K = int(w.shape[0]), int(w.shape[1]) * 32 // bits
+        self.group_size, self.bits = group_size, bits
+
+    def holds(self, w: mx.array, scales: mx.array, biases: mx.array) -> bool:
+        return self.w is w and self.scales is scales and self.biases is biases
+
+
+def _weights(
+    w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int, mode: str
+) -> _Weights | None:
+    """The checked weight for the kernel; None where the kernel does not apply."""
+    if _state["lib"] is None or mode != "affine" or biases is None or bits not in qmm_kernel.BITS:
+        return None
+    if scales.dtype != mx.float32 or biases.dtype != mx.float32 or w.dtype != mx.uint32 or w.ndim != 2:
+        return None
+    K = w.shape[1] * 32 // bits
+    if K % group_size or scales.shape != (w.shape[0], K // group_size) or biases.shape != scales.shape:
+        return None
+    return _Weights(w, scales, biases, group_size, bits)
+
+
 def quantized_matmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int, mode: str
 ) -> mx.array | None:
     """``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`` by the
     kernel; None where the kernel does not apply (then the caller runs MLX's)."""
+    q = _weights(w, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    return None if q is None else _matmul(q, x)
+
+
+def _matmul(q: _Weights, x: mx.array) -> mx.array | None:
+    """``x`` times the checked weight ``q`` (transposed) by the kernel; None
+    where this ``x`` is not the kernel's (another dtype or device, K)."""
     lib: ctypes.CDLL | None = _state["lib"]
-    if lib is None or mode != "affine" or biases is None or bits not in qmm_kernel.BITS:
+    K, N = q.K, q.N
+    if lib is None or x.dtype != mx.float32 or x.ndim < 1 or x.size == 0 or x.shape[-1] != K:
         return None
-    if x.dtype != mx.float32 or scales.dtype != mx.float32 or biases.dtype != mx.float32 or w.dtype != mx.uint32:
+    if mx.default_device() != mx.cpu:
         return None
-    if w.ndim != 2 or x.ndim < 1 or x.size == 0 or mx.default_device() != mx.cpu:
-        return None
-    K = x.shape[-1]
-    N = w.shape[0]
-    if K % group_size or w.shape[1] * 32 != K * bits or scales.shape != (N, K // group_size):
-        return None
-    mx.eval(x, w, scales, biases)
+    mx.eval(x)
     rows = x.size // K
     if 0 < _state["prefill_rows"] <= rows:
-        y2 = _dequant_gemm(lib, x.reshape(rows, K), w, scales, biases, group_size=group_size, bits=bits)
+        y2 = _dequant_gemm(lib, x.reshape(rows, K), q)
         calls["dequant_gemm"] += 1
         return y2.reshape(*x.shape[:-1], N)
     xs = np.ascontiguousarray(np.asarray(x).reshape(-1, K))
     macs = xs.shape[0] * N * K
     threads = _state["threads"] if macs >= THREAD_MIN_MACS else 1
-    if _state["dot"] and bits == 8:
-        yd = qmm_kernel.qmm_t_dot(
-            lib,
-            xs,
-            np.asarray(w),
-            np.asarray(scales),
-            np.asarray(biases),
-            bits=bits,
-            group_size=group_size,
-            threads=threads,
-        )
+    if _state["dot"] and q.bits == 8:
+        yd = qmm_kernel.qmm_t_dot(lib, xs, q.wn, q.sn, q.bn, bits=8, group_size=q.group_size, threads=threads)
         if yd is not None:
             calls["dot"] += 1
             return mx.array(yd).reshape(*x.shape[:-1], N)
-    y = qmm_kernel.qmm_t(
-        lib,
-        xs,
-        np.asarray(w),
-        np.asarray(scales),
-        np.asarray(biases),
-        bits=bits,
-        group_size=group_size,
-        threads=threads,
-    )
+    y = qmm_kernel.qmm_t(lib, xs, q.wn, q.sn, q.bn, bits=q.bits, group_size=q.group_size, threads=threads)
     calls["kernel"] += 1
     return mx.array(y).reshape(*x.shape[:-1], N)
 
@@ -137,17 +153,14 @@ def _scratch() -> tuple[mx.array, np.ndarray]:
     return _state["scratch"]
 
 
-def _dequant_gemm(
-    lib: ctypes.CDLL, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int
-) -> mx.array:
+def _dequant_gemm(lib: ctypes.CDLL, x: mx.array, q: _Weights) -> mx.array:
     """``x @ dequantize(w)^T`` for x (M, K): the weight dequantized into the
     scratch buffer (in slabs of rows where it is larger), MLX's float32 GEMM on
     it. Each slab's product is evaluated before the buffer is written again:
     the GEMM reads the buffer when it runs, not when it is built."""
     buf, view = _scratch()
-    N = w.shape[0]
-    K = x.shape[-1]
-    wn, sn, bn = np.asarray(w), np.asarray(scales), np.asarray(biases)
+    N, K = q.N, q.K
+    wn, sn, bn, bits, group_size = q.wn, q.sn, q.bn, q.bits, q.group_size
     step = max(1, min(N, SCRATCH_FLOATS // K))
     parts = []
     for n0 in range(0, N, step):
@@ -170,16 +183,18 @@ def _dequant_gemm(
 
 
 def _layer_matmul(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> mx.array | None:
-    """``x`` times a quantized layer's weight (transposed) by the kernel; None where it does not apply."""
-    return quantized_matmul(
-        x,
-        layer["weight"],
-        layer["scales"],
-        layer.get("biases"),
-        group_size=layer.group_size,
-        bits=layer.bits,
-        mode=layer.mode,
-    )
+    """``x`` times a quantized layer's weight (transposed) by the kernel; None
+    where it does not apply. The checked weight is kept on the layer (outside
+    its parameters) until the layer's arrays change (``load_weights``, a
+    ``freeze``/update that swaps them)."""
+    w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
+    q = layer.__dict__.get("_ember_qmm")
+    if q is None or not q.holds(w, scales, biases):
+        q = _weights(w, scales, biases, group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+        if q is None:
+            return None
+        object.__setattr__(layer, "_ember_qmm", q)  # an attribute, not a parameter (nn.Module is a dict)
+    return _matmul(q, x)
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
@@ -274,5 +289,6 @@ def uninstall(model: Any) -> int:
         cls = _BACK.get(type(m))
         if cls is not None:
             m.__class__ = cls
+            m.__dict__.pop("_ember_qmm", None)
             done += 1
     return done

@@ -613,3 +613,21 @@ def test_dot_config_and_flag():
     parser = build_parser()
     assert engine_config(parser.parse_args(["serve", "--model", "tiny", "--no-qmm-dot"]), parser).qmm_dot is False
     assert engine_config(parser.parse_args(["serve", "--model", "tiny"]), parser).qmm_dot is True
+
+
+def test_a_layer_whose_weights_change_is_checked_again(lib):
+    """The checked weight kept on the layer follows its arrays: weights
+    swapped in (load_weights, update) give the new product, not the cached one."""
+    layer = nn.QuantizedLinear(256, 64, group_size=64, bits=4)
+    other = nn.QuantizedLinear(256, 64, group_size=64, bits=4)
+    mx.eval(layer.parameters(), other.parameters())
+    x = mx.random.normal((2, 256))
+    assert ql.install(layer, lib) == 1
+    try:
+        assert np.array_equal(_bits(layer(x)), _bits(nn.QuantizedLinear.__call__(layer, x)))
+        layer.update(other.parameters())
+        assert np.array_equal(_bits(layer(x)), _bits(nn.QuantizedLinear.__call__(other, x)))
+        assert "_ember_qmm" not in dict(layer.items())  # kept beside the parameters, not among them
+    finally:
+        ql.uninstall(layer)
+    assert "_ember_qmm" not in layer.__dict__
