@@ -178,13 +178,30 @@ def _prefill_arms(lib: Any, x: Any, w: Any, q: dict[int, Any]) -> dict[str, Call
         )
 
     def dequant_gemm(bits: int) -> Callable[[], Any]:
-        return lambda: qmm_linear._dequant_gemm(lib, x, *q[bits], group_size=GROUP, bits=bits)
+        return lambda: qmm_linear._dequant_gemm(lib, x, _checked(q[bits], bits))
+
+    def dot() -> Callable[[], Any]:  # the int8 dot path (8-bit) as quantized_matmul runs it
+        wq, s, b = (np.asarray(a) for a in q[8])
+        threads = qmm_linear._state["threads"]
+        return lambda: mx.eval(
+            mx.array(qmm_kernel.qmm_t_dot(lib, np.asarray(x), wq, s, b, bits=8, group_size=GROUP, threads=threads))
+        )
 
     arms = {"f32": lambda: mx.eval(mx.matmul(x, w.T))}
     for bits in (8, 4):
         arms[f"k{bits}"] = kernel(bits)
         arms[f"dg{bits}"] = dequant_gemm(bits)
+    if qmm_kernel.dot_available(lib):
+        arms["dot8"] = dot()
     return arms
+
+
+def _checked(q: Any, bits: int) -> Any:
+    from engine.mlx import qmm_linear
+
+    got = qmm_linear._weights(*q, group_size=GROUP, bits=bits, mode="affine")
+    assert got is not None
+    return got
 
 
 def prefill_path(rounds: int, rows: list[int]) -> tuple[str, bool, float]:
@@ -197,8 +214,9 @@ def prefill_path(rounds: int, rows: list[int]) -> tuple[str, bool, float]:
     lib = qmm_linear._state["lib"]
     exact, worst = True, 0.0
     out = ["| matrix (N x K) | M | float32 ms | kernel 8-bit ms | dequant+GEMM 8-bit ms | kernel 4-bit ms "
-           "| dequant+GEMM 4-bit ms | kernel/dequant+GEMM 8 | kernel/dequant+GEMM 4 |",
-           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| dequant+GEMM 4-bit ms | kernel/dequant+GEMM 8 | kernel/dequant+GEMM 4 | int8 dot 8-bit ms "
+           "| dot/dequant+GEMM 8 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name in PREFILL_SHAPES:
         N, K = SHAPES[name]
         w = mx.random.normal((N, K)) * 0.02
@@ -213,13 +231,14 @@ def prefill_path(rounds: int, rows: list[int]) -> tuple[str, bool, float]:
             mx.eval(x)
             for bits in (8, 4):
                 ref = np.asarray(mx.quantized_matmul(x, *q[bits], transpose=True, group_size=GROUP, bits=bits))
-                dg = np.asarray(qmm_linear._dequant_gemm(lib, x, *q[bits], group_size=GROUP, bits=bits))
+                dg = np.asarray(qmm_linear._dequant_gemm(lib, x, _checked(q[bits], bits)))
                 worst = max(worst, float(np.abs(dg - ref).max() / np.abs(ref).max()))
             arms = _prefill_arms(lib, x, w, q)
             ms = {a: v * 1e3 for a, v in _alternate(arms, rounds).items()}
             out.append(
                 f"| {name} ({N} x {K}) | {M} | {ms['f32']:.2f} | {ms['k8']:.2f} | {ms['dg8']:.2f} | {ms['k4']:.2f} "
-                f"| {ms['dg4']:.2f} | {ms['k8'] / ms['dg8']:.2f}x | {ms['k4'] / ms['dg4']:.2f}x |"
+                f"| {ms['dg4']:.2f} | {ms['k8'] / ms['dg8']:.2f}x | {ms['k4'] / ms['dg4']:.2f}x "
+                + (f"| {ms['dot8']:.2f} | {ms['dot8'] / ms['dg8']:.2f}x |" if "dot8" in ms else "| – | – |")
             )
             print(f"  prefill path {name} M={M} done, load {_load()}", file=sys.stderr, flush=True)
         del w, q

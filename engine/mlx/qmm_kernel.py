@@ -151,8 +151,8 @@ def qmm_t_dot(
     """``x @ dequantize(w)^T`` by the int8 dot path (``csrc/qmm_t.c``): x
     rounded to int8 a group, an approximation of ``qmm_t`` (~0.5% relative
     error a product), not its bits. None where the path does not apply (bits
-    other than 8, groups not a multiple of 32, more than 64 rows of x, a CPU
-    without AVX-512 VNNI): the caller runs ``qmm_t``."""
+    other than 8, groups not a multiple of 32 or over 128, a CPU without
+    AVX-512 VNNI): the caller runs ``qmm_t``."""
     if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
         raise ValueError(f"qmm_t_dot needs a 2-D C-contiguous float32 x, got {x.dtype} {x.shape}")
     N, K = _check(w, scales, biases, bits, group_size)

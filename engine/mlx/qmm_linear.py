@@ -22,10 +22,13 @@ mlx-lm's by float rounding (~1e-5 relative; tests/engine/test_qmm_kernel.py);
 decode (few rows) stays on the bit-exact kernel. ``EMBER_QMM_PREFILL=0`` or
 ``install(..., prefill=False)`` (``ember serve --no-qmm-prefill``) turns it off.
 
-Decode-sized calls of 8-bit layers take the kernel's int8 dot path where the
-CPU has it (``qmm_kernel.qmm_t_dot``: x rounded to int8 a group, VNNI sums):
-not mlx-lm's bits but a ~0.5% error a product, for decode ~1.4x faster at one
-row and ~2.5x at eight. Its quality against float32 is measured and stated in
+Calls of 8-bit layers take the kernel's int8 dot path where the CPU has it
+(``qmm_kernel.qmm_t_dot``: x rounded to int8 a group, VNNI sums): not
+mlx-lm's bits but a ~0.5% error a product, for decode ~1.4x faster than the
+exact kernel at one row and ~2.5x at eight, and for prefill 1.5-2.5x faster
+than dequantize + GEMM from 128 to 512 rows (``python -m bench.cpu.qmm
+--only-prefill-table --prefill-table 64,128,512``, its int8 dot column). A row's result does not depend on the others in the call,
+so a verify step's rows equal the decode steps' (speculation stays exact). Its quality against float32 is measured and stated in
 docs/bench/weight-format.md (``q8dot``); ``EMBER_QMM_DOT=0`` or
 ``install(..., dot=False)`` (``ember serve --no-qmm-dot``) keeps every call
 on the exact kernel, so greedy tokens are mlx-lm's again.
@@ -123,18 +126,19 @@ def _matmul(q: _Weights, x: mx.array) -> mx.array | None:
         return None
     mx.eval(x)
     rows = x.size // K
+    if _state["dot"] and q.bits == 8:  # faster than dequantize + GEMM at every row count measured too
+        xs = np.ascontiguousarray(np.asarray(x).reshape(-1, K))
+        threads = _state["threads"] if rows * N * K >= THREAD_MIN_MACS else 1
+        yd = qmm_kernel.qmm_t_dot(lib, xs, q.wn, q.sn, q.bn, bits=8, group_size=q.group_size, threads=threads)
+        if yd is not None:
+            calls["dot"] += 1
+            return mx.array(yd).reshape(*x.shape[:-1], N)
     if 0 < _state["prefill_rows"] <= rows:
         y2 = _dequant_gemm(lib, x.reshape(rows, K), q)
         calls["dequant_gemm"] += 1
         return y2.reshape(*x.shape[:-1], N)
     xs = np.ascontiguousarray(np.asarray(x).reshape(-1, K))
-    macs = xs.shape[0] * N * K
-    threads = _state["threads"] if macs >= THREAD_MIN_MACS else 1
-    if _state["dot"] and q.bits == 8:
-        yd = qmm_kernel.qmm_t_dot(lib, xs, q.wn, q.sn, q.bn, bits=8, group_size=q.group_size, threads=threads)
-        if yd is not None:
-            calls["dot"] += 1
-            return mx.array(yd).reshape(*x.shape[:-1], N)
+    threads = _state["threads"] if rows * N * K >= THREAD_MIN_MACS else 1
     y = qmm_kernel.qmm_t(lib, xs, q.wn, q.sn, q.bn, bits=q.bits, group_size=q.group_size, threads=threads)
     calls["kernel"] += 1
     return mx.array(y).reshape(*x.shape[:-1], N)

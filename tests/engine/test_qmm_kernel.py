@@ -525,11 +525,11 @@ def dot(lib):
     return lib
 
 
-# 16-row blocks with a tail (N = 40, 59), M = 1..6 (the 4-, 3-, 2- and 1-row
-# tiles), groups of 32, 64 and 128, one thread and two
+# 16-row blocks with a tail (N = 40, 59), M from 1 to past a block of x's
+# rows (DOT_M_BLOCK = 32), groups of 32, 64 and 128, one thread and two
 @pytest.mark.parametrize(("N", "K", "gs"), [(40, 256, 32), (59, 512, 64), (1536, 1536, 64), (48, 1152, 128)])
 def test_dot_is_its_own_arithmetic_and_close_to_exact(dot, N, K, gs):
-    for M in range(1, 7):
+    for M in (1, 2, 3, 5, 33, 70):
         x, wq, s, b, exact = _case(M * 100 + N, M, N, K, 8, gs, scale=2.0)
         args = [np.asarray(a) for a in (x, wq, s, b)]
         got = qk.qmm_t_dot(dot, *args, bits=8, group_size=gs, threads=2)
@@ -544,10 +544,10 @@ def test_dot_is_its_own_arithmetic_and_close_to_exact(dot, N, K, gs):
 def test_dot_rows_do_not_depend_on_the_batch(dot):
     """A row of x gets the same bits alone or among others (a verify step's
     rows equal the decode steps' one by one: speculation stays exact)."""
-    x, wq, s, b, _ = _case(5, 7, 264, 512, 8, 64)
+    x, wq, s, b, _ = _case(5, 37, 264, 512, 8, 64)
     args = [np.asarray(a) for a in (x, wq, s, b)]
     whole = qk.qmm_t_dot(dot, *args, bits=8, group_size=64, threads=2)
-    for m in range(7):
+    for m in (0, 1, 6, 31, 32, 36):
         one = qk.qmm_t_dot(dot, args[0][m : m + 1].copy(), *args[1:], bits=8, group_size=64, threads=2)
         assert np.array_equal(_bits(one[0]), _bits(whole[m])), m
 
@@ -555,8 +555,7 @@ def test_dot_rows_do_not_depend_on_the_batch(dot):
 def test_dot_declines_what_it_does_not_take(dot):
     x, wq, s, b, _ = _case(0, 2, 64, 256, 4, 64)
     assert qk.qmm_t_dot(dot, *(np.asarray(a) for a in (x, wq, s, b)), bits=4, group_size=64) is None  # 4-bit
-    x, wq, s, b, _ = _case(0, 65, 64, 256, 8, 64)
-    assert qk.qmm_t_dot(dot, *(np.asarray(a) for a in (x, wq, s, b)), bits=8, group_size=64) is None  # 65 rows
+    _, wq, s, b, _ = _case(0, 1, 64, 256, 8, 64)
     x = np.zeros((1, 256), np.float32)  # x all zero: zero scale, no division by it
     got = qk.qmm_t_dot(dot, x, np.asarray(wq), np.asarray(s), np.asarray(b), bits=8, group_size=64)
     assert got is not None and not np.any(got)
@@ -577,6 +576,13 @@ def test_the_hook_takes_the_dot_path_for_8_bit_decode(dot, monkeypatch):
         want8 = np.asarray(nn.QuantizedLinear.__call__(layer8, x))
         assert np.linalg.norm(np.asarray(got8) - want8) <= 0.01 * np.linalg.norm(want8)
         assert np.array_equal(_bits(got4), _bits(nn.QuantizedLinear.__call__(layer4, x)))  # 4-bit: exact
+        ql.use(dot, prefill=True)
+        big = mx.random.normal((1, ql.PREFILL_ROWS + 3, 256))  # a prefill chunk: the dot path beats dequant + GEMM
+        before = dict(ql.calls)
+        got_big = np.asarray(layer8(big))
+        assert ql.calls["dot"] - before["dot"] == 1 and ql.calls["dequant_gemm"] == before["dequant_gemm"]
+        want_big = np.asarray(nn.QuantizedLinear.__call__(layer8, big))
+        assert np.linalg.norm(got_big - want_big) <= 0.01 * np.linalg.norm(want_big)
         monkeypatch.setenv("EMBER_QMM_DOT", "0")
         ql.use(dot, dot=True)  # the environment wins
         assert not ql.dot()

@@ -680,6 +680,8 @@ int dequantize(float* out, const uint32_t* w, const float* scales, const float* 
  * steps of 8 words, a CPU with AVX-512 VNNI; otherwise qmm_t_dot returns -1
  * and the caller keeps the exact kernel. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define MAX_GW 32      /* words of a group: group sizes up to 128 (the tiles' register use) */
+#define DOT_M_BLOCK 32 /* rows of x a pass over a chunk's weights */
 typedef struct {
   job_t base;
   const int8_t* xq; /* M x K */
@@ -689,7 +691,11 @@ typedef struct {
   int64_t chunks;
 } dot_ctx_t;
 
-/* rows n .. n + 16 of y, rows m .. m + MB of x */
+/* Rows n .. n + 16 of y, rows m .. m + MB of x: the block's words for 8
+ * k-words transposed (lane r of word-vector j = row r's word j) and used by
+ * the MB rows of x, each row's sums in registers. A row of x gets the same
+ * operations in the same order whatever MB and M are (the integer sums are
+ * exact in any order), so its result does not depend on the batch. */
 AI void dot16(const dot_ctx_t* D, int64_t n, int64_t m, const int MB) {
   const job_t* J = &D->base;
   const int64_t K = J->K, KW = K / 4, gs = J->gs, G = K / gs, GW = gs / 4;
@@ -773,20 +779,26 @@ static void dot_row(const dot_ctx_t* D, int64_t n, int64_t m) {
   J->y[m * J->N + n] = acc;
 }
 
+/* A chunk of CHUNK weight rows, x's rows DOT_M_BLOCK at a time: the chunk's
+ * weights (CHUNK x K bytes) stay in L2 while each block of x's rows passes
+ * over them. */
 static void dot_chunk(const void* a, int64_t c) {
   const dot_ctx_t* D = a;
   const int64_t N = D->base.N, M = D->base.M;
   const int64_t n0 = c * CHUNK, n1 = c == D->chunks - 1 ? N : n0 + CHUNK;
-  int64_t n = n0;
-  for (; n + 16 <= n1; n += 16) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) dot16_4(D, n, m);
-    if (M - m == 3) dot16_3(D, n, m);
-    else if (M - m == 2) dot16_2(D, n, m);
-    else if (M - m == 1) dot16_1(D, n, m);
+  for (int64_t m0 = 0; m0 < M; m0 += DOT_M_BLOCK) {
+    const int64_t m1 = M - m0 < DOT_M_BLOCK ? M : m0 + DOT_M_BLOCK;
+    int64_t n = n0;
+    for (; n + 16 <= n1; n += 16) {
+      int64_t m = m0;
+      for (; m + 4 <= m1; m += 4) dot16_4(D, n, m);
+      if (m1 - m == 3) dot16_3(D, n, m);
+      else if (m1 - m == 2) dot16_2(D, n, m);
+      else if (m1 - m == 1) dot16_1(D, n, m);
+    }
+    for (; n < n1; n++)
+      for (int64_t m = m0; m < m1; m++) dot_row(D, n, m);
   }
-  for (; n < n1; n++)
-    for (int64_t m = 0; m < M; m++) dot_row(D, n, m);
 }
 
 /* x's rows rounded to int8 a group (scale max|x| / 127, nearest even), each
@@ -824,7 +836,8 @@ static void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, int8_t*
 int qmm_t_dot(float* y, const float* x, const uint32_t* w, const float* scales, const float* biases, int64_t M,
               int64_t N, int64_t K, int bits, int group_size, int nthreads) {
 #if HAVE_DOT
-  if (bits != 8 || group_size <= 0 || K % group_size || group_size % 32 || M <= 0 || M > 64) return -1;
+  if (bits != 8 || group_size <= 0 || K % group_size || group_size % 32 || group_size > 4 * MAX_GW || M <= 0)
+    return -1;
   if (N <= 0) return 0;
   const int64_t G = K / group_size;
   int8_t* xq = malloc((size_t)(M * K + 64));
