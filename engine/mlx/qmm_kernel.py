@@ -120,7 +120,7 @@ def qmm_t(
     scales and biases (N, K/group_size) float32, all C-contiguous; (M, N) float32."""
     if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
         raise ValueError(f"qmm_t needs a 2-D C-contiguous float32 x, got {x.dtype} {x.shape}")
-    N, K = _check(w, scales, biases, bits, group_size)
+    N, K = check(w, scales, biases, bits, group_size)
     M = x.shape[0]
     if x.shape[1] != K:
         raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape} holds K={K}")
@@ -155,7 +155,7 @@ def qmm_t_dot(
     AVX-512 VNNI): the caller runs ``qmm_t``."""
     if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
         raise ValueError(f"qmm_t_dot needs a 2-D C-contiguous float32 x, got {x.dtype} {x.shape}")
-    N, K = _check(w, scales, biases, bits, group_size)
+    N, K = check(w, scales, biases, bits, group_size)
     M = x.shape[0]
     if x.shape[1] != K:
         raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape} holds K={K}")
@@ -167,7 +167,7 @@ def qmm_t_dot(
     return out if rc == 0 else None
 
 
-def _check(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> tuple[int, int]:
+def check(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> tuple[int, int]:
     """N and K of a valid (w, scales, biases) triple, or ValueError."""
     if bits not in BITS:
         raise ValueError(f"the kernel handles bits {BITS}, not {bits}")
@@ -198,7 +198,7 @@ def dequantize(
     """``mx.dequantize(w, scales, biases, ...)`` (affine) bit for bit: w (N,
     K*bits/32) uint32, scales and biases (N, K/group_size) float32, all
     C-contiguous; (N, K) float32, into ``out`` where given (a reusable buffer)."""
-    N, K = _check(w, scales, biases, bits, group_size)
+    N, K = check(w, scales, biases, bits, group_size)
     if out is None:
         out = np.empty((N, K), np.float32)
     elif out.shape != (N, K) or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:

@@ -9,6 +9,7 @@ directory must give the same logits as the model built from the originals.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import gguf
 import mlx.core as mx
@@ -274,7 +275,8 @@ def test_a_gguf_path_as_model_resolves_to_its_cached_conversion(tmp_path, monkey
 
 def test_the_served_weight_format_is_the_packaged_models_measured_choice(monkeypatch):
     """On MLX's CPU backend a packaged model serves in its measured format
-    (the Qwen 1.5B: q8, docs/bench/weight-format.md), any other in float32; EMBER_WEIGHTS overrides both, and a bad value is one clear error."""
+    (the Qwen 1.5B and 0.5B: q8, docs/bench/weight-format.md), any other in float32; EMBER_WEIGHTS overrides
+    both, and a bad value is one clear error."""
     import mlx.core as mx
 
     from engine.mlx.gguf_convert import default_dtype
@@ -283,7 +285,7 @@ def test_the_served_weight_format_is_the_packaged_models_measured_choice(monkeyp
     monkeypatch.delenv("EMBER_WEIGHTS", raising=False)
     assert mx.default_device() == mx.cpu  # this suite runs MLX's CPU backend
     assert PACKAGED["qwen2.5-coder-1.5b"].cpu_weights == "q8"
-    assert default_dtype(PACKAGED["qwen2.5-coder-0.5b"].cpu_weights) == "float32"  # q8 did not pay there
+    assert default_dtype(PACKAGED["qwen2.5-coder-0.5b"].cpu_weights) == "q8"  # since the int8 dot path
     assert default_dtype(PACKAGED["qwen2.5-coder-1.5b"].cpu_weights) == "q8"
     assert default_dtype(PACKAGED["smollm2-135m"].cpu_weights) == "float32"
     assert default_dtype() == "float32"
@@ -296,8 +298,8 @@ def test_the_served_weight_format_is_the_packaged_models_measured_choice(monkeyp
 
 def test_a_packaged_drafter_resolves_in_its_drafting_format(monkeypatch):
     """``--draft-model qwen2.5-coder-0.5b`` loads the q8 conversion (a draft step is one
-    token's latency: docs/bench/spec-real.md); served alone it stays float32; EMBER_WEIGHTS
-    still decides both."""
+    token's latency: docs/bench/spec-real.md), as served alone; a packaged model's
+    draft_weights, where it has one, wins for drafting; EMBER_WEIGHTS still decides both."""
     import mlx.core as mx
 
     import engine.mlx.gguf_convert as gc
@@ -309,7 +311,18 @@ def test_a_packaged_drafter_resolves_in_its_drafting_format(monkeypatch):
     monkeypatch.setattr(gm, "packaged_gguf", lambda key: f"/gguf/{key}")
     monkeypatch.setattr(gc, "cached_conversion", lambda path, dtype=None, **_: (path, dtype))
     assert resolve_model("qwen2.5-coder-0.5b", draft=True) == ("/gguf/qwen2.5-coder-0.5b", "q8")
+    assert resolve_model("qwen2.5-coder-0.5b") == ("/gguf/qwen2.5-coder-0.5b", "q8")
+    monkeypatch.setitem(
+        gm.PACKAGED,
+        "qwen2.5-coder-0.5b",
+        replace(gm.PACKAGED["qwen2.5-coder-0.5b"], cpu_weights=None, draft_weights="q8"),
+    )
+    assert resolve_model("qwen2.5-coder-0.5b", draft=True) == ("/gguf/qwen2.5-coder-0.5b", "q8")
     assert resolve_model("qwen2.5-coder-0.5b") == ("/gguf/qwen2.5-coder-0.5b", "float32")
+    monkeypatch.undo()
+    monkeypatch.delenv("EMBER_WEIGHTS", raising=False)
+    monkeypatch.setattr(gm, "packaged_gguf", lambda key: f"/gguf/{key}")
+    monkeypatch.setattr(gc, "cached_conversion", lambda path, dtype=None, **_: (path, dtype))
     assert resolve_model("qwen2.5-coder-1.5b", draft=True) == ("/gguf/qwen2.5-coder-1.5b", "q8")  # as served
     assert resolve_model("smollm2-135m", draft=True) == ("/gguf/smollm2-135m", "float32")
     monkeypatch.setenv("EMBER_WEIGHTS", "float32")
