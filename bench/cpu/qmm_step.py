@@ -1,0 +1,101 @@
+"""Where a quantized decode step's time goes on MLX's CPU backend: the kernel,
+the hook around it, the rest (issue #45).
+
+    python -m bench.cpu.qmm_step --model qwen2.5-coder-1.5b --format q8dot --steps 20
+
+The model is made as ``bench.cpu.weight_format`` makes a format (its float32
+conversion re-quantized, group 64, the kernel installed: ``q8dot`` on the
+int8 dot path, ``q8``/``q4`` on the exact kernel), then ``--steps`` greedy
+decode steps of ``model(token)`` after a short prompt (mlx-lm's forward, no
+server). Per step: the whole step; the time inside the hooked quantized
+layers' matmul (``qmm_linear._matmul``: it evaluates the graph up to its input
+first, so this includes the MLX ops between matmuls: norms, RoPE, attention);
+the time inside the C kernel calls alone; and the rest (after the last
+matmul, the argmax, Python). Means over the steps; the load is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.mlx.blas import maybe_reexec_with_openblas
+
+    maybe_reexec_with_openblas()
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu.qmm_step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--format", default="q8dot", help="q8dot, q8 or q4 (as bench.cpu.weight_format)")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args(argv)
+    os.environ["EMBER_WEIGHTS"] = "float32"
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench.cpu import weight_format
+    from engine.mlx import qmm_linear
+    from engine.models import resolve_model
+
+    model = weight_format._make(str(resolve_model(args.model)), args.format, True)
+    lib = qmm_linear._state["lib"]
+    spent = {"hook": 0.0, "kernel": 0.0, "calls": 0.0}
+    matmul = qmm_linear._matmul
+
+    def timed_matmul(q: Any, x: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return matmul(q, x)
+        finally:
+            spent["hook"] += time.perf_counter() - t
+            spent["calls"] += 1
+
+    class TimedLib:  # the C calls alone
+        def __getattr__(self, name: str) -> Any:
+            fn = getattr(lib, name)
+
+            def call(*a: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return fn(*a)
+                finally:
+                    spent["kernel"] += time.perf_counter() - t
+
+            return call
+
+    qmm_linear._matmul = timed_matmul  # type: ignore[assignment]
+    qmm_linear._state["lib"] = TimedLib()
+    try:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=cache))
+        tok = mx.array([[5]])
+        for _ in range(3):
+            mx.eval(model(tok, cache=cache))
+        for k in spent:
+            spent[k] = 0.0
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            tok = mx.argmax(model(tok, cache=cache)[:, -1:], axis=-1)
+            mx.eval(tok)
+        step = (time.perf_counter() - t0) / args.steps
+    finally:
+        qmm_linear._matmul = matmul  # type: ignore[assignment]
+        qmm_linear._state["lib"] = lib
+    n = args.steps
+    hook, kernel = spent["hook"] / n, spent["kernel"] / n
+    print(f"python -m bench.cpu.qmm_step --model {args.model} --format {args.format} --steps {n}")
+    print(f"load (1/5/15 min) {os.getloadavg()}")
+    print("| step ms | in the hooked matmuls ms | of which the C kernel ms | the hook's rest (MLX ops, syncs) ms "
+          "| outside the matmuls ms | matmul calls a step |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    print(
+        f"| {step * 1e3:.1f} | {hook * 1e3:.1f} | {kernel * 1e3:.1f} | {(hook - kernel) * 1e3:.1f} "
+        f"| {(step - hook) * 1e3:.1f} | {spent['calls'] / n:.0f} |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
