@@ -77,9 +77,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # MLX's quantized_matmul (BLAS's order of sums); decode stays bit exact.
     # False (or EMBER_QMM_PREFILL=0): the exact kernel for every call
     qmm_prefill: bool = True
-    # with qmm_kernel, decode-sized calls of 8-bit layers take the kernel's
-    # int8 dot path where the CPU has AVX-512 VNNI (x rounded to int8 a group:
-    # ~0.5% error a product, not mlx-lm's bits; its quality against float32 is
+    # with qmm_kernel, calls of 8-bit layers (decode and prefill) take the kernel's
+    # integer dot path where the CPU has AVX-512 VNNI (x rounded to int16 a group:
+    # ~1e-5 error a product, not mlx-lm's bits; its quality against float32 is
     # in docs/bench/weight-format.md, q8dot). False (or EMBER_QMM_DOT=0): the
     # exact kernel, greedy tokens mlx-lm's
     qmm_dot: bool = True

@@ -180,7 +180,7 @@ def _prefill_arms(lib: Any, x: Any, w: Any, q: dict[int, Any]) -> dict[str, Call
     def dequant_gemm(bits: int) -> Callable[[], Any]:
         return lambda: qmm_linear._dequant_gemm(lib, x, _checked(q[bits], bits))
 
-    def dot() -> Callable[[], Any]:  # the int8 dot path (8-bit) as quantized_matmul runs it
+    def dot() -> Callable[[], Any]:  # the integer dot path (8-bit) as quantized_matmul runs it
         wq, s, b = (np.asarray(a) for a in q[8])
         threads = qmm_linear._state["threads"]
         return lambda: mx.eval(

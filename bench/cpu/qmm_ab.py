@@ -4,14 +4,14 @@ build's time over the new one's (a ratio > 1: the new is faster), and whether
 the two give the same bits.
 
     python -m bench.cpu.qmm_ab [--old main] [--new engine/mlx/csrc/qmm_t.c] [--rows 1,2,4,8] [--bits 8]
-    python -m bench.cpu.qmm_ab --old HEAD --dot     # the exact kernel against the int8 dot path
+    python -m bench.cpu.qmm_ab --old HEAD --dot     # the exact kernel against the integer dot path
 
 ``--old`` / ``--new``: a source file, or a git revision (its
 ``engine/mlx/csrc/qmm_t.c``). The calls alternate old / new (which goes first
 swaps every round; round 0 warms up and is dropped), each arm cycling
 through copies of the weight that together exceed the last-level cache, so a
 call reads its weight from memory as a decode step does; medians. ``--dot``:
-the new arm is the new build's int8 dot path (``qmm_t_dot``, 8-bit only), and
+the new arm is the new build's integer dot path (``qmm_t_dot``, 8-bit only), and
 the last column is its relative error against the old arm (the norm of the
 difference over the norm), not a bit comparison. On a
 machine shared with other work the absolute times are noise; the ratios of
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--ms", type=float, default=30.0, help="about this long per arm a round")
-    ap.add_argument("--dot", action="store_true", help="the new arm: the int8 dot path (8-bit)")
+    ap.add_argument("--dot", action="store_true", help="the new arm: the integer dot path (8-bit)")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as d:

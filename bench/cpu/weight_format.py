@@ -7,7 +7,7 @@ The model's GGUF is dequantized once to float32 (``resolve_model`` of the packag
 ``EMBER_WEIGHTS=float32``); every other format is made from those float32 weights in the process,
 the way ``ember convert --dtype`` writes it: ``bfloat16``/``float16`` by ``set_dtype``, ``q8``/``q4``
 by ``nn.quantize`` (MLX affine, group 64, what ``mlx_lm.convert -q`` writes); ``q8dot`` is ``q8`` with
-decode-sized calls on the kernel's int8 dot path (``ember serve``'s default for 8-bit weights where the
+decode-sized calls on the kernel's integer dot path (``ember serve``'s default for 8-bit weights where the
 CPU has AVX-512 VNNI), ``q8`` then the exact kernel (``--no-qmm-dot``). Each format is run as
 ``ember serve`` runs it: MLX's CPU kernels plus, where Ember installs one for that format, its own
 (``engine.mlx.qmm_linear`` for q8/q4; ``--no-ember-kernels`` measures MLX alone).
@@ -36,8 +36,8 @@ import time
 from typing import Any
 
 FORMATS = ("float32", "bfloat16", "float16", "q8", "q8dot", "q4")
-# q8dot: the q8 weights with decode-sized calls on the kernel's int8 dot path
-# (x rounded to int8 a group; engine.mlx.qmm_kernel.qmm_t_dot); q8 is then the
+# q8dot: the q8 weights with decode-sized calls on the kernel's integer dot path
+# (x rounded to int16 a group; engine.mlx.qmm_kernel.qmm_t_dot); q8 is then the
 # exact kernel, mlx-lm's bits
 QUANTIZED = {"q8": 8, "q8dot": 8, "q4": 4}
 

@@ -28,13 +28,13 @@ for prefill-sized calls that ``engine.mlx.qmm_linear`` hands to a float32
 GEMM instead (MLX's own dequantize is scalar: ~110 ms for a 8960x1536 matrix).
 
 And ``qmm_t_dot``, the one path that is not MLX's arithmetic: 8-bit weights
-against x rounded to int8 a group, summed by AVX-512 VNNI (the packed word is
-already the four bytes an instruction takes). The exact loop is bound by its
-multiply-adds, not by the bytes it reads; this one reads the same bytes in
-~0.7x the time at one row of x and ~0.4x at eight
-(``python -m bench.cpu.qmm_ab --dot``), for a ~0.5% relative error a
-product whose cost in a real model's quality ``python -m
-bench.cpu.weight_format`` measures (format ``q8dot``).
+against x rounded to int16 a group, summed by AVX-512 VNNI (two int16
+products a lane an instruction; a packed word's bytes are two int16 pairs
+after a mask and a shift). The exact loop is bound by its multiply-adds, not
+by the bytes it reads; this one reads the same bytes in ~0.7x the time at one
+row of x and ~0.5x at eight (``python -m bench.cpu.qmm_ab --dot``), for a
+~1e-5 relative error a product whose cost in a real model's quality
+``python -m bench.cpu.weight_format`` measures (format ``q8dot``).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _open(path: pathlib.Path) -> ctypes.CDLL:
 
 
 def dot_available(lib: ctypes.CDLL) -> bool:
-    """Whether this build has the int8 dot path (AVX-512 VNNI)."""
+    """Whether this build has the integer dot path (AVX-512 VNNI)."""
     return bool(lib.qmm_t_dot_available())
 
 
@@ -148,8 +148,8 @@ def qmm_t_dot(
     group_size: int,
     threads: int = 1,
 ) -> np.ndarray | None:
-    """``x @ dequantize(w)^T`` by the int8 dot path (``csrc/qmm_t.c``): x
-    rounded to int8 a group, an approximation of ``qmm_t`` (~0.5% relative
+    """``x @ dequantize(w)^T`` by the integer dot path (``csrc/qmm_t.c``): x
+    rounded to int16 a group, an approximation of ``qmm_t`` (~1e-5 relative
     error a product), not its bits. None where the path does not apply (bits
     other than 8, groups not a multiple of 32 or over 128, a CPU without
     AVX-512 VNNI): the caller runs ``qmm_t``."""

@@ -22,13 +22,14 @@ mlx-lm's by float rounding (~1e-5 relative; tests/engine/test_qmm_kernel.py);
 decode (few rows) stays on the bit-exact kernel. ``EMBER_QMM_PREFILL=0`` or
 ``install(..., prefill=False)`` (``ember serve --no-qmm-prefill``) turns it off.
 
-Calls of 8-bit layers take the kernel's int8 dot path where the CPU has it
-(``qmm_kernel.qmm_t_dot``: x rounded to int8 a group, VNNI sums): not
-mlx-lm's bits but a ~0.5% error a product, for decode ~1.4x faster than the
-exact kernel at one row and ~2.5x at eight, and for prefill 1.5-2.5x faster
-than dequantize + GEMM from 128 to 512 rows (``python -m bench.cpu.qmm
---only-prefill-table --prefill-table 64,128,512``, its int8 dot column). A row's result does not depend on the others in the call,
-so a verify step's rows equal the decode steps' (speculation stays exact). Its quality against float32 is measured and stated in
+Calls of 8-bit layers take the kernel's integer dot path where the CPU has it
+(``qmm_kernel.qmm_t_dot``: x rounded to int16 a group, VNNI sums): not
+mlx-lm's bits but a ~1e-5 error a product, for decode ~1.4x faster than the
+exact kernel at one row and ~2x at eight, and for prefill faster than
+dequantize + GEMM at every size measured (``python -m bench.cpu.qmm
+--only-prefill-table --prefill-table 64,128,512``, its dot column). A row's
+result does not depend on the others in the call. Its quality against
+float32 is measured and stated in
 docs/bench/weight-format.md (``q8dot``); ``EMBER_QMM_DOT=0`` or
 ``install(..., dot=False)`` (``ember serve --no-qmm-dot``) keeps every call
 on the exact kernel, so greedy tokens are mlx-lm's again.
@@ -241,7 +242,7 @@ def use(
     """The kernel ``quantized_matmul`` calls (None: none, MLX's everywhere), on
     ``threads`` (default: every core); ``prefill``: whether calls of
     ``PREFILL_ROWS`` rows or more take dequantize + GEMM; ``dot``: whether
-    8-bit decode calls take the int8 dot path where the CPU has it (None: as
+    8-bit decode calls take the integer dot path where the CPU has it (None: as
     it was; ``EMBER_QMM_PREFILL=0`` / ``EMBER_QMM_DOT=0`` turn them off
     whatever is passed)."""
     _state["lib"] = lib
@@ -257,7 +258,7 @@ def use(
 
 
 def dot() -> bool:
-    """Whether 8-bit decode calls take the int8 dot path."""
+    """Whether 8-bit decode calls take the integer dot path."""
     return bool(_state["dot"])
 
 

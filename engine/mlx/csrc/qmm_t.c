@@ -658,36 +658,42 @@ int dequantize(float* out, const uint32_t* w, const float* scales, const float* 
   return 0;
 }
 
-/* ---- the int8 dot path: 8-bit weights against x rounded to int8 ----
+/* ---- the integer dot path: 8-bit weights against x rounded to int16 ----
  *
- * Not MLX's arithmetic, and not bit for bit: an approximation of the same
- * product, for decode where the exact loop above is bound by its arithmetic
+ * Not MLX's arithmetic, and not bit for bit: the same product with x rounded
+ * to int16, for decode where the exact loop above is bound by its arithmetic
  * (a multiply and two adds a weight in MLX's order, one dependent sum a lane)
  * rather than by the bytes it reads. Per group g of a row n:
  *
- *     y[m][n] += scale[n][g] * (xs[m][g] * sum_k q[n][k] * xq[m][k]) + bias[n][g] * sx[m][g]
+ *     y[m][n] += scale[n][g] * (xs[m][g] * sum_k q[n][k] * x16[m][k]) + bias[n][g] * sx[m][g]
  *
- * where xq is x rounded to int8 with one scale xs a group of x (max |x| /
- * 127, round to nearest even), and sx is the exact float sum of x over the
- * group, so the bias term loses nothing. (Computed as s (q - z) xq + (b + z s)
- * x with the weight's zero point z: see dot16.) The integer sum runs on AVX-512
- * VNNI (vpdpbusd: 4 unsigned weight bytes times 4 signed x bytes a lane, one
- * instruction for 64 weights): a packed 8-bit word is already those 4
- * bytes, so no weight is unpacked. llama.cpp computes its 8-bit formats the
- * same way (x rounded to int8 a block). Its cost in quality is measured by
- * python -m bench.cpu.weight_format (the q8 rows, exact and int8-dot) and
- * stated in docs/bench/weight-format.md. Bits 8 only, groups of whole
- * steps of 8 words, a CPU with AVX-512 VNNI; otherwise qmm_t_dot returns -1
- * and the caller keeps the exact kernel. */
+ * where x16 is x rounded to int16 with one scale xs a group of x (max |x| /
+ * 32767, round to nearest even), and sx is the exact float sum of x over the
+ * group, so the bias term loses nothing. The integer sums run on AVX-512
+ * VNNI's vpdpwssd (two int16 products a 32-bit lane): a packed word's four
+ * weight bytes become two int16 pairs by one mask and one shift-and-mask.
+ *
+ * Why int16 and not int8 (vpdpbusd, one instruction for 64 weights, ~1.4x
+ * faster at one row): x rounded to int8 (~0.5% error a product) turns a
+ * last-bit difference in x into a ~1/127 step of one of its values. A verify
+ * forward's attention sums in another order than a one-token step's, so its
+ * x differs from the step's in the last bits; through 28 layers of int8
+ * rounding that was enough to change greedy tokens (the real pair at
+ * gamma = 3: 0 of 2 rounds identical to plain decode). Rounded to int16
+ * (~1e-5 a product) the step is 256x finer. Its cost in quality is measured
+ * by python -m bench.cpu.weight_format (q8dot). Bits 8 only, groups of 32,
+ * 64 or 128, a CPU with AVX-512 VNNI; otherwise qmm_t_dot returns -1 and the
+ * caller keeps the exact kernel. A row's result does not depend on the other
+ * rows of the call (the integer sums are exact in any order). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define MAX_GW 32      /* words of a group: group sizes up to 128 (the tiles' register use) */
 #define DOT_M_BLOCK 32 /* rows of x a pass over a chunk's weights */
 typedef struct {
   job_t base;
-  const int8_t* xq; /* M x K */
-  const float* xs;  /* M x G */
-  const float* sx;  /* M x G */
-  const float* sq;  /* M x G: the sum of xq over the group */
+  const int16_t* x16; /* M x K: x rounded to int16 a group */
+  const int32_t* xp;  /* M x K/2: x16's pairs as dot16 takes them */
+  const float* xs;    /* M x G: a group's scale of x16 */
+  const float* sx;    /* M x G: x's exact sum over the group */
   int64_t chunks;
 } dot_ctx_t;
 
@@ -701,7 +707,7 @@ AI void dot16(const dot_ctx_t* D, int64_t n, int64_t m, const int MB) {
   const int64_t K = J->K, KW = K / 4, gs = J->gs, G = K / gs, GW = gs / 4;
   const uint32_t* src = J->w + n * KW;
   const char* ahead = (const char*)(src + PF_ROWS * KW); /* as in tile16 */
-  const int NA = MB == 1 ? 4 : 2;                         /* independent sums a row of x */
+  const __m512i lo = _mm512_set1_epi32(0x00FF00FF);
   __m512 acc[4];
   __m512i tw[8];
   v16f sc, bi;
@@ -709,44 +715,32 @@ AI void dot16(const dot_ctx_t* D, int64_t n, int64_t m, const int MB) {
   for (int mb = 0; mb < MB; mb++) acc[mb] = _mm512_setzero_ps();
   for (int64_t g = 0, kw = 0; g < G; g++) {
     group16(J, n, g, &sc, &bi);
-    /* The weight's zero point z = -bias / scale rounded, in [0, 255] (0
-       where the scale is 0): s (q - z) xq + (b + z s) x rounds x where it
-       meets s (q - z), the weight itself; s q xq + b x would round it where
-       it meets s q, whose terms near z's cancel against b but whose error
-       does not (measured: half the error on uniform weights). */
-    const __m512 z = _mm512_maskz_mov_ps(
-        _mm512_cmp_ps_mask((__m512)sc, _mm512_setzero_ps(), _CMP_NEQ_UQ),
-        _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(-(__m512)bi, (__m512)sc),
-                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                    _mm512_setzero_ps()),
-                      _mm512_set1_ps(255.0f)));
-    const __m512 bz = _mm512_fmadd_ps(z, (__m512)sc, (__m512)bi);
-    __m512i a[4][4];
+    __m512i a[4][2];
 #pragma GCC unroll 4
-    for (int mb = 0; mb < MB; mb++)
-#pragma GCC unroll 4
-      for (int i = 0; i < NA; i++) a[mb][i] = _mm512_setzero_si512();
+    for (int mb = 0; mb < MB; mb++) a[mb][0] = a[mb][1] = _mm512_setzero_si512();
     for (const int64_t kend = kw + GW; kw < kend; kw += 8, ahead += 512) {
 #pragma GCC unroll 8
       for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
       transpose16x8(src + kw, KW, tw);
-#pragma GCC unroll 4
-      for (int mb = 0; mb < MB; mb++) {
-        const int32_t* x4 = (const int32_t*)(D->xq + (m + mb) * K) + kw;
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) a[mb][j % NA] = _mm512_dpbusd_epi32(a[mb][j % NA], tw[j], _mm512_set1_epi32(x4[j]));
+      for (int j = 0; j < 8; j++) {
+        /* a word's 4 bytes (k .. k + 3) as two int16 pairs: (k, k + 2) and (k + 1, k + 3) */
+        const __m512i w02 = _mm512_and_si512(tw[j], lo), w13 = _mm512_and_si512(_mm512_srli_epi32(tw[j], 8), lo);
+#pragma GCC unroll 4
+        for (int mb = 0; mb < MB; mb++) {
+          const int32_t* xp = D->xp + (m + mb) * (K / 2) + 2 * (kw + j);
+          a[mb][0] = _mm512_dpwssd_epi32(a[mb][0], w02, _mm512_set1_epi32(xp[0]));
+          a[mb][1] = _mm512_dpwssd_epi32(a[mb][1], w13, _mm512_set1_epi32(xp[1]));
+        }
       }
     }
 #pragma GCC unroll 4
     for (int mb = 0; mb < MB; mb++) {
-      __m512i s = a[mb][0];
-#pragma GCC unroll 4
-      for (int i = 1; i < NA; i++) s = _mm512_add_epi32(s, a[mb][i]);
       const int64_t i = (m + mb) * G + g;
-      /* sum (q - z) xq, exact in float (|.| < 2^24) */
-      const __m512 c = _mm512_fnmadd_ps(z, _mm512_set1_ps(D->sq[i]), _mm512_cvtepi32_ps(s));
+      /* sum q x16 (|.| < 2^31: 128 x 255 x 32767), then to float: one rounding */
+      const __m512 c = _mm512_cvtepi32_ps(_mm512_add_epi32(a[mb][0], a[mb][1]));
       acc[mb] = _mm512_fmadd_ps((__m512)sc, _mm512_mul_ps(c, _mm512_set1_ps(D->xs[i])), acc[mb]);
-      acc[mb] = _mm512_fmadd_ps(bz, _mm512_set1_ps(D->sx[i]), acc[mb]);
+      acc[mb] = _mm512_fmadd_ps((__m512)bi, _mm512_set1_ps(D->sx[i]), acc[mb]);
     }
   }
 #pragma GCC unroll 4
@@ -762,19 +756,13 @@ static void dot_row(const dot_ctx_t* D, int64_t n, int64_t m) {
   const job_t* J = &D->base;
   const int64_t K = J->K, gs = J->gs, G = K / gs;
   const uint8_t* q = (const uint8_t*)(J->w + n * (K / 4));
-  const int8_t* xq = D->xq + m * K;
+  const int16_t* x16 = D->x16 + m * K;
   float acc = 0.0f;
   for (int64_t g = 0; g < G; g++) {
-    const float sc = J->s[n * G + g], bi = J->b[n * G + g];
-    float z = 0.0f; /* as in dot16 */
-    if (sc != 0.0f) {
-      z = nearbyintf(-bi / sc);
-      z = z > 0.0f ? (z < 255.0f ? z : 255.0f) : 0.0f; /* NaN: 0 */
-    }
     int32_t s = 0;
-    for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += (int32_t)q[k] * (int32_t)xq[k];
+    for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += (int32_t)q[k] * (int32_t)x16[k];
     const int64_t i = m * G + g;
-    acc += sc * (((float)s - z * D->sq[i]) * D->xs[i]) + (bi + z * sc) * D->sx[i];
+    acc += J->s[n * G + g] * ((float)s * D->xs[i]) + J->b[n * G + g] * D->sx[i];
   }
   J->y[m * J->N + n] = acc;
 }
@@ -801,10 +789,14 @@ static void dot_chunk(const void* a, int64_t c) {
   }
 }
 
-/* x's rows rounded to int8 a group (scale max|x| / 127, nearest even), each
- * group's scale, and its exact sum. */
-static void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xq, float* xs, float* sx, float* sq) {
+/* x's rows rounded to int16 a group (scale max|x| / 32767, nearest even), the
+ * same values in dot16's pair order, each group's scale, and its exact sum. */
+static void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, int16_t* x16, int32_t* xp, float* xs,
+                       float* sx) {
   const int64_t G = K / gs;
+  /* within each 4 values k .. k + 3: k, k + 2, k + 1, k + 3 (the pairs dot16 multiplies) */
+  const __m512i order = _mm512_set_epi16(31, 29, 30, 28, 27, 25, 26, 24, 23, 21, 22, 20, 19, 17, 18, 16, 15, 13, 14,
+                                         12, 11, 9, 10, 8, 7, 5, 6, 4, 3, 1, 2, 0);
   for (int64_t m = 0; m < M; m++)
     for (int64_t g = 0; g < G; g++) {
       const float* xg = x + m * K + g * gs;
@@ -814,16 +806,17 @@ static void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, int8_t*
         amax = a > amax ? a : amax;
         sum += v;
       }
-      const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-      xs[m * G + g] = d;
+      xs[m * G + g] = amax / 32767.0f;
       sx[m * G + g] = sum;
-      __m512i t = _mm512_setzero_si512();
-      for (int64_t k = 0; k < gs; k += 16) {
-        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), _mm512_set1_ps(inv)));
-        t = _mm512_add_epi32(t, r);
-        _mm_storeu_si128((__m128i*)(xq + m * K + g * gs + k), _mm512_cvtsepi32_epi8(r));
+      const __m512 inv = _mm512_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
+      int16_t* out = x16 + m * K + g * gs;
+      for (int64_t k = 0; k < gs; k += 32) {
+        const __m256i r0 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), inv)));
+        const __m256i r1 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k + 16), inv)));
+        const __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+        _mm512_storeu_si512(out + k, r);
+        _mm512_storeu_si512(xp + m * (K / 2) + (g * gs + k) / 2, _mm512_permutexvar_epi16(order, r));
       }
-      sq[m * G + g] = (float)_mm512_reduce_add_epi32(t);
     }
 }
 #define HAVE_DOT 1
@@ -831,7 +824,7 @@ static void quantize_x(const float* x, int64_t M, int64_t K, int64_t gs, int8_t*
 #define HAVE_DOT 0
 #endif
 
-/* The entry point of the int8 dot path: qmm_t's arguments (bits must be 8).
+/* The entry point of the integer dot path: qmm_t's arguments (bits must be 8).
  * Returns 0, or -1 where the path does not apply (then call qmm_t). */
 int qmm_t_dot(float* y, const float* x, const uint32_t* w, const float* scales, const float* biases, int64_t M,
               int64_t N, int64_t K, int bits, int group_size, int nthreads) {
@@ -840,20 +833,23 @@ int qmm_t_dot(float* y, const float* x, const uint32_t* w, const float* scales, 
     return -1;
   if (N <= 0) return 0;
   const int64_t G = K / group_size;
-  int8_t* xq = malloc((size_t)(M * K + 64));
-  float* xf = malloc((size_t)(3 * M * G) * sizeof(float));
-  if (!xq || !xf) {
-    free(xq);
+  int16_t* x16 = malloc((size_t)(M * K) * sizeof(int16_t));
+  int32_t* xp = malloc((size_t)(M * K / 2) * sizeof(int32_t));
+  float* xf = malloc((size_t)(2 * M * G) * sizeof(float));
+  if (!x16 || !xp || !xf) {
+    free(x16);
+    free(xp);
     free(xf);
     return -1;
   }
-  quantize_x(x, M, K, group_size, xq, xf, xf + M * G, xf + 2 * M * G);
-  dot_ctx_t ctx = {{y, x, w, scales, biases, M, N, K, group_size, 0, N},
-                   xq, xf, xf + M * G, xf + 2 * M * G, N / CHUNK > 0 ? N / CHUNK : 1};
+  quantize_x(x, M, K, group_size, x16, xp, xf, xf + M * G);
+  dot_ctx_t ctx = {{y, x, w, scales, biases, M, N, K, group_size, 0, N}, x16, xp, xf, xf + M * G,
+                   N / CHUNK > 0 ? N / CHUNK : 1};
   if (nthreads <= 1 || ctx.chunks == 1)
     for (int64_t c = 0; c < ctx.chunks; c++) dot_chunk(&ctx, c);
   else parallel_for(ctx.chunks, dot_chunk, &ctx, nthreads);
-  free(xq);
+  free(x16);
+  free(xp);
   free(xf);
   return 0;
 #else
