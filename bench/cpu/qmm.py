@@ -214,7 +214,7 @@ def prefill_path(rounds: int, rows: list[int]) -> tuple[str, bool, float]:
     lib = qmm_linear._state["lib"]
     exact, worst = True, 0.0
     out = ["| matrix (N x K) | M | float32 ms | kernel 8-bit ms | dequant+GEMM 8-bit ms | kernel 4-bit ms "
-           "| dequant+GEMM 4-bit ms | kernel/dequant+GEMM 8 | kernel/dequant+GEMM 4 | int8 dot 8-bit ms "
+           "| dequant+GEMM 4-bit ms | kernel/dequant+GEMM 8 | kernel/dequant+GEMM 4 | integer dot 8-bit ms "
            "| dot/dequant+GEMM 8 |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name in PREFILL_SHAPES:
