@@ -166,7 +166,13 @@ def peer_server(name: str, model_dir: Path, work: Path) -> Server:
         raise SystemExit(f"unknown peer {name!r}: vllm-mlx or rapid-mlx")
     if not bin_dir.exists():
         raise SystemExit(f"{name}: no venv at {bin_dir.parent}; run `python -m bench.agent_session --setup-peers`")
-    return Server(name, argv, port, work / f"{name}.log")
+    # A home of its own for this run: both keep a prefix cache on disk under
+    # ~/.cache/<name> across server restarts (what the restart turn measures),
+    # and across runs too, so a shared home gave a peer the previous run's
+    # turns as cache hits (rapid-mlx: turn 1's whole prompt cached).
+    home = work / f"home-{name}"
+    home.mkdir(parents=True, exist_ok=True)
+    return Server(name, argv, port, work / f"{name}.log", env={"HOME": str(home)})
 
 
 def setup_peers(names: list[str]) -> None:
