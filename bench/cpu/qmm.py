@@ -183,9 +183,13 @@ def _prefill_arms(lib: Any, x: Any, w: Any, q: dict[int, Any]) -> dict[str, Call
     def dot() -> Callable[[], Any]:  # the integer dot path (8-bit) as quantized_matmul runs it
         wq, s, b = (np.asarray(a) for a in q[8])
         threads = qmm_linear._state["threads"]
-        return lambda: mx.eval(
-            mx.array(qmm_kernel.qmm_t_dot(lib, np.asarray(x), wq, s, b, bits=8, group_size=GROUP, threads=threads))
-        )
+
+        def once() -> None:
+            y = qmm_kernel.qmm_t_dot(lib, np.asarray(x), wq, s, b, bits=8, group_size=GROUP, threads=threads)
+            assert y is not None  # the arm is only made where the path is available
+            mx.eval(mx.array(y))
+
+        return once
 
     arms = {"f32": lambda: mx.eval(mx.matmul(x, w.T))}
     for bits in (8, 4):
