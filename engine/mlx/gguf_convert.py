@@ -42,7 +42,7 @@ from engine.cache_dir import cache_root as ember_cache_root
 
 log = logging.getLogger("ember.gguf")
 
-CONVERTER_VERSION = 1  # bump when the output of convert() changes
+CONVERTER_VERSION = 2  # bump when the output of convert() changes (2: a ChatML model stops at <|endoftext|> too)
 DTYPES = ("float32", "float16", "bfloat16", "quantized", "q8", "q4")
 # MLX affine re-quantization of the dequantized weights (``q8``/``q4``): mlx-lm's default group
 REQUANT_GROUP = 64
@@ -131,6 +131,7 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         if f"tokenizer.ggml.{key}" in meta:
             cfg[name] = int(meta[f"tokenizer.ggml.{key}"])
+    cfg.update(_chatml_end_of_text(meta, cfg.get("eos_token_id")))
     if arch == "llama":
         cfg.update(
             model_type="llama",
@@ -168,6 +169,23 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
                 "factor": float(get("rope.scaling.factor", 1.0)),
             }
     return cfg
+
+
+def _chatml_end_of_text(meta: dict[str, Any], eos: int | None) -> dict[str, Any]:
+    """A ChatML model's stop tokens: ``<|im_end|>`` (the file's EOS) and
+    ``<|endoftext|>``. A GGUF holds one EOS id, where the model's own
+    generation_config.json lists both (Qwen2.5's: [151645, 151643]); an
+    instruct model that writes ``<|endoftext|>`` has ended its answer, and
+    without it the engine decodes past it (seen: Qwen2.5-Coder-1.5B under Codex
+    answering on after it)."""
+    tokens = meta.get("tokenizer.ggml.tokens") or ()
+    if eos is None or not 0 <= eos < len(tokens) or tokens[eos] != "<|im_end|>":
+        return {}
+    try:
+        end = list(tokens).index("<|endoftext|>")
+    except ValueError:
+        return {}
+    return {"eos_token_id": [eos, end]} if end != eos else {}
 
 
 # ---------------------------------------------------------------------------

@@ -327,3 +327,26 @@ def test_a_packaged_drafter_resolves_in_its_drafting_format(monkeypatch):
     assert resolve_model("smollm2-135m", draft=True) == ("/gguf/smollm2-135m", "float32")
     monkeypatch.setenv("EMBER_WEIGHTS", "float32")
     assert resolve_model("qwen2.5-coder-0.5b", draft=True) == ("/gguf/qwen2.5-coder-0.5b", "float32")
+
+
+def test_a_chatml_model_stops_at_endoftext_too():
+    """A GGUF holds one EOS id; a ChatML model (EOS ``<|im_end|>``) also ends
+    at ``<|endoftext|>``, as its generation_config.json says (Qwen2.5:
+    [151645, 151643]): both go into config.json, which mlx-lm's tokenizer
+    wrapper reads as its EOS set. Any other model keeps its one id."""
+    from engine.mlx.gguf_convert import model_config
+
+    tokens = ["a", "b", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    meta = {
+        "general.architecture": "qwen2",
+        "qwen2.block_count": 1,
+        "qwen2.feed_forward_length": 8,
+        "qwen2.attention.head_count": 2,
+        "qwen2.embedding_length": 4,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.eos_token_id": 4,
+    }
+    assert model_config(meta, set())["eos_token_id"] == [4, 2]
+    assert model_config({**meta, "tokenizer.ggml.eos_token_id": 2}, set())["eos_token_id"] == 2  # EOS not <|im_end|>
+    no_eot = {**meta, "tokenizer.ggml.tokens": ["a", "b", "c", "d", "<|im_end|>"]}
+    assert model_config(no_eot, set())["eos_token_id"] == 4
