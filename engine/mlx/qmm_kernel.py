@@ -118,12 +118,7 @@ def qmm_t(
     """``x @ dequantize(w, scales, biases)^T`` as ``mx.quantized_matmul(...,
     transpose=True)`` computes it: x (M, K) float32, w (N, K*bits/32) uint32,
     scales and biases (N, K/group_size) float32, all C-contiguous; (M, N) float32."""
-    if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
-        raise ValueError(f"qmm_t needs a 2-D C-contiguous float32 x, got {x.dtype} {x.shape}")
-    N, K = check(w, scales, biases, bits, group_size)
-    M = x.shape[0]
-    if x.shape[1] != K:
-        raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape} holds K={K}")
+    M, N, K = _shapes("qmm_t", x, w, scales, biases, bits, group_size)
     if out is None:
         out = np.empty((M, N), np.float32)
     elif out.shape != (M, N) or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
@@ -153,18 +148,25 @@ def qmm_t_dot(
     error a product), not its bits. None where the path does not apply (bits
     other than 8, groups not a multiple of 32 or over 128, a CPU without
     AVX-512 VNNI): the caller runs ``qmm_t``."""
-    if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
-        raise ValueError(f"qmm_t_dot needs a 2-D C-contiguous float32 x, got {x.dtype} {x.shape}")
-    N, K = check(w, scales, biases, bits, group_size)
-    M = x.shape[0]
-    if x.shape[1] != K:
-        raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape} holds K={K}")
+    M, N, K = _shapes("qmm_t_dot", x, w, scales, biases, bits, group_size)
     out = np.empty((M, N), np.float32)
     rc = lib.qmm_t_dot(
         out.ctypes.data, x.ctypes.data, w.ctypes.data, scales.ctypes.data, biases.ctypes.data,
         M, N, K, bits, group_size, threads,
     )  # fmt: skip
     return out if rc == 0 else None
+
+
+def _shapes(
+    name: str, x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int
+) -> tuple[int, int, int]:
+    """M, N and K of a valid call of ``name``, or ValueError."""
+    if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError(f"{name} needs a 2-D C-contiguous float32 x, got {x.dtype} {x.shape}")
+    N, K = check(w, scales, biases, bits, group_size)
+    if x.shape[1] != K:
+        raise ValueError(f"shapes do not match: x {x.shape}, w {w.shape} holds K={K}")
+    return x.shape[0], N, K
 
 
 def check(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int) -> tuple[int, int]:

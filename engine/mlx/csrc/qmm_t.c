@@ -686,7 +686,7 @@ int dequantize(float* out, const uint32_t* w, const float* scales, const float* 
  * caller keeps the exact kernel. A row's result does not depend on the other
  * rows of the call (the integer sums are exact in any order). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define MAX_GW 32      /* words of a group: group sizes up to 128 (the tiles' register use) */
+#define MAX_GW 32      /* words of a group: groups up to 128, so a group's int32 sum stays < 2^31 */
 #define DOT_M_BLOCK 32 /* rows of x a pass over a chunk's weights */
 typedef struct {
   job_t base;
