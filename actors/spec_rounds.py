@@ -81,6 +81,7 @@ class SpecRounds:
         self.costs_kept = costs_kept
         self.costs: dict[tuple[int, int], deque[StepCost]] = {}
         self._open_step: tuple[int, int, int, float, float] | None = None  # costed at the next start
+        self._ended = False  # a row finished since the last note_step: that step is not costed
         # Draft-cache catch-up since the last Verify (seconds, tokens): priced by
         # the policy per token, since a held row pays it before its next probe.
         self.catch_up_s = 0.0
@@ -100,6 +101,7 @@ class SpecRounds:
         """The row ended: its usage, and Forget for the Drafter and Verifier
         (with its text, ``prompt`` + ``generated``, when the Drafter learns;
         a request that did not speculate is learned from too)."""
+        self._ended = True
         spec = self.rows.get(rid)
         if self.learns and prompt is not None:
             start = spec.synced if spec is not None else 0
@@ -241,15 +243,24 @@ class SpecRounds:
         that also prefilled, failed, or was followed by an idle wait is not
         costed. Its catch-up of lagging draft caches is left out of the round:
         it is not a cost of every round, and reaches the policy per token with
-        the next Verify (``set_drafts``), priced into the probe spacing."""
+        the next Verify (``set_drafts``), priced into the probe spacing.
+
+        A step in which a row finished is not costed either: a fixed-γ row's
+        last token is a plain step (no room left for drafts) that cost ~1.7×
+        a steady plain step on the 1.5B (its window's trim and the stream's
+        end), and those steps were almost the only plain rounds near a
+        fixed-γ row's verify rounds: every verify round was priced against
+        them, at or under one plain round, and adaptive γ then drafted two
+        and three deep at 0.93× plain (docs/bench/spec-real.md)."""
         prev, self._open_step = self._open_step, None
+        ended, self._ended = self._ended, False
         if prev is not None:
             gamma, rows, drafted, d_s, t = prev
             shape = self.costs.get((rows, drafted))
             if shape is None:
                 shape = self.costs[(rows, drafted)] = deque(maxlen=self.costs_kept)
             shape.append(StepCost(gamma=gamma, step_s=started - t, rows=rows, drafted=drafted, draft_s=d_s))
-        if not ok or not more or plan.prefill or not (plan.decode or plan.verify):
+        if not ok or not more or ended or plan.prefill or not (plan.decode or plan.verify):
             return
         drafted = sum(len(v.tokens) - 1 for v in plan.verify)
         gamma = max((len(v.tokens) - 1 for v in plan.verify), default=0)

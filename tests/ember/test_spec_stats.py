@@ -466,3 +466,28 @@ def test_catch_up_reaches_the_policy_with_the_next_verify():
     core.verify(spec.take_verify(1))
     assert core.policy.catch_up_token_s == pytest.approx(0.0001)
     assert spec.catch_up_tokens == 0  # sent once
+
+
+def test_a_step_in_which_a_row_finished_is_not_costed():
+    """A fixed-γ row's last token is a plain step that costs more than a steady
+    one; as the only plain rounds near its verify rounds they priced every
+    verify round at about one plain round (docs/bench/spec-real.md)."""
+    from actors.spec_rounds import RowSpec, SpecRounds
+    from engine.ports import DecodeRow, StepPlan, VerifyRow
+    from engine.types import SamplingParams
+
+    spec = SpecRounds(context_length=4096)
+    spec.admit(0, SamplingParams(max_tokens=8, num_draft_tokens=1))
+    verify = StepPlan(verify=[VerifyRow(0, [1, 2])])
+    last = StepPlan(decode=[DecodeRow(0, 1)])
+    plain = StepPlan(decode=[DecodeRow(1, 1)])
+    t = 0.0
+    for plan, dt, finishes in [(verify, 0.25, False), (last, 0.28, True), (plain, 0.15, False), (plain, 0.15, False)]:
+        if finishes:
+            spec.finish(0)
+        spec.note_step(plan, t, 0.0, ok=True, more=True)
+        t += dt
+    spec.note_step(plain, t, 0.0, ok=True, more=True)
+    spec.rows[1] = RowSpec(fixed=None, targets=[1])
+    costs = spec.take_verify(1).costs
+    assert sorted((c.drafted, round(c.step_s, 2)) for c in costs) == [(0, 0.15), (0, 0.15), (1, 0.25)]
