@@ -10,8 +10,9 @@ decode steps of ``model(token)`` after a short prompt (mlx-lm's forward, no
 server). Per step: the whole step; the time inside the hooked quantized
 layers' matmul (``qmm_linear._matmul``: it evaluates the graph up to its input
 first, so this includes the MLX ops between matmuls: norms, RoPE, attention);
-the time inside the C kernel calls alone; and the rest (after the last
-matmul, the argmax, Python). Means over the steps; the load is printed.
+the time inside the C kernel calls alone; of the rest, the time evaluating
+the graph up to each call's input (MLX's own ops); and the time outside the
+matmuls (after the last one, the argmax, Python). Means over the steps; the load is printed.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = weight_format._make(str(resolve_model(args.model)), args.format, True)
     lib = qmm_linear._state["lib"]
-    spent = {"hook": 0.0, "kernel": 0.0, "calls": 0.0}
+    spent = {"hook": 0.0, "kernel": 0.0, "eval": 0.0, "calls": 0.0}
     matmul = qmm_linear._matmul
 
     def timed_matmul(q: Any, x: Any) -> Any:
@@ -65,8 +66,20 @@ def main(argv: list[str] | None = None) -> int:
 
             return call
 
+    class TimedMx:  # mlx.core with its eval timed: the graph up to a hooked call's input
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mx, name)
+
+        def eval(self, *a: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return mx.eval(*a)
+            finally:
+                spent["eval"] += time.perf_counter() - t
+
     qmm_linear._matmul = timed_matmul
     qmm_linear._state["lib"] = TimedLib()
+    qmm_linear.mx = TimedMx()  # type: ignore[assignment]
     try:
         cache = make_prompt_cache(model)
         mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=cache))
@@ -83,15 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         qmm_linear._matmul = matmul
         qmm_linear._state["lib"] = lib
+        qmm_linear.mx = mx
     n = args.steps
-    hook, kernel = spent["hook"] / n, spent["kernel"] / n
+    hook, kernel, ev = spent["hook"] / n, spent["kernel"] / n, spent["eval"] / n
     print(f"python -m bench.cpu.qmm_step --model {args.model} --format {args.format} --steps {n}")
     print(f"load (1/5/15 min) {os.getloadavg()}")
-    print("| step ms | in the hooked matmuls ms | of which the C kernel ms | the hook's rest (MLX ops, syncs) ms "
-          "| outside the matmuls ms | matmul calls a step |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("| step ms | in the hooked matmuls ms | of which the C kernel ms | of which evaluating the graph up to "
+          "the input (MLX ops) ms | the hook's rest (views, copies, Python) ms | outside the matmuls ms "
+          "| matmul calls a step |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     print(
-        f"| {step * 1e3:.1f} | {hook * 1e3:.1f} | {kernel * 1e3:.1f} | {(hook - kernel) * 1e3:.1f} "
+        f"| {step * 1e3:.1f} | {hook * 1e3:.1f} | {kernel * 1e3:.1f} | {ev * 1e3:.1f} | {(hook - kernel - ev) * 1e3:.1f} "
         f"| {(step - hook) * 1e3:.1f} | {spent['calls'] / n:.0f} |"
     )
     return 0
