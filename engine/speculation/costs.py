@@ -81,6 +81,7 @@ class RoundCosts:
         self.seq = 0  # rounds observed
         self._plain: dict[int, deque[tuple[int, float]]] = {}  # rows -> (seq, seconds)
         self._ratio: dict[tuple[int, int], deque[float]] = {}  # (rows, drafts) -> verify ÷ plain reference
+        self._last: dict[tuple[int, int], int] = {}  # (rows, drafts) -> the round its latest ratio was measured in
         self._pending: deque[tuple[int, int, int, float]] = deque(maxlen=256)  # (seq, rows, drafts, s) unpaired
         self._cache: dict[tuple[int, int], float] = {}
 
@@ -115,7 +116,11 @@ class RoundCosts:
                 break  # still young, no reference yet: the plain rounds after it may come
             self._pending.popleft()
             if ref is not None:
-                self._ratio.setdefault((rows, drafts), deque(maxlen=self.window)).append(s / ref)
+                q = self._ratio.setdefault((rows, drafts), deque(maxlen=self.window))
+                if self.stale(rows, drafts, at=seq):
+                    q.clear()  # measured again after a long gap: the old ratios say what it cost then
+                q.append(s / ref)
+                self._last[(rows, drafts)] = seq
 
     def _reference(self, rows: int, seq: int) -> float | None:
         """Median of the plain rounds at ``rows`` nearest to round ``seq``
@@ -143,6 +148,19 @@ class RoundCosts:
     def fresh(self, rows: int) -> bool:
         q = self._plain.get(rows)
         return q is not None and len(q) > 0 and self.seq - q[-1][0] < self.fresh_rounds
+
+    def stale(self, rows: int, drafts: int, at: int | None = None) -> bool:
+        """Whether the latest ratio of this verify shape is older than
+        ``fresh_rounds`` rounds. A shape priced high by a few rounds that met a
+        slow moment is never chosen again, so nothing would replace its price:
+        on the 1.5B's agent session suffix decoding priced a draft at 0.82 plain
+        rounds from its first few two- and three-draft rounds (prompt lookup's:
+        0.02) and drafted one token a round for the rest of the run
+        (docs/bench/spec-real.md). A stale shape counts as unmeasured
+        (``GammaPolicy.measured``): the policy tries it for a few rounds, and
+        those replace its old ratios."""
+        last = self._last.get((rows, drafts))
+        return last is not None and (self.seq if at is None else at) - last > self.fresh_rounds
 
     def samples(self, rows: int, drafts: int) -> int:
         if drafts <= 0:

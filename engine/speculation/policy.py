@@ -394,7 +394,7 @@ class GammaPolicy:
         b = self.rows_now
         if drafts <= 0:
             return self.costs.fresh(b) and self.costs.samples(b, 0) >= min(self.min_samples, self.explore_rounds)
-        return self.costs.samples(b, drafts) >= self.min_samples
+        return self.costs.samples(b, drafts) >= self.min_samples and not self.costs.stale(b, drafts)
 
     # ---- choice ----------------------------------------------------------
     @staticmethod

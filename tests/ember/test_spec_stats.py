@@ -491,3 +491,27 @@ def test_a_step_in_which_a_row_finished_is_not_costed():
     spec.rows[1] = RowSpec(fixed=None, targets=[1])
     costs = spec.take_verify(1).costs
     assert sorted((c.drafted, round(c.step_s, 2)) for c in costs) == [(0, 0.15), (0, 0.15), (1, 0.25)]
+
+
+def test_a_verify_shape_not_measured_for_long_is_tried_again_and_repriced():
+    """A shape priced high by a few early rounds would never be chosen again,
+    so its price would never change (suffix decoding on the 1.5B stayed at
+    γ = 1 for a run): once stale it counts as unmeasured, and the rounds that
+    measure it again replace the old ratios."""
+    p = GammaPolicy()
+    for _ in range(4):
+        p.observe_cost(0, 0.10, rows=1, drafted_tokens=0, draft_s=0)
+        p.observe_cost(2, 0.40, rows=1, drafted_tokens=2, draft_s=0)  # a slow moment: 4x plain
+    for _ in range(8):
+        p.observe_cost(0, 0.10, rows=1, drafted_tokens=0, draft_s=0)
+    assert p.measured(2) and p.costs.ratios()[(1, 2)] == pytest.approx(4.0)
+    for _ in range(p.costs.fresh_rounds + 1):
+        p.observe_cost(1, 0.12, rows=1, drafted_tokens=1, draft_s=0)
+        p.observe_cost(0, 0.10, rows=1, drafted_tokens=0, draft_s=0)
+    assert not p.measured(2)  # stale: the policy tries γ = 2 again (GammaPolicy.best)
+    for _ in range(4):
+        p.observe_cost(2, 0.13, rows=1, drafted_tokens=2, draft_s=0)
+        p.observe_cost(0, 0.10, rows=1, drafted_tokens=0, draft_s=0)
+    for _ in range(8):
+        p.observe_cost(0, 0.10, rows=1, drafted_tokens=0, draft_s=0)
+    assert p.measured(2) and p.costs.ratios()[(1, 2)] == pytest.approx(1.3)
