@@ -223,6 +223,14 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
             max_kv_size=config.max_kv_size,
             kv_bits=config.kv_bits,
             kv_group_size=config.kv_group_size,
+            # A model whose quantized layers take the C kernel evaluates each
+            # layer's input as its graph is built, so a step built ahead is
+            # computed inside the step that builds it: no overlap with the event
+            # loop, a verify after plain steps paid as two passes over the
+            # weights (the step run ahead, then the drafts), and a plain step
+            # after a verify costing two forwards, which adaptive γ then took
+            # for a plain round's price (docs/bench/spec-real.md).
+            pipeline=not loaded.qmm_layers,
         )
         backend.counters["pretransposed_linears"] = pretransposed_linears(loaded.model)
         if loaded.cpu_choice is not None:  # MLX's CPU backend

@@ -286,7 +286,10 @@ def test_config_and_flag():
 def test_backend_on_a_quantized_model_decodes_as_mlx_lm(tmp_path_factory, lib, on):
     """The bundled tiny model converted to MLX 4-bit: the backend's greedy
     decode (prefill chunks, run-ahead) equals mlx-lm's generate_step on its
-    own load of the same directory, kernel on or off."""
+    own load of the same directory, kernel on or off. With the kernel the
+    backend does not run ahead (a step built ahead would be computed inside
+    the step that builds it: engine.mlx.backend.MLXBackend.load); without it,
+    it does."""
     from mlx_lm import convert, load
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
@@ -321,6 +324,8 @@ def test_backend_on_a_quantized_model_decodes_as_mlx_lm(tmp_path_factory, lib, o
             device.call(backend.run_ahead, lambda: True)
         step(close=[1])
         assert out == ref
+        assert backend.pipeline is (not on)
+        assert (backend.counters["pipelined"] > 0) is (not on)
     finally:
         device.close()
 
