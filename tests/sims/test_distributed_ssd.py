@@ -55,6 +55,17 @@ def files(root: Path, rank: int) -> set[Path]:
     return set((root / f"rank{rank}of2").rglob("*.kv"))
 
 
+def stamps(paths: set[Path]) -> dict[str, tuple[int, int]]:
+    """Each file's identity: a file deleted and written again has a new one."""
+    return {p.name: (st.st_ino, st.st_mtime_ns) for p in paths if p.exists() for st in [p.stat()]}
+
+
+def untouched(root: Path, rank: int, before: dict[str, tuple[int, int]]) -> set[str]:
+    """The files of ``before`` that this rank still holds as they were."""
+    now = stamps(files(root, rank))
+    return {name for name, st in before.items() if now.get(name) == st}
+
+
 def stop_both(ranks: Ranks) -> None:
     ranks.procs[0].send_signal(signal.SIGTERM)  # rank 0 drains and tells the follower to stop
     assert ranks.procs[0].wait(timeout=60) == 0, ranks.logs()
@@ -134,6 +145,10 @@ def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, request, mode
             bad.write_bytes(bytes(raw))
         else:
             bad.unlink()
+    # what each rank holds of B and C now: a file the restart deletes and the
+    # recomputed entry writes again reads as touched (its name alone would not)
+    was_b0, was_b1 = stamps(b0), stamps(b1)
+    was_c0, was_c1 = stamps(c0), stamps(c1)
 
     # 3. restart both: A comes back from SSD on every rank, B is computed again; both equal mlx-lm
     with Ranks(run2, model, mode, extra=flags) as ranks:
@@ -149,11 +164,14 @@ def test_tier_round_trips_across_a_restart_of_both_ranks(tmp_path, request, mode
         stats = ssd(ranks.url)
         # B: rank 0's copy was fine, rank 1's not; C: rank 0's own copy was bad
         assert (stats["restores"], stats["shard_misses"]) == (1, 1), stats
+        # B and C, computed again, may be spilling to SSD as this runs: settle
+        # every rank's writes first, then compare each file with what it was
+        flush(ranks.url)
         if fault == "corrupt":  # a deleted file is not in rank 0's index at all: nothing to try
             assert stats["corrupt_deleted"] == 1, stats
-            left0, left1 = {p.name for p in files(root, 0) & c0}, {p.name for p in files(root, 1) & c1}
+            left0, left1 = untouched(root, 0, was_c0), untouched(root, 1, was_c1)
             assert left0 == left1 and len(left0) < len(c0), (left0, left1, c0)  # rank 1 deleted its copy too
         # every rank deleted its file of the entry B tried; the ranks still hold the same entries
-        left0, left1 = {p.name for p in files(root, 0) & b0}, {p.name for p in files(root, 1) & b1}
+        left0, left1 = untouched(root, 0, was_b0), untouched(root, 1, was_b1)
         assert left0 == left1 and len(left0) < len(b0), (left0, left1, b0)
         stop_both(ranks)
