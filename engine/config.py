@@ -83,6 +83,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # in docs/bench/weight-format.md, q8dot). False (or EMBER_QMM_DOT=0): the
     # exact kernel, greedy tokens mlx-lm's
     qmm_dot: bool = True
+    # on MLX's CPU backend, float32 layers' few-row matmuls (decode, short
+    # verify windows: engine.mlx.fmm_linear.MAX_ROWS rows or fewer) take a C
+    # kernel built at first use as an MLX primitive (engine.mlx.mlx_ops):
+    # ~1.5-2x OpenBLAS's GEMM at those shapes; sums in another order than
+    # OpenBLAS's (~1e-7 relative). False (or EMBER_FMM=0): MLX's matmul
+    fmm_kernel: bool = True
     # KV cache options as mlx-lm has them (docs/compat-matrix.md): a sliding
     # window of this many tokens for models without their own cache layout
     # (mlx-lm's --max-kv-size, without attention sinks), and KV quantized to

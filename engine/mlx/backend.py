@@ -70,7 +70,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from engine.config import EngineConfig
 from engine.device import ThreadDevice
-from engine.mlx import buffer_cache, lora, softmax_kernel, split_attention
+from engine.mlx import buffer_cache, lora, qmm_linear, softmax_kernel, split_attention
 from engine.mlx.batch import DecodeBatch, merge_caches
 from engine.mlx.blas import blas_threads
 from engine.mlx.cpu_layout import SMALL_FORWARD_ROWS, CpuChoice
@@ -223,14 +223,15 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
             max_kv_size=config.max_kv_size,
             kv_bits=config.kv_bits,
             kv_group_size=config.kv_group_size,
-            # A model whose quantized layers take the C kernel evaluates each
-            # layer's input as its graph is built, so a step built ahead is
-            # computed inside the step that builds it: no overlap with the event
-            # loop, a verify after plain steps paid as two passes over the
+            # A model whose quantized layers take the C kernel from Python
+            # evaluates each layer's input as its graph is built, so a step built
+            # ahead is computed inside the step that builds it: no overlap with the
+            # event loop, a verify after plain steps paid as two passes over the
             # weights (the step run ahead, then the drafts), and a plain step
             # after a verify costing two forwards, which adaptive γ then took
-            # for a plain round's price (docs/bench/spec-real.md).
-            pipeline=not loaded.qmm_layers,
+            # for a plain round's price (docs/bench/spec-real.md). As MLX
+            # primitives (engine.mlx.mlx_ops) its decode calls build lazily again.
+            pipeline=not (loaded.qmm_layers and not qmm_linear.in_graph()),
         )
         backend.counters["pretransposed_linears"] = pretransposed_linears(loaded.model)
         if loaded.cpu_choice is not None:  # MLX's CPU backend
@@ -245,6 +246,8 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         backend.counters["attention_streams"] = backend.attention_parts
         backend.counters["softmax_kernel"] = int(backend.softmax_kernel is not None)
         backend.counters["qmm_kernel_layers"] = loaded.qmm_layers  # engine.mlx.qmm_kernel, installed by read_model
+        backend.counters["qmm_in_graph"] = int(bool(loaded.qmm_layers) and qmm_linear.in_graph())
+        backend.counters["fmm_kernel_layers"] = loaded.fmm_layers  # engine.mlx.fmm_linear, installed by read_model
         if loaded.cpu_choice is not None:
             backend.cpu_threads = loaded.cpu_choice
             backend.cpu_choice = loaded.cpu_choice.as_dict()

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
-from engine.mlx import qmm_linear
+from engine.mlx import fmm_linear, qmm_linear
 from engine.mlx.blas import blas_threads
 from engine.mlx.calibration_cache import cached_calibration, calibration_key
 from engine.mlx.cpu_layout import CpuChoice, PretransposedLinear, apply_choice, calibrate, wants_pretranspose
@@ -34,6 +34,7 @@ class LoadedModel(NamedTuple):
     weights_digest: str
     cpu_choice: CpuChoice | None  # None off MLX's CPU backend
     qmm_layers: int = 0  # quantized layers taking engine.mlx.qmm_kernel (MLX's CPU backend)
+    fmm_layers: int = 0  # float32 layers taking engine.mlx.fmm_linear's kernel (MLX's CPU backend)
 
 
 def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
@@ -42,11 +43,13 @@ def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
 
     model, tokenizer, model_config = load(str(path), return_config=True)
     choice = None
-    qmm_layers = 0
+    qmm_layers = fmm_layers = 0
     digest = weights_digest(path)
     if wants_pretranspose():  # MLX's CPU backend: layout and thread counts measured on this model, cached
         if config.qmm_kernel:
             qmm_layers = qmm_linear.install(model, prefill=config.qmm_prefill, dot=config.qmm_dot)
+        if config.fmm_kernel:  # before the layout: a hooked layer is not pretransposed
+            fmm_layers = fmm_linear.install(model)
         blas, allow = blas_threads(), config.cpu_pretranspose
         flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
         params = (v for _, v in flat if mx.issubdtype(v.dtype, mx.floating))
@@ -55,7 +58,9 @@ def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
             model=f"{path.resolve()}:{digest}"
             + (":qmm-kernel" if qmm_layers else "")
             + (":qmm-prefill" if qmm_layers and qmm_linear.prefill_rows() else "")
-            + (":qmm-dot" if qmm_layers and qmm_linear.dot() else ""),
+            + (":qmm-dot" if qmm_layers and qmm_linear.dot() else "")
+            + (":qmm-graph" if qmm_layers and qmm_linear.in_graph() else "")
+            + (":fmm-kernel" if fmm_layers else ""),
             dtype=str(next(params, mx.array(0.0)).dtype),
             blas=blas,
             allow_pretranspose=allow,
@@ -66,7 +71,7 @@ def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
             lambda c: apply_choice(model, c, allow_pretranspose=allow),
         )
         log.info("[mlx] CPU choices for %s: %s", path.name, choice.as_dict())
-    return LoadedModel(model, tokenizer, model_config, digest, choice, qmm_layers)
+    return LoadedModel(model, tokenizer, model_config, digest, choice, qmm_layers, fmm_layers)
 
 
 def pretransposed_linears(model: Any) -> int:

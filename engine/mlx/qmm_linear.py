@@ -9,9 +9,11 @@ array: the same bits as ``mx.quantized_matmul`` (the kernel keeps MLX's order
 of operations), so a hooked model's greedy tokens are mlx-lm's.
 
 What the kernel does not take (another mode or dtype, bits 3/5/6, another
-device) goes to the layer's own ``__call__``. The price is an ``mx.eval`` per
-layer (the graph is cut there, ~0.05-0.1 ms each), small against a layer's
-weights. Only the layers of the model passed in change class, so an mlx-lm
+device) goes to the layer's own ``__call__``. Decode calls are nodes of MLX's
+graph (``engine.mlx.mlx_ops``, the kernels as MLX primitives) where that
+extension builds; elsewhere (or ``EMBER_QMM_GRAPH=0``) the call evaluates its
+input first (the graph is cut there, ~0.05-0.1 ms each, ~200 calls a step).
+Only the layers of the model passed in change class, so an mlx-lm
 oracle model in the same process stays mlx-lm's; ``uninstall`` puts them back.
 
 Prefill-sized calls (``PREFILL_ROWS`` rows of x or more) take another path:
@@ -45,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.mlx import qmm_kernel
+from engine.mlx import mlx_ops, qmm_kernel
 
 MAX_THREADS = 16
 THREAD_MIN_MACS = 1 << 20  # below this a second thread costs more than it saves (~0.1 ms of work)
@@ -66,9 +68,17 @@ PREFILL_ROWS = 64
 SCRATCH_FLOATS = 1 << 24
 PREFILL_SWITCH = "EMBER_QMM_PREFILL"
 DOT_SWITCH = "EMBER_QMM_DOT"
+GRAPH_SWITCH = "EMBER_QMM_GRAPH"  # 0: decode calls from Python, as before the primitives
 
 calls = {"kernel": 0, "dot": 0, "dequant_gemm": 0, "mlx": 0}  # quantized matmuls by path (read by tests and benches)
-_state: dict[str, Any] = {"lib": None, "threads": 1, "prefill_rows": PREFILL_ROWS, "scratch": None, "dot": False}
+_state: dict[str, Any] = {
+    "lib": None,
+    "threads": 1,
+    "prefill_rows": PREFILL_ROWS,
+    "scratch": None,
+    "dot": False,
+    "ops": None,  # engine.mlx.mlx_ops: the kernels as MLX primitives, where built
+}
 
 
 def _threads() -> int:
@@ -130,14 +140,21 @@ def _matmul(q: _Weights, x: mx.array) -> mx.array | None:
         return None
     if mx.default_device() != mx.cpu:
         return None
-    mx.eval(x)
     rows = x.size // K
-    xs = np.ascontiguousarray(np.asarray(x).reshape(-1, K))
     threads = _state["threads"] if rows * N * K >= THREAD_MIN_MACS else 1
+    dot = _state["dot"] and q.bits == 8
+    ops = _state["ops"]
+    if ops is not None and not 0 < _state["prefill_rows"] <= rows:
+        # a node of MLX's graph (engine.mlx.mlx_ops): no evaluation here; the
+        # dot path declines what it does not take, as below, in the primitive
+        dot = dot and q.group_size % 32 == 0 and q.group_size <= 128
+        calls["dot" if dot else "kernel"] += 1
+        return ops.qmm(x, q.w, q.scales, q.biases, q.bits, q.group_size, dot, threads)
+    mx.eval(x)
+    xs = np.ascontiguousarray(np.asarray(x).reshape(-1, K))
     y = np.empty((rows, N), np.float32)
     # the library directly: the weight was checked once (_Weights), x here (~10 us a call saved, ~200 calls a step)
     # the dot path is faster than dequantize + GEMM at every row count measured too
-    dot = _state["dot"] and q.bits == 8
     if dot and lib.qmm_t_dot(y.ctypes.data, xs.ctypes.data, *q.ptrs, rows, N, K, 8, q.group_size, threads) == 0:
         calls["dot"] += 1
         return mx.array(y).reshape(*x.shape[:-1], N)
@@ -246,6 +263,7 @@ def use(
     it was; ``EMBER_QMM_PREFILL=0`` / ``EMBER_QMM_DOT=0`` turn them off
     whatever is passed)."""
     _state["lib"] = lib
+    _state["ops"] = mlx_ops.load() if lib is not None and os.environ.get(GRAPH_SWITCH, "1") != "0" else None
     _state["threads"] = threads or _threads()
     if prefill is not None:
         _state["prefill_rows"] = PREFILL_ROWS if prefill else 0
@@ -255,6 +273,11 @@ def use(
         _state["dot"] = dot and lib is not None and qmm_kernel.dot_available(lib)
     if os.environ.get(DOT_SWITCH, "1") == "0":
         _state["dot"] = False
+
+
+def in_graph() -> bool:
+    """Whether decode calls are nodes of MLX's graph (no ``mx.eval`` a layer)."""
+    return _state["ops"] is not None
 
 
 def dot() -> bool:

@@ -861,3 +861,113 @@ int qmm_t_dot(float* y, const float* x, const uint32_t* w, const float* scales, 
 
 /* 1 where qmm_t_dot can run on this build (AVX-512 VNNI), else 0. */
 int qmm_t_dot_available(void) { return HAVE_DOT; }
+
+/* ---- fmm_t: y = x @ w^T for a float32 weight, few rows of x ----
+ *
+ * Why: at decode a float32 layer reads its whole weight for one to a few
+ * rows of x. MLX hands that to OpenBLAS's sgemm, which here reads SmolLM2's
+ * decode weights at ~11 GB/s (one row) and ~8 GB/s (eight) against the ~25
+ * GB/s two cores stream (python -m bench.cpu.fmm): its packing and blocking
+ * are built for large matrices. This streams each weight row once, from
+ * memory into registers, against up to 8 rows of x held in L1: MR rows of x
+ * times NR weight rows of accumulators, 16 lanes of k each, reduced once at
+ * the end. Not OpenBLAS's summation order, so not its bits (~1e-7 relative;
+ * tests/engine/test_fmm_kernel.py bounds it): engine.mlx.qmm_linear states
+ * the switch (``EMBER_FMM=0``, ``ember serve --no-fmm-kernel``) that keeps
+ * MLX's. Threads split the weight rows, as above; a row's result does not
+ * depend on the split or on the other rows of x. */
+#ifndef FPF
+#define FPF 2 /* prefetch the weight rows this many tiles ahead */
+#endif
+#define FCHUNK 32 /* weight rows a chunk: 32 x K floats stay in L2 for M > 8 */
+
+typedef struct {
+  float* y;
+  const float* x;
+  const float* w;
+  int64_t M, N, K, chunks;
+} fmm_ctx_t;
+
+#if defined(__AVX512F__)
+/* y[m][r] for m < MR (rows of x from x0), r < NR (weight rows from w0). */
+AI void fmm_tile(const float* x0, const float* w0, float* y0, int64_t N, int64_t K, const int MR, const int NR) {
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; r++)
+    for (int m = 0; m < MR; m++) acc[r][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NR];
+    for (int r = 0; r < NR; r++) {
+      _mm_prefetch((const char*)(w0 + (FPF * NR + r) * K + k), _MM_HINT_T0);
+      wv[r] = _mm512_loadu_ps(w0 + r * K + k);
+    }
+    for (int m = 0; m < MR; m++) {
+      const __m512 xv = _mm512_loadu_ps(x0 + m * K + k);
+      for (int r = 0; r < NR; r++) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  if (k < K) { /* K not a multiple of 16: the last lanes masked */
+    const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);
+    __m512 wv[NR];
+    for (int r = 0; r < NR; r++) wv[r] = _mm512_maskz_loadu_ps(mask, w0 + r * K + k);
+    for (int m = 0; m < MR; m++) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x0 + m * K + k);
+      for (int r = 0; r < NR; r++) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < NR; r++)
+    for (int m = 0; m < MR; m++) y0[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+/* Weight rows [n0, n1) against MR rows of x: NR rows a tile (registers: NR*MR
+ * accumulators + NR weights + 1 x of 32), then single rows for the rest. */
+#define FMM_ROWS(MR, NR)                                                                                 \
+  static void fmm_rows_##MR(const float* x0, const float* w, float* y0, int64_t N, int64_t K, int64_t n0, \
+                            int64_t n1) {                                                                \
+    int64_t n = n0;                                                                                      \
+    for (; n + NR <= n1; n += NR) fmm_tile(x0, w + n * K, y0 + n, N, K, MR, NR);                        \
+    for (; n < n1; n++) fmm_tile(x0, w + n * K, y0 + n, N, K, MR, 1);                                   \
+  }
+FMM_ROWS(1, 8)
+FMM_ROWS(2, 6)
+FMM_ROWS(3, 6)
+FMM_ROWS(4, 4)
+FMM_ROWS(5, 4)
+FMM_ROWS(6, 3)
+FMM_ROWS(7, 3)
+FMM_ROWS(8, 3)
+typedef void (*fmm_rows_fn)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+static const fmm_rows_fn fmm_rows[9] = {0, fmm_rows_1, fmm_rows_2, fmm_rows_3, fmm_rows_4,
+                                        fmm_rows_5, fmm_rows_6, fmm_rows_7, fmm_rows_8};
+#define HAVE_FMM 1
+#else
+#define HAVE_FMM 0
+#endif
+
+static void fmm_chunk(const void* a, int64_t c) {
+#if HAVE_FMM
+  const fmm_ctx_t* p = a;
+  const int64_t n0 = c * FCHUNK, n1 = c == p->chunks - 1 ? p->N : n0 + FCHUNK;
+  for (int64_t m = 0; m < p->M; m += 8) {
+    const int mr = p->M - m < 8 ? (int)(p->M - m) : 8;
+    fmm_rows[mr](p->x + m * p->K, p->w, p->y + m * p->N, p->N, p->K, n0, n1);
+  }
+#else
+  (void)a, (void)c;
+#endif
+}
+
+/* The entry point: y (M x N) = x (M x K) @ w^T, w (N x K), all C-contiguous
+ * float32. Returns 0, or -1 where this build has no kernel (no AVX-512). */
+int fmm_t(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_t K, int nthreads) {
+  if (!HAVE_FMM || M < 0 || N < 0 || K <= 0) return -1;
+  if (M == 0 || N == 0) return 0;
+  fmm_ctx_t ctx = {y, x, w, M, N, K, N / FCHUNK > 0 ? N / FCHUNK : 1};
+  if (nthreads <= 1 || ctx.chunks == 1)
+    for (int64_t c = 0; c < ctx.chunks; c++) fmm_chunk(&ctx, c);
+  else parallel_for(ctx.chunks, fmm_chunk, &ctx, nthreads);
+  return 0;
+}
+
+/* 1 where fmm_t can run on this build (AVX-512), else 0. */
+int fmm_t_available(void) { return HAVE_FMM; }
