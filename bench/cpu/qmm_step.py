@@ -12,7 +12,11 @@ layers' matmul (``qmm_linear._matmul``: it evaluates the graph up to its input
 first, so this includes the MLX ops between matmuls: norms, RoPE, attention);
 the time inside the C kernel calls alone; of the rest, the time evaluating
 the graph up to each call's input (MLX's own ops); and the time outside the
-matmuls (after the last one, the argmax, Python). Means over the steps; the load is printed.
+matmuls (after the last one, the argmax, Python). That split is of the
+kernels called from Python (``EMBER_QMM_GRAPH=0``'s path); then the same
+steps again with the kernels as MLX primitives (``engine.mlx.mlx_ops``, the
+default where it builds), whole steps only: nothing is called per layer
+from Python there. Means over the steps; the load is printed.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 spent["eval"] += time.perf_counter() - t
 
+    ops = qmm_linear._state["ops"]
+    qmm_linear._state["ops"] = None  # the split is of the kernels called from Python
     qmm_linear._matmul = timed_matmul
     qmm_linear._state["lib"] = TimedLib()
     qmm_linear.mx = TimedMx()  # type: ignore[assignment]
@@ -97,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         qmm_linear._matmul = matmul
         qmm_linear._state["lib"] = lib
         qmm_linear.mx = mx
+        qmm_linear._state["ops"] = ops
+    graph_step = None
+    if ops is not None:  # the same steps with the kernels as MLX primitives (engine.mlx.mlx_ops)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            tok = mx.argmax(model(tok, cache=cache)[:, -1:], axis=-1)
+            mx.eval(tok)
+        graph_step = (time.perf_counter() - t0) / args.steps
     n = args.steps
     hook, kernel, ev = spent["hook"] / n, spent["kernel"] / n, spent["eval"] / n
     print(f"python -m bench.cpu.qmm_step --model {args.model} --format {args.format} --steps {n}")
@@ -109,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         f"| {step * 1e3:.1f} | {hook * 1e3:.1f} | {kernel * 1e3:.1f} | {ev * 1e3:.1f} | {(hook - kernel - ev) * 1e3:.1f} "
         f"| {(step - hook) * 1e3:.1f} | {spent['calls'] / n:.0f} |"
     )
+    if graph_step is not None:
+        print(f"\nthe same step with the kernels as MLX primitives (engine.mlx.mlx_ops, no evaluation a call): "
+              f"{graph_step * 1e3:.1f} ms ({step / graph_step:.2f}x the step above)")  # fmt: skip
+    else:
+        print(f"\nthe kernels as MLX primitives: unavailable ({qmm_linear.mlx_ops.unavailable})")
     return 0
 
 
