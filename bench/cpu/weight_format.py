@@ -10,7 +10,7 @@ by ``nn.quantize`` (MLX affine, group 64, what ``mlx_lm.convert -q`` writes); ``
 decode-sized calls on the kernel's integer dot path (``ember serve``'s default for 8-bit weights where the
 CPU has AVX-512 VNNI), ``q8`` then the exact kernel (``--no-qmm-dot``). Each format is run as
 ``ember serve`` runs it: MLX's CPU kernels plus, where Ember installs one for that format, its own
-(``engine.mlx.qmm_linear`` for q8/q4; ``--no-ember-kernels`` measures MLX alone).
+(``engine.mlx.qmm_linear`` for q8/q4, ``engine.mlx.fmm_linear`` for float32; ``--no-ember-kernels`` measures MLX alone).
 
 Per format:
 * **decode**: tok/s of a greedy decode of ``--tokens`` steps after a short prompt (median over rounds,
@@ -21,7 +21,7 @@ Per format:
   makes, where ``q8dot`` differs from ``q8``), perplexity, and the greedy continuation's agreement (tokens equal
   to float32's before the first difference, out of ``--tokens``);
 * weight bytes read per token and the fraction of the memory-bandwidth floor that decode reaches
-  (bandwidth measured here by a numpy sum over ``--bandwidth-mib``).
+  (bandwidth measured here by numpy sums over ``--bandwidth-mib``, a slice a core at once).
 
 ``--out FILE`` writes the markdown table with the command, commit and load.
 """
@@ -131,6 +131,10 @@ def _make(base_path: str, fmt: str, kernels: bool) -> Any:
         from engine.mlx import qmm_linear
 
         qmm_linear.install(model, dot=fmt == "q8dot")  # what read_model does on MLX's CPU backend
+    elif kernels and fmt == "float32":
+        from engine.mlx import fmm_linear
+
+        fmm_linear.install(model)  # so does the float32 kernel (decode-sized calls)
     return model
 
 
@@ -200,15 +204,24 @@ def _teacher_forced(model: Any, ids: list[int], chunk: int) -> tuple[Any, float]
 
 
 def bandwidth_gbs(mib: int) -> float:
+    """The best of 5 reads of ``mib`` MiB, one slice a core at once (numpy's sum
+    releases the GIL): decode reads its weights on every core, and one core
+    alone streams about half of what two do on some hosts here (12.3 against
+    ~25 GB/s), which had put a step over 100% of its "floor"."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
 
+    n = max(1, os.cpu_count() or 1)
     a = np.ones(mib << 18, dtype=np.float32)  # mib MiB
-    a.sum()
+    parts = np.array_split(a, n)
     best = 0.0
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a.sum()
-        best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(np.sum, parts))
+        for _ in range(5):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
     return best
 
 
