@@ -212,7 +212,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             # mlx-lm's legs and the parts run at the OpenBLAS thread count Ember's
             # decode step of B rows uses (--mlx-threads ember), so the ratio is the
             # step's, not OpenBLAS's: on a loaded machine its default threads spin
-            threads = backends[arms[0]].cpu_threads.threads_for(B) if args.mlx_threads == "ember" else 0
+            # threads: where Ember's float32 layers take its own kernel (engine.mlx.fmm_linear,
+            # on its own threads), Ember's OpenBLAS count no longer describes its matmuls, and
+            # mlx-lm's legs get OpenBLAS's default (every core): its matmuls need them
+            own = backends[arms[0]].counters.get("fmm_kernel_layers", 0) > 0
+            threads = backends[arms[0]].cpu_threads.threads_for(B) if args.mlx_threads == "ember" and not own else 0
             blas.use(threads)
             parts = part_fns(own_model, prompts_for(ids, B, args.prompt_tokens, 0)) if args.parts else {}
             for r in range(args.rounds):
@@ -331,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         "--mlx-threads",
         choices=["ember", "default"],
         default="ember",
-        help="OpenBLAS threads of mlx-lm's legs and the parts: Ember's choice for the batch (default) "
-        "or OpenBLAS's default (as a separate mlx_lm.server runs)",
+        help="OpenBLAS threads of mlx-lm's legs and the parts: Ember's choice for the batch (default; "
+        "OpenBLAS's default where Ember's float32 layers take its own kernel) or OpenBLAS's default "
+        "(as a separate mlx_lm.server runs)",
     )
     ap.add_argument("--no-parts", dest="parts", action="store_false", help="only the mlx_lm and ember legs")
     ap.add_argument("--out", help="write the report (markdown) here too")
