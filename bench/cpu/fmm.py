@@ -19,6 +19,7 @@ OpenBLAS is preloaded (the bench re-execs as ``ember`` does); the load is printe
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -35,6 +36,24 @@ def _median_ms(fn: Callable[[], Any], n: int) -> float:
         fn()
         xs.append(time.perf_counter() - t0)
     return statistics.median(xs) * 1e3
+
+
+def _run(product: Callable[[Any], Any], weights: list[Any]) -> None:
+    import mlx.core as mx
+
+    mx.eval([product(w) for w in weights])
+
+
+def _by_w_t(xs: dict[int, Any], w: Any) -> Any:  # mlx-lm's layout
+    return xs[w.shape[1]] @ w.T
+
+
+def _by_wt(xs: dict[int, Any], w: Any) -> Any:  # Ember's pretransposed layout
+    return xs[w.shape[0]] @ w
+
+
+def _by_kernel(ops: Any, threads: int, xs: dict[int, Any], w: Any) -> Any:
+    return ops.fmm(xs[w.shape[1]], w, threads)
 
 
 def _shapes(model: Any) -> list[tuple[int, int]]:
@@ -61,9 +80,9 @@ def matmuls(ops: Any, shapes: list[tuple[int, int]], layers: int, rows: list[int
     for m in rows:
         xs = {K: mx.random.normal((m, K)) for K in {k for k, _ in shapes}}
         mx.eval(list(xs.values()))
-        a = _median_ms(lambda xs=xs: mx.eval([xs[w.shape[1]] @ w.T for w in ws]), n)
-        b = _median_ms(lambda xs=xs: mx.eval([xs[w.shape[0]] @ w for w in wts]), n)
-        c = _median_ms(lambda xs=xs: mx.eval([ops.fmm(xs[w.shape[1]], w, threads) for w in ws]), n)
+        a = _median_ms(functools.partial(_run, functools.partial(_by_w_t, xs), ws), n)
+        b = _median_ms(functools.partial(_run, functools.partial(_by_wt, xs), wts), n)
+        c = _median_ms(functools.partial(_run, functools.partial(_by_kernel, ops, threads, xs), ws), n)
         out.append(f"| {m} | {a:.1f} | {b:.1f} | {c:.1f} | {nbytes / c / 1e6:.1f} | {min(a, b) / c:.2f}x |")
     return out
 

@@ -61,6 +61,7 @@ def _toolchain() -> dict[str, str]:
     if importlib.util.find_spec("nanobind") is None:  # a core dependency on Linux only
         raise OSError("nanobind is not installed")
     import nanobind
+
     mlx_dir = pathlib.Path(mx.__file__).parent
     if not (mlx_dir / "include" / "mlx" / "mlx.h").exists():
         raise OSError(f"MLX's C++ headers are not in {mlx_dir / 'include'}")
