@@ -211,6 +211,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
     @classmethod
     def load(cls, path: pathlib.Path, config: EngineConfig) -> MLXBackend:
         loaded = read_model(path, config)
+        qmm_in_graph = qmm_linear.in_graph()  # the quantized kernels are MLX primitives (engine.mlx.mlx_ops)
         backend = cls(
             loaded.model,
             loaded.tokenizer,
@@ -231,7 +232,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
             # after a verify costing two forwards, which adaptive γ then took
             # for a plain round's price (docs/bench/spec-real.md). As MLX
             # primitives (engine.mlx.mlx_ops) its decode calls build lazily again.
-            pipeline=not (loaded.qmm_layers and not qmm_linear.in_graph()),
+            pipeline=not (loaded.qmm_layers and not qmm_in_graph),
         )
         backend.counters["pretransposed_linears"] = pretransposed_linears(loaded.model)
         if loaded.cpu_choice is not None:  # MLX's CPU backend
@@ -246,7 +247,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         backend.counters["attention_streams"] = backend.attention_parts
         backend.counters["softmax_kernel"] = int(backend.softmax_kernel is not None)
         backend.counters["qmm_kernel_layers"] = loaded.qmm_layers  # engine.mlx.qmm_kernel, installed by read_model
-        backend.counters["qmm_in_graph"] = int(bool(loaded.qmm_layers) and qmm_linear.in_graph())
+        backend.counters["qmm_in_graph"] = int(bool(loaded.qmm_layers) and qmm_in_graph)
         backend.counters["fmm_kernel_layers"] = loaded.fmm_layers  # engine.mlx.fmm_linear, installed by read_model
         if loaded.cpu_choice is not None:
             backend.cpu_threads = loaded.cpu_choice

@@ -16,8 +16,8 @@ relative a product; tests/engine/test_fmm_kernel.py), as the pretransposed
 layout's did (``engine.mlx.cpu_layout``). ``EMBER_FMM=0`` or ``ember serve
 --no-fmm-kernel`` keeps MLX's matmul.
 
-Only the model passed in changes class (an mlx-lm oracle model in the same
-process stays mlx-lm's); ``uninstall`` puts the layers back.
+Only the model passed in changes class (``engine.mlx.layer_swap``);
+``uninstall`` puts the layers back.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.mlx import mlx_ops
+from engine.mlx import layer_swap, mlx_ops
 
 SWITCH = "EMBER_FMM"
 MAX_ROWS = 12  # rows of x up to which the kernel beats OpenBLAS (bench.cpu.fmm: 1.47x at 12, even at 16)
@@ -82,7 +82,6 @@ class KernelEmbedding(nn.Embedding):
 
 
 _SWAP: dict[type, type] = {nn.Linear: KernelLinear, nn.Embedding: KernelEmbedding}
-_BACK = {v: k for k, v in _SWAP.items()}
 
 
 def install(model: Any, *, threads: int | None = None) -> int:
@@ -97,21 +96,9 @@ def install(model: Any, *, threads: int | None = None) -> int:
         return 0
     _state["ops"] = ops
     _state["threads"] = threads or max(1, min(os.cpu_count() or 1, 16))
-    done = 0
-    for m in model.modules():
-        cls = _SWAP.get(type(m))
-        if cls is not None and m["weight"].dtype == mx.float32:
-            m.__class__ = cls
-            done += 1
-    return done
+    return layer_swap.swap(model, _SWAP, accept=lambda m: m["weight"].dtype == mx.float32)
 
 
 def uninstall(model: Any) -> int:
     """Give ``model``'s hooked layers back their own class; returns how many."""
-    done = 0
-    for m in model.modules():
-        cls = _BACK.get(type(m))
-        if cls is not None:
-            m.__class__ = cls
-            done += 1
-    return done
+    return layer_swap.unswap(model, _SWAP)

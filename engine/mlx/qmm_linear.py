@@ -47,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.mlx import mlx_ops, qmm_kernel
+from engine.mlx import layer_swap, mlx_ops, qmm_kernel
 
 MAX_THREADS = 16
 THREAD_MIN_MACS = 1 << 20  # below this a second thread costs more than it saves (~0.1 ms of work)
@@ -250,7 +250,6 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 _SWAP: dict[type, type] = {nn.QuantizedLinear: KernelQuantizedLinear, nn.QuantizedEmbedding: KernelQuantizedEmbedding}
-_BACK = {v: k for k, v in _SWAP.items()}
 
 
 def use(
@@ -307,22 +306,9 @@ def install(
     if lib is None or mx.default_device() != mx.cpu:
         return 0
     use(lib, threads=threads, prefill=prefill, dot=dot)
-    done = 0
-    for m in model.modules():
-        cls = _SWAP.get(type(m))
-        if cls is not None:
-            m.__class__ = cls
-        done += type(m) in _BACK
-    return done
+    return layer_swap.swap(model, _SWAP)
 
 
 def uninstall(model: Any) -> int:
     """Give ``model``'s hooked layers back their own class; returns how many."""
-    done = 0
-    for m in model.modules():
-        cls = _BACK.get(type(m))
-        if cls is not None:
-            m.__class__ = cls
-            m.__dict__.pop("_ember_qmm", None)
-            done += 1
-    return done
+    return layer_swap.unswap(model, _SWAP, forget=("_ember_qmm",))
