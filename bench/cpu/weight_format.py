@@ -21,7 +21,8 @@ Per format:
   makes, where ``q8dot`` differs from ``q8``), perplexity, and the greedy continuation's agreement (tokens equal
   to float32's before the first difference, out of ``--tokens``);
 * weight bytes read per token and the fraction of the memory-bandwidth floor that decode reaches
-  (bandwidth measured here by numpy sums over ``--bandwidth-mib``, a slice a core at once).
+  (bandwidth measured here over ``--bandwidth-mib``, a slice a core at once, by the faster of a
+  numpy sum and plain loads).
 
 ``--out FILE`` writes the markdown table with the command, commit and load.
 """
@@ -203,26 +204,39 @@ def _teacher_forced(model: Any, ids: list[int], chunk: int) -> tuple[Any, float]
     return mx.argmax(logits, axis=-1), ppl
 
 
-def bandwidth_gbs(mib: int) -> float:
-    """The best of 5 reads of ``mib`` MiB, one slice a core at once (numpy's sum
-    releases the GIL): decode reads its weights on every core, and one core
-    alone streams about half of what two do on some hosts here (12.3 against
-    ~25 GB/s), which had put a step over 100% of its "floor"."""
+def bandwidth_gbs(mib: int) -> tuple[float, str]:
+    """The best of 5 reads of ``mib`` MiB, one slice a core at once, by the
+    faster of two readers: numpy's sum and the kernel library's plain loads
+    (``stream_read``; both release the GIL). Decode reads its weights on
+    every core, and one core alone streams about half of what two do on some
+    hosts here (12.3 against ~25 GB/s), which had put a step over 100% of its
+    "floor"; a numpy sum adds floats as it reads and read ~24 GB/s where plain
+    loads read ~30, which had put the floor too low. Returns (GB/s, reader)."""
     from concurrent.futures import ThreadPoolExecutor
+    from functools import partial
 
     import numpy as np
+
+    from engine.mlx import qmm_kernel
 
     n = max(1, os.cpu_count() or 1)
     a = np.ones(mib << 18, dtype=np.float32)  # mib MiB
     parts = np.array_split(a, n)
-    best = 0.0
+    readers: dict[str, Any] = {"numpy sum": np.sum}
+    lib = qmm_kernel.load()
+    if lib is not None:
+        readers["plain loads"] = partial(qmm_kernel.stream_read, lib)
+    best, which = 0.0, ""
     with ThreadPoolExecutor(n) as pool:
-        list(pool.map(np.sum, parts))
-        for _ in range(5):
-            t0 = time.perf_counter()
-            list(pool.map(np.sum, parts))
-            best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
-    return best
+        for name, read in readers.items():
+            list(pool.map(read, parts))
+            for _ in range(5):
+                t0 = time.perf_counter()
+                list(pool.map(read, parts))
+                gbs = a.nbytes / (time.perf_counter() - t0) / 1e9
+                if gbs > best:
+                    best, which = gbs, name
+    return best, which
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = tok.encode(PROMPT)
     formats = [f for f in args.formats.split(",") if f]
     load_before = _load_load()
-    bw = bandwidth_gbs(args.bandwidth_mib)
+    bw, reader = bandwidth_gbs(args.bandwidth_mib)
 
     # quality first, one model at a time (float32's references kept as arrays)
     ref_model = _make(base, "float32", False)
@@ -301,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         f"--tokens {args.tokens} --prefill {args.prefill} --rounds {args.rounds} --tf-chunk {args.tf_chunk}`",
         "",
         f"Commit {_commit()}; load (1/5 min) {load_before} before, {_load_load()} after; "
-        f"memory bandwidth measured {bw:.1f} GB/s; {os.cpu_count()} cores; "
+        f"memory bandwidth measured {bw:.1f} GB/s ({reader}, every core at once); {os.cpu_count()} cores; "
         f"Ember's kernels {'off' if args.no_ember_kernels else 'on where installed'}.",
         "",
         "| format | weights GB | read a token GB | decode tok/s | x float32 | % of bandwidth floor | prefill tok/s "

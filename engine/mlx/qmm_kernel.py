@@ -81,12 +81,23 @@ def _open(path: pathlib.Path) -> ctypes.CDLL:
     dot.argtypes = fn.argtypes
     dot.restype = ctypes.c_int
     lib.qmm_t_dot_available.restype = ctypes.c_int
+    lib.stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.stream_read.restype = ctypes.c_uint64
     return lib
 
 
 def dot_available(lib: ctypes.CDLL) -> bool:
     """Whether this build has the integer dot path (AVX-512 VNNI)."""
     return bool(lib.qmm_t_dot_available())
+
+
+def stream_read(lib: ctypes.CDLL, a: np.ndarray) -> int:
+    """Read all of ``a``'s bytes (C-contiguous) as fast as loads go; an xor of
+    them, so the reads cannot be elided. The GIL is released: one call a
+    thread reads slices on every core at once."""
+    if not a.flags.c_contiguous:
+        raise ValueError("stream_read needs a C-contiguous array")
+    return int(lib.stream_read(a.ctypes.data, a.nbytes))
 
 
 def load(directory: pathlib.Path | None = None) -> ctypes.CDLL | None:

@@ -57,6 +57,20 @@ def test_a_row_does_not_depend_on_the_others_or_the_threads(ops):
         assert np.array_equal(alone[0].view(np.uint32), whole[m].view(np.uint32)), m
 
 
+def test_chunks_taken_from_both_ends_cover_every_row_once(ops):
+    """Many chunks of 32 weight rows (the caller from the front, workers from
+    the back, a last chunk longer than the rest): every row once, the same
+    bits on 1, 2, 3 and 5 threads, and the product within rounding."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    w = rng.standard_normal((32 * 37 + 11, 64)).astype(np.float32)
+    one = np.asarray(ops.fmm(mx.array(x), mx.array(w), 1))
+    _close(one, x, w)
+    for threads in (2, 3, 5):
+        got = np.asarray(ops.fmm(mx.array(x), mx.array(w), threads))
+        assert np.array_equal(got.view(np.uint32), one.view(np.uint32)), threads
+
+
 def test_fmm_is_a_lazy_node_of_the_graph_and_takes_views(ops):
     """Built without evaluating anything, composed with MLX's ops, on inputs
     that are views (a transpose, a slice, a broadcast) and batched shapes."""

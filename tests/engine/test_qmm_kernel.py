@@ -567,6 +567,24 @@ def test_dot_rows_do_not_depend_on_the_batch(dot):
         assert np.array_equal(_bits(one[0]), _bits(whole[m])), m
 
 
+def test_chunks_taken_from_both_ends_cover_every_row_once(lib):
+    """The caller takes chunks of 64 rows from the front, the workers from the
+    back, each prefetching into the chunk it takes next: with many chunks, a
+    last one longer than the rest and more threads than two, every row is
+    computed once and equals the one-thread result (the exact kernel: equals
+    MLX; the dot path: its own bits)."""
+    N = 64 * 41 + 23
+    for M in (1, 5):
+        x, wq, s, b, want = _case(N + M, M, N, 256, 8, 64, scale=2.0)
+        args = [np.asarray(a) for a in (x, wq, s, b)]
+        for threads in (2, 3, 5):
+            assert np.array_equal(_bits(_kernel(lib, x, wq, s, b, 8, 64, threads)), _bits(want)), (M, threads)
+            if qk.dot_available(lib):
+                one = qk.qmm_t_dot(lib, *args, bits=8, group_size=64, threads=1)
+                got = qk.qmm_t_dot(lib, *args, bits=8, group_size=64, threads=threads)
+                assert np.array_equal(_bits(got), _bits(one)), (M, threads)
+
+
 def test_dot_declines_what_it_does_not_take(dot):
     x, wq, s, b, _ = _case(0, 2, 64, 256, 4, 64)
     assert qk.qmm_t_dot(dot, *(np.asarray(a) for a in (x, wq, s, b)), bits=4, group_size=64) is None  # 4-bit

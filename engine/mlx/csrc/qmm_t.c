@@ -61,8 +61,26 @@ typedef struct {
   const float* s;
   const float* b;
   int64_t M, N, K, gs;
-  int64_t n0, n1; /* this job's rows: [n0, n1) */
+  int64_t n0, n1;     /* this job's rows: [n0, n1) */
+  int64_t next0, next1; /* the rows this thread most likely takes next (next0 < 0: none) */
 } job_t;
+
+/* Where a tile of `rows` weight rows at row n prefetches: `dist` rows ahead
+ * while that stays inside [n, n1), else as far into the rows this thread
+ * takes next [next0, next1); NULL past both. Not simply `dist` rows on in
+ * memory: with two threads those rows are often the other core's, and a
+ * line fetched into this core's L2 for the other core is a wasted read (the
+ * 1.5B's decode matrices: 17 GB/s with that, 22-26 with this). */
+AI const char* ahead_row(const void* base, int64_t row_bytes, int64_t n, int64_t dist, int64_t rows, int64_t n1,
+                         int64_t next0, int64_t next1) {
+  int64_t t = n + dist;
+  if (t + rows > n1) {
+    if (next0 < 0) return 0;
+    t = next0 + (t - n1);
+    if (t + rows > next1) return 0;
+  }
+  return (const char*)base + t * row_bytes;
+}
 
 /* out[j] lane r = src[r * stride + j], j, r < 8 */
 AI void transpose8(const uint32_t* src, int64_t stride, v8u out[8]) {
@@ -247,14 +265,17 @@ AI void tile16_m1(const job_t* J, int64_t n, int64_t m, const int BITS) {
   const int64_t K = J->K, KW = K / PF, gs = J->gs, G = K / gs, GW = gs / PF;
   const float* x = J->x + m * K;
   const uint32_t* src = J->w + n * KW;
-  const char* ahead = (const char*)(src + PF_ROWS * KW); /* as in tile16 */
+  const char* ahead = ahead_row(J->w, KW * 4, n, PF_ROWS, 16, J->n1, J->next0, J->next1); /* as in tile16 */
   v16f acc = splat16(0.0f), sc, bi;
   __m512i tw[8];
   for (int64_t g = 0, kw = 0; g < G; g++) {
     group16(J, n, g, &sc, &bi);
-    for (const int64_t kend = kw + GW; kw < kend; kw += 8, ahead += 512) {
+    for (const int64_t kend = kw + GW; kw < kend; kw += 8) {
+      if (ahead) {
 #pragma GCC unroll 8
-      for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+        for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+        ahead += 512;
+      }
       transpose16x8(src + kw, KW, tw);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; j++)
@@ -282,7 +303,7 @@ AI void tile16(const job_t* J, int64_t n, int64_t m, const int BITS, const int M
      order, a tile's size over a tile's steps, the next tiles start warm; 16
      streams of a few lines each are more than the hardware prefetcher
      follows (measured: half the speed of an L2-resident matrix without it). */
-  const char* ahead = (const char*)(src + PF_ROWS * KW);
+  const char* ahead = ahead_row(J->w, KW * 4, n, PF_ROWS, 16, J->n1, J->next0, J->next1);
   if (MB == 1 && (gs / PF) % 8 == 0) {
     tile16_m1(J, n, m, BITS);
     return;
@@ -293,10 +314,13 @@ AI void tile16(const job_t* J, int64_t n, int64_t m, const int BITS, const int M
 #pragma GCC unroll 4
   for (int mb = 0; mb < MB; mb++) acc[mb] = splat16(0.0f);
   int64_t next_group = 0, g = 0;
-  for (int64_t kw = 0; kw < KW; kw += 8, ahead += 512) {
+  for (int64_t kw = 0; kw < KW; kw += 8) {
     const int nw = KW - kw < 8 ? (int)(KW - kw) : 8;
+    if (ahead) {
 #pragma GCC unroll 8
-    for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+      for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+      ahead += 512;
+    }
     if (nw == 8) {
       transpose16x8(src + kw, KW, tw);
     } else {
@@ -445,7 +469,9 @@ static void run_job(const job_t* J, int bits) {
 #define CHUNK 64
 #define MAX_THREADS 16
 
-typedef void (*chunk_fn)(const void* ctx, int64_t c);
+/* fn(ctx, c, next): run chunk c; next is the chunk this thread most likely
+ * takes after it (-1: none), where its tiles may prefetch. */
+typedef void (*chunk_fn)(const void* ctx, int64_t c, int64_t next);
 
 static struct {
   pthread_mutex_t call; /* one call at a time */
@@ -454,20 +480,30 @@ static struct {
   int workers;      /* started so far */
   int want;         /* workers that take part in this call (index < want) */
   uint32_t gen;     /* the call's number; a change wakes the workers */
-  uint64_t counter; /* gen << 32 | next chunk (atomic) */
+  uint64_t counter; /* gen << 40 | front << 20 | back (atomic): chunks [front, back) are left */
   int64_t chunks;
   int64_t done; /* chunks finished (atomic) */
   chunk_fn fn;
   const void* ctx;
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
-/* Take and run chunks of call `gen` until none is left. */
-static void take_chunks(uint32_t gen) {
+/* Take and run chunks of call `gen` until none is left: the calling thread
+ * from the front, the workers from the back. With two threads each walks a
+ * run of neighbouring chunks, so the rows it prefetches past its chunk are
+ * its own next ones (see ahead_row), and the two still share the work as it
+ * comes: a slower core takes fewer chunks. */
+#define FIELD 0xFFFFFull /* 20 bits: front and back */
+#define GEN_OF(cur) ((uint32_t)((cur) >> 40) & 0xFFFFFFu)
+static void take_chunks(uint32_t gen, int from_back) {
   uint64_t cur = __atomic_load_n(&P.counter, __ATOMIC_ACQUIRE);
   for (;;) {
-    if ((uint32_t)(cur >> 32) != gen || (int64_t)(uint32_t)cur >= P.chunks) return;
-    if (!__atomic_compare_exchange_n(&P.counter, &cur, cur + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
-    P.fn(P.ctx, (int64_t)(uint32_t)cur); /* the call waits for this chunk: its fn and ctx stay valid */
+    const int64_t front = (int64_t)((cur >> 20) & FIELD), back = (int64_t)(cur & FIELD);
+    if (GEN_OF(cur) != (gen & 0xFFFFFFu) || front >= back) return;
+    const int64_t c = from_back ? back - 1 : front;
+    const uint64_t want = from_back ? cur - 1 : cur + (1ull << 20);
+    if (!__atomic_compare_exchange_n(&P.counter, &cur, want, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+    const int64_t next = from_back ? (c - 1 > front ? c - 1 : -1) : (c + 1 < back ? c + 1 : -1);
+    P.fn(P.ctx, c, next); /* the call waits for this chunk: its fn and ctx stay valid */
     __atomic_fetch_add(&P.done, 1, __ATOMIC_RELEASE);
     cur = __atomic_load_n(&P.counter, __ATOMIC_ACQUIRE);
   }
@@ -481,7 +517,7 @@ static void* worker(void* arg) {
     while (__atomic_load_n(&P.gen, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&P.wake, &P.mu);
     seen = __atomic_load_n(&P.gen, __ATOMIC_ACQUIRE);
     pthread_mutex_unlock(&P.mu);
-    if (index < __atomic_load_n(&P.want, __ATOMIC_ACQUIRE)) take_chunks(seen);
+    if (index < __atomic_load_n(&P.want, __ATOMIC_ACQUIRE)) take_chunks(seen, 1);
   }
   return 0;
 }
@@ -501,8 +537,8 @@ static void register_fork(void) { pthread_atfork(at_fork_prepare, at_fork_parent
 static void parallel_for(int64_t chunks, chunk_fn fn, const void* ctx, int nthreads) {
   if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
   if (nthreads > chunks) nthreads = (int)chunks;
-  if (nthreads <= 1 || chunks >= (1ll << 31)) {
-    for (int64_t c = 0; c < chunks; c++) fn(ctx, c);
+  if (nthreads <= 1 || chunks >= (int64_t)FIELD) {
+    for (int64_t c = 0; c < chunks; c++) fn(ctx, c, c + 1 < chunks ? c + 1 : -1);
     return;
   }
   pthread_once(&fork_once, register_fork);
@@ -523,21 +559,21 @@ static void parallel_for(int64_t chunks, chunk_fn fn, const void* ctx, int nthre
   __atomic_store_n(&P.done, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&P.want, nthreads - 1, __ATOMIC_RELAXED);
   const uint32_t gen = P.gen + 1;
-  __atomic_store_n(&P.counter, (uint64_t)gen << 32, __ATOMIC_RELEASE);
+  __atomic_store_n(&P.counter, (uint64_t)(gen & 0xFFFFFFu) << 40 | (uint64_t)chunks, __ATOMIC_RELEASE);
   pthread_mutex_lock(&P.mu);
   __atomic_store_n(&P.gen, gen, __ATOMIC_RELEASE);
   pthread_cond_broadcast(&P.wake);
   pthread_mutex_unlock(&P.mu);
-  take_chunks(gen);
+  take_chunks(gen, 0);
   /* the chunks others took are under way: short waits */
   while (__atomic_load_n(&P.done, __ATOMIC_ACQUIRE) < chunks) {
 #if defined(__SSE2__)
     _mm_pause();
 #endif
   }
-  /* spent for good: a worker still holding this call's last counter value
-     cannot take "chunk `chunks`" once the next call's fields are written */
-  __atomic_store_n(&P.counter, (uint64_t)gen << 32 | 0xFFFFFFFFu, __ATOMIC_RELEASE);
+  /* spent for good (front past back): a worker still holding this call's
+     last counter value cannot take a chunk once the next call's fields are written */
+  __atomic_store_n(&P.counter, (uint64_t)(gen & 0xFFFFFFu) << 40 | FIELD << 20, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&P.call);
 }
 
@@ -547,11 +583,16 @@ typedef struct {
   int64_t chunks;
 } qmm_ctx_t;
 
-static void qmm_chunk(const void* a, int64_t c) {
+/* chunk c's rows: CHUNK each, the last also the rows past the last whole chunk */
+AI int64_t chunk_end(int64_t c, int64_t chunks, int64_t N, int64_t size) { return c == chunks - 1 ? N : (c + 1) * size; }
+
+static void qmm_chunk(const void* a, int64_t c, int64_t next) {
   const qmm_ctx_t* p = a;
   job_t j = p->base;
   j.n0 = c * CHUNK;
-  j.n1 = c == p->chunks - 1 ? p->base.N : j.n0 + CHUNK; /* the last takes the rows past the last block */
+  j.n1 = chunk_end(c, p->chunks, p->base.N, CHUNK);
+  j.next0 = next < 0 ? -1 : next * CHUNK;
+  j.next1 = next < 0 ? -1 : chunk_end(next, p->chunks, p->base.N, CHUNK);
   run_job(&j, p->bits);
 }
 
@@ -564,7 +605,7 @@ int qmm_t(float* y, const float* x, const uint32_t* w, const float* scales, cons
   if ((bits != 2 && bits != 4 && bits != 8) || group_size <= 0 || K % group_size || group_size % (32 / bits))
     return -1;
   if (M <= 0 || N <= 0) return 0;
-  qmm_ctx_t ctx = {{y, x, w, scales, biases, M, N, K, group_size, 0, N}, bits, N / CHUNK > 0 ? N / CHUNK : 1};
+  qmm_ctx_t ctx = {{y, x, w, scales, biases, M, N, K, group_size, 0, N, -1, -1}, bits, N / CHUNK > 0 ? N / CHUNK : 1};
   if (nthreads <= 1 || ctx.chunks == 1) {
     run_job(&ctx.base, bits);
     return 0;
@@ -631,7 +672,8 @@ typedef struct {
   int64_t chunks;
 } dq_ctx_t;
 
-static void dq_chunk(const void* a, int64_t c) {
+static void dq_chunk(const void* a, int64_t c, int64_t next) {
+  (void)next;
   const dq_ctx_t* p = a;
   const int64_t KW = p->K * p->bits / 32, G = p->K / p->gs;
   const int64_t n0 = c * CHUNK, n1 = c == p->chunks - 1 ? p->N : n0 + CHUNK;
@@ -702,11 +744,10 @@ typedef struct {
  * the MB rows of x, each row's sums in registers. A row of x gets the same
  * operations in the same order whatever MB and M are (the integer sums are
  * exact in any order), so its result does not depend on the batch. */
-AI void dot16(const dot_ctx_t* D, int64_t n, int64_t m, const int MB) {
+AI void dot16(const dot_ctx_t* D, int64_t n, int64_t m, const char* ahead, const int MB) {
   const job_t* J = &D->base;
   const int64_t K = J->K, KW = K / 4, gs = J->gs, G = K / gs, GW = gs / 4;
   const uint32_t* src = J->w + n * KW;
-  const char* ahead = (const char*)(src + PF_ROWS * KW); /* as in tile16 */
   const __m512i lo = _mm512_set1_epi32(0x00FF00FF);
   __m512 acc[4];
   __m512i tw[8];
@@ -718,9 +759,12 @@ AI void dot16(const dot_ctx_t* D, int64_t n, int64_t m, const int MB) {
     __m512i a[4][2];
 #pragma GCC unroll 4
     for (int mb = 0; mb < MB; mb++) a[mb][0] = a[mb][1] = _mm512_setzero_si512();
-    for (const int64_t kend = kw + GW; kw < kend; kw += 8, ahead += 512) {
+    for (const int64_t kend = kw + GW; kw < kend; kw += 8) {
+      if (ahead) { /* as in tile16 */
 #pragma GCC unroll 8
-      for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+        for (int l = 0; l < 8; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+        ahead += 512;
+      }
       transpose16x8(src + kw, KW, tw);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; j++) {
@@ -746,10 +790,18 @@ AI void dot16(const dot_ctx_t* D, int64_t n, int64_t m, const int MB) {
 #pragma GCC unroll 4
   for (int mb = 0; mb < MB; mb++) _mm512_storeu_ps(J->y + (m + mb) * J->N + n, acc[mb]);
 }
-__attribute__((noinline)) static void dot16_1(const dot_ctx_t* D, int64_t n, int64_t m) { dot16(D, n, m, 1); }
-__attribute__((noinline)) static void dot16_2(const dot_ctx_t* D, int64_t n, int64_t m) { dot16(D, n, m, 2); }
-__attribute__((noinline)) static void dot16_3(const dot_ctx_t* D, int64_t n, int64_t m) { dot16(D, n, m, 3); }
-__attribute__((noinline)) static void dot16_4(const dot_ctx_t* D, int64_t n, int64_t m) { dot16(D, n, m, 4); }
+__attribute__((noinline)) static void dot16_1(const dot_ctx_t* D, int64_t n, int64_t m, const char* ahead) {
+  dot16(D, n, m, ahead, 1);
+}
+__attribute__((noinline)) static void dot16_2(const dot_ctx_t* D, int64_t n, int64_t m, const char* ahead) {
+  dot16(D, n, m, ahead, 2);
+}
+__attribute__((noinline)) static void dot16_3(const dot_ctx_t* D, int64_t n, int64_t m, const char* ahead) {
+  dot16(D, n, m, ahead, 3);
+}
+__attribute__((noinline)) static void dot16_4(const dot_ctx_t* D, int64_t n, int64_t m, const char* ahead) {
+  dot16(D, n, m, ahead, 4);
+}
 
 /* A row past the last block of 16: the same sums, one row at a time. */
 static void dot_row(const dot_ctx_t* D, int64_t n, int64_t m) {
@@ -770,19 +822,22 @@ static void dot_row(const dot_ctx_t* D, int64_t n, int64_t m) {
 /* A chunk of CHUNK weight rows, x's rows DOT_M_BLOCK at a time: the chunk's
  * weights (CHUNK x K bytes) stay in L2 while each block of x's rows passes
  * over them. */
-static void dot_chunk(const void* a, int64_t c) {
+static void dot_chunk(const void* a, int64_t c, int64_t next) {
   const dot_ctx_t* D = a;
-  const int64_t N = D->base.N, M = D->base.M;
-  const int64_t n0 = c * CHUNK, n1 = c == D->chunks - 1 ? N : n0 + CHUNK;
+  const int64_t N = D->base.N, M = D->base.M, KW = D->base.K / 4;
+  const int64_t n0 = c * CHUNK, n1 = chunk_end(c, D->chunks, N, CHUNK);
+  const int64_t next0 = next < 0 ? -1 : next * CHUNK, next1 = next < 0 ? -1 : chunk_end(next, D->chunks, N, CHUNK);
   for (int64_t m0 = 0; m0 < M; m0 += DOT_M_BLOCK) {
     const int64_t m1 = M - m0 < DOT_M_BLOCK ? M : m0 + DOT_M_BLOCK;
     int64_t n = n0;
     for (; n + 16 <= n1; n += 16) {
+      /* the first pass over the tile's weights prefetches; later ones find them in L2 */
+      const char* ahead = m0 == 0 ? ahead_row(D->base.w, KW * 4, n, PF_ROWS, 16, n1, next0, next1) : 0;
       int64_t m = m0;
-      for (; m + 4 <= m1; m += 4) dot16_4(D, n, m);
-      if (m1 - m == 3) dot16_3(D, n, m);
-      else if (m1 - m == 2) dot16_2(D, n, m);
-      else if (m1 - m == 1) dot16_1(D, n, m);
+      for (; m + 4 <= m1; m += 4, ahead = 0) dot16_4(D, n, m, ahead);
+      if (m1 - m == 3) dot16_3(D, n, m, ahead);
+      else if (m1 - m == 2) dot16_2(D, n, m, ahead);
+      else if (m1 - m == 1) dot16_1(D, n, m, ahead);
     }
     for (; n < n1; n++)
       for (int64_t m = m0; m < m1; m++) dot_row(D, n, m);
@@ -843,10 +898,10 @@ int qmm_t_dot(float* y, const float* x, const uint32_t* w, const float* scales, 
     return -1;
   }
   quantize_x(x, M, K, group_size, x16, xp, xf, xf + M * G);
-  dot_ctx_t ctx = {{y, x, w, scales, biases, M, N, K, group_size, 0, N}, x16, xp, xf, xf + M * G,
+  dot_ctx_t ctx = {{y, x, w, scales, biases, M, N, K, group_size, 0, N, -1, -1}, x16, xp, xf, xf + M * G,
                    N / CHUNK > 0 ? N / CHUNK : 1};
   if (nthreads <= 1 || ctx.chunks == 1)
-    for (int64_t c = 0; c < ctx.chunks; c++) dot_chunk(&ctx, c);
+    for (int64_t c = 0; c < ctx.chunks; c++) dot_chunk(&ctx, c, c + 1 < ctx.chunks ? c + 1 : -1);
   else parallel_for(ctx.chunks, dot_chunk, &ctx, nthreads);
   free(x16);
   free(xp);
@@ -890,7 +945,8 @@ typedef struct {
 
 #if defined(__AVX512F__)
 /* y[m][r] for m < MR (rows of x from x0), r < NR (weight rows from w0). */
-AI void fmm_tile(const float* x0, const float* w0, float* y0, int64_t N, int64_t K, const int MR, const int NR) {
+AI void fmm_tile(const float* x0, const float* w0, float* y0, int64_t N, int64_t K, const char* ahead, const int MR,
+              const int NR) {
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; r++)
     for (int m = 0; m < MR; m++) acc[r][m] = _mm512_setzero_ps();
@@ -898,7 +954,7 @@ AI void fmm_tile(const float* x0, const float* w0, float* y0, int64_t N, int64_t
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NR];
     for (int r = 0; r < NR; r++) {
-      _mm_prefetch((const char*)(w0 + (FPF * NR + r) * K + k), _MM_HINT_T0);
+      if (ahead) _mm_prefetch(ahead + (r * K + k) * 4, _MM_HINT_T0);
       wv[r] = _mm512_loadu_ps(w0 + r * K + k);
     }
     for (int m = 0; m < MR; m++) {
@@ -920,13 +976,17 @@ AI void fmm_tile(const float* x0, const float* w0, float* y0, int64_t N, int64_t
 }
 
 /* Weight rows [n0, n1) against MR rows of x: NR rows a tile (registers: NR*MR
- * accumulators + NR weights + 1 x of 32), then single rows for the rest. */
-#define FMM_ROWS(MR, NR)                                                                                 \
-  static void fmm_rows_##MR(const float* x0, const float* w, float* y0, int64_t N, int64_t K, int64_t n0, \
-                            int64_t n1) {                                                                \
-    int64_t n = n0;                                                                                      \
-    for (; n + NR <= n1; n += NR) fmm_tile(x0, w + n * K, y0 + n, N, K, MR, NR);                        \
-    for (; n < n1; n++) fmm_tile(x0, w + n * K, y0 + n, N, K, MR, 1);                                   \
+ * accumulators + NR weights + 1 x of 32), then single rows for the rest; the
+ * rows FPF tiles ahead prefetched (into the rows [next0, next1) this thread
+ * takes next, past n1: ahead_row), where pf is set. */
+#define FMM_ROWS(MR, NR)                                                                                  \
+  static void fmm_rows_##MR(const float* x0, const float* w, float* y0, int64_t N, int64_t K, int64_t n0,  \
+                            int64_t n1, int pf, int64_t next0, int64_t next1) {                           \
+    int64_t n = n0;                                                                                       \
+    for (; n + NR <= n1; n += NR)                                                                         \
+      fmm_tile(x0, w + n * K, y0 + n, N, K, pf ? ahead_row(w, K * 4, n, FPF * NR, NR, n1, next0, next1) : 0, \
+               MR, NR);                                                                                   \
+    for (; n < n1; n++) fmm_tile(x0, w + n * K, y0 + n, N, K, 0, MR, 1);                                 \
   }
 FMM_ROWS(1, 8)
 FMM_ROWS(2, 6)
@@ -936,7 +996,8 @@ FMM_ROWS(5, 4)
 FMM_ROWS(6, 3)
 FMM_ROWS(7, 3)
 FMM_ROWS(8, 3)
-typedef void (*fmm_rows_fn)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+typedef void (*fmm_rows_fn)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int, int64_t,
+                            int64_t);
 static const fmm_rows_fn fmm_rows[9] = {0, fmm_rows_1, fmm_rows_2, fmm_rows_3, fmm_rows_4,
                                         fmm_rows_5, fmm_rows_6, fmm_rows_7, fmm_rows_8};
 #define HAVE_FMM 1
@@ -944,16 +1005,17 @@ static const fmm_rows_fn fmm_rows[9] = {0, fmm_rows_1, fmm_rows_2, fmm_rows_3, f
 #define HAVE_FMM 0
 #endif
 
-static void fmm_chunk(const void* a, int64_t c) {
+static void fmm_chunk(const void* a, int64_t c, int64_t next) {
 #if HAVE_FMM
   const fmm_ctx_t* p = a;
-  const int64_t n0 = c * FCHUNK, n1 = c == p->chunks - 1 ? p->N : n0 + FCHUNK;
+  const int64_t n0 = c * FCHUNK, n1 = chunk_end(c, p->chunks, p->N, FCHUNK);
+  const int64_t next0 = next < 0 ? -1 : next * FCHUNK, next1 = next < 0 ? -1 : chunk_end(next, p->chunks, p->N, FCHUNK);
   for (int64_t m = 0; m < p->M; m += 8) {
     const int mr = p->M - m < 8 ? (int)(p->M - m) : 8;
-    fmm_rows[mr](p->x + m * p->K, p->w, p->y + m * p->N, p->N, p->K, n0, n1);
+    fmm_rows[mr](p->x + m * p->K, p->w, p->y + m * p->N, p->N, p->K, n0, n1, m == 0, next0, next1);
   }
 #else
-  (void)a, (void)c;
+  (void)a, (void)c, (void)next;
 #endif
 }
 
@@ -964,10 +1026,41 @@ int fmm_t(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_
   if (M == 0 || N == 0) return 0;
   fmm_ctx_t ctx = {y, x, w, M, N, K, N / FCHUNK > 0 ? N / FCHUNK : 1};
   if (nthreads <= 1 || ctx.chunks == 1)
-    for (int64_t c = 0; c < ctx.chunks; c++) fmm_chunk(&ctx, c);
+    for (int64_t c = 0; c < ctx.chunks; c++) fmm_chunk(&ctx, c, c + 1 < ctx.chunks ? c + 1 : -1);
   else parallel_for(ctx.chunks, fmm_chunk, &ctx, nthreads);
   return 0;
 }
 
 /* 1 where fmm_t can run on this build (AVX-512), else 0. */
 int fmm_t_available(void) { return HAVE_FMM; }
+
+/* ---- the bandwidth probe's reader ----
+ *
+ * n bytes read 256 at a time with nothing but an xor per load, so the loads
+ * are the only limit (bench.cpu.weight_format's floor: a numpy sum, which
+ * adds floats, read ~24 GB/s on two cores of a host where this reads ~30). */
+uint64_t stream_read(const void* p, int64_t n) {
+  const uint8_t* b = p;
+  uint64_t acc = 0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 256 <= n; i += 256) {
+    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(b + i));
+    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(b + i + 64));
+    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(b + i + 128));
+    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(b + i + 192));
+  }
+  a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+  uint64_t lanes[8];
+  _mm512_storeu_si512(lanes, a0);
+  for (int l = 0; l < 8; l++) acc ^= lanes[l];
+#endif
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v;
+    memcpy(&v, b + i, 8);
+    acc ^= v;
+  }
+  for (; i < n; i++) acc ^= b[i];
+  return acc;
+}
