@@ -16,7 +16,10 @@ matmuls (after the last one, the argmax, Python). That split is of the
 kernels called from Python (``EMBER_QMM_GRAPH=0``'s path); then the same
 steps again with the kernels as MLX primitives (``engine.mlx.mlx_ops``, the
 default where it builds), whole steps only: nothing is called per layer
-from Python there. Means over the steps; the load is printed.
+from Python there; and once more with every quantized matmul replaced by a
+zero of its shape, which leaves what MLX's other ops cost (norms, RoPE,
+attention, the cache, the embedding, argmax). Means over the steps; the
+load is printed.
 """
 
 from __future__ import annotations
@@ -111,6 +114,23 @@ def main(argv: list[str] | None = None) -> int:
             tok = mx.argmax(model(tok, cache=cache)[:, -1:], axis=-1)
             mx.eval(tok)
         graph_step = (time.perf_counter() - t0) / args.steps
+    bare_step = None
+    if ops is not None:  # and with every quantized matmul a zero of its shape: what MLX's other ops cost
+
+        class NoMatmul:
+            @staticmethod
+            def qmm(x: Any, w: Any, *_: Any) -> Any:
+                return mx.zeros((*x.shape[:-1], w.shape[0]), dtype=x.dtype) + 0 * x[..., :1]
+
+        qmm_linear._state["ops"] = NoMatmul()
+        try:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                tok = mx.argmax(model(tok, cache=cache)[:, -1:], axis=-1)
+                mx.eval(tok)
+            bare_step = (time.perf_counter() - t0) / args.steps
+        finally:
+            qmm_linear._state["ops"] = ops
     n = args.steps
     hook, kernel, ev = spent["hook"] / n, spent["kernel"] / n, spent["eval"] / n
     print(f"python -m bench.cpu.qmm_step --model {args.model} --format {args.format} --steps {n}")
@@ -128,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{graph_step * 1e3:.1f} ms ({step / graph_step:.2f}x the step above)")  # fmt: skip
     else:
         print(f"\nthe kernels as MLX primitives: unavailable ({qmm_linear.mlx_ops.unavailable})")
+    if graph_step is not None and bare_step is not None:
+        print(f"\nthe same step with every quantized matmul replaced by a zero of its shape (MLX's other ops: "
+              f"norms, RoPE, attention, the cache, the embedding, argmax): {bare_step * 1e3:.1f} ms, "
+              f"{bare_step / graph_step:.0%} of the primitives' step; the matmuls' share "
+              f"{(graph_step - bare_step) * 1e3:.1f} ms")  # fmt: skip
     return 0
 
 
