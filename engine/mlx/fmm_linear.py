@@ -5,8 +5,8 @@ MLX hands that to OpenBLAS's GEMM, whose packing and blocking are built for
 large matrices: on SmolLM2-135M's decode weights it reads ~12 GB/s at one
 row and ~8 GB/s at eight against the ~25 GB/s two cores stream. The kernel
 streams each weight row once against the rows of x held in L1 (measured by
-``python -m bench.cpu.fmm``: ~1.5x at one row, ~1.7-2x at 4-8, even at 16,
-behind from 24, so calls of up to ``MAX_ROWS`` rows take it).
+``python -m bench.cpu.fmm``: ~1.5x at one row, ~1.7-2.4x at 2-12, 1.5x at
+16, 1.2x at 32, even from 48 to 64, so calls of up to ``MAX_ROWS`` rows take it).
 
 It runs as an MLX primitive (``engine.mlx.mlx_ops``): without the extension
 nothing is installed (a kernel called from Python pays an ``mx.eval`` a
@@ -31,7 +31,11 @@ import mlx.nn as nn
 from engine.mlx import layer_swap, mlx_ops
 
 SWITCH = "EMBER_FMM"
-MAX_ROWS = 12  # rows of x up to which the kernel beats OpenBLAS (bench.cpu.fmm: 1.47x at 12, even at 16)
+# rows of x up to which the kernel beats OpenBLAS with a margin (bench.cpu.fmm, 2026-12-05,
+# once its accumulators lived in registers: 1.50x at 16, 1.33x at 24, 1.21x at 32, 1.06x at
+# 48, 0.99x at 64; 12 before, when it was even at 16): a batch of 8 verifying windows of 2-4
+# takes it too
+MAX_ROWS = 32
 # below this a second thread costs more than it saves. Lower than the quantized
 # kernel's (a float32 weight's bytes are the cost, not its arithmetic): SmolLM2's
 # batch-1 step at 2^14-2^18 MACs 53.9-54.9 ms, at 2^20 63.7 ms (its 576x1536
