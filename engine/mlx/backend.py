@@ -271,6 +271,17 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         self.blas.use(self.cpu_threads.threads_for(1))
         return decode_step_s(self.model, self.attention_parts, self.softmax_kernel)
 
+    def greedy_next(self, tokens: list[int]) -> list[int]:
+        """The model's argmax after each prefix of ``tokens``: one forward on a
+        throwaway cache (on the MLX thread). Adaptive γ's acceptance prior for a
+        draft model compares it with the drafter's (``ember.spec_build``)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        with mx.stream(generation_stream), split_attention.parts(self.attention_parts, self.softmax_kernel):
+            logits = self.model(mx.array(tokens)[None], cache=make_prompt_cache(self.model))
+            out: list[int] = mx.argmax(logits[0], axis=-1).astype(mx.int32).tolist()  # type: ignore[assignment]
+            return out
+
     # ---- the step ------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
         with mx.stream(generation_stream), split_attention.parts(self.attention_parts, self.softmax_kernel):

@@ -118,6 +118,14 @@ class MlxDraftModel:
                 self._forward(cache, mx.array(tokens[i : i + self.prefill_chunk])[None])
                 mx.eval([c.state for c in cache])
 
+    def greedy_next(self, tokens: list[int]) -> list[int]:
+        """Its argmax after each prefix of ``tokens`` (one forward, a throwaway cache)."""
+        mx = self._mx
+        with mx.stream(self._stream):
+            logits = self._forward(self.new_cache(), mx.array(tokens)[None])
+            out: list[int] = self._to_ids(mx.argmax(logits[0], axis=-1)).tolist()
+            return out
+
     def _lazy(self, cache: list[Any], feed: list[int], k: int) -> Any:
         mx = self._mx
         if len(feed) > self.prefill_chunk:

@@ -122,8 +122,10 @@ async def test_greedy_speculation_is_token_identical(drafter, gamma, monkeypatch
         # A cold engine prices the draft model's step as measured at start
         # (ember.spec_build.draft_prior): tiny-draft at ~0.15x tiny's step does
         # not pay in this batch of five, and adaptive γ would never draft. The
-        # case is here for the drafting path under adaptive γ: the old prior.
+        # case is here for the drafting path under adaptive γ: the old priors
+        # (the fixed 0.5 acceptance too: tiny-draft agrees with tiny on ~28%).
         monkeypatch.setattr("ember.spec_build.draft_prior", lambda *_: (0.0, 0.0))
+        monkeypatch.setattr("ember.spec_build.accept_prior", lambda *_: None)
     want = await reference()
     name = "ngram" if drafter == "ngram" else str(draft)
     crossings: list = []
@@ -374,3 +376,42 @@ async def test_the_draft_models_step_is_timed_against_the_targets_at_start():
         assert engine.speculation is not None
         snap = engine.speculation.verifier.core.policy.snapshot()
     assert 0 < snap["catch_up_prior"] < snap["draft_step_prior"] < 10, snap
+
+
+async def test_the_acceptance_prior_is_the_pairs_measured_agreement():
+    """Adaptive γ's acceptance prior for a draft model (ember.spec_build.accept_prior):
+    the share of positions of a fixed code text where the drafter's argmax
+    equals the target's, teacher-forced, measured at start; checked against
+    mlx-lm's own forwards of both models. With the fixed 0.5 a real pair never
+    drafted (every row retired before its first draft)."""
+    from mlx_lm import load
+
+    from ember import spec_build
+
+    model, draft = _paths()
+    async with Engine.open(_base(draft_model=str(draft))) as engine:
+        assert engine.speculation is not None
+        snap = engine.speculation.verifier.core.policy.snapshot()
+    target, tok = load(str(model))
+    drafter, _ = load(str(draft))
+    ids = mx.array(tok.encode(spec_build.AGREEMENT_TEXT))[None]
+    want = mx.argmax(target(ids)[0], axis=-1).tolist()
+    got = mx.argmax(drafter(ids)[0], axis=-1).tolist()
+    pairs = list(zip(want, got))[spec_build.AGREEMENT_SKIP : -1]
+    agree = min(0.95, max(0.05, sum(a == b for a, b in pairs) / len(pairs)))
+    prior = snap["acceptance_prior_per_pos"]
+    assert len(set(prior)) == 1, prior  # one measured value, every position
+    assert abs(prior[0] - agree) <= 1.0 / len(pairs) + 1e-4, (prior, agree)  # a near-tie may flip one argmax
+
+
+async def test_fixed_gamma_measures_no_acceptance_prior(monkeypatch):
+    """A fixed γ needs no prior: nothing is measured at start."""
+    from ember import spec_build
+
+    def fail(*_):
+        raise AssertionError("accept_prior measured for a fixed γ")
+
+    monkeypatch.setattr(spec_build, "accept_prior", fail)
+    _, draft = _paths()
+    async with Engine.open(_base(draft_model=str(draft), num_draft_tokens=2)) as engine:
+        assert engine.speculation is not None
