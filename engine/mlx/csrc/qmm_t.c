@@ -481,7 +481,6 @@ static struct {
   int want;         /* workers that take part in this call (index < want) */
   uint32_t gen;     /* the call's number; a change wakes the workers */
   uint64_t counter; /* gen << 40 | front << 20 | back (atomic): chunks [front, back) are left */
-  int64_t chunks;
   int64_t done; /* chunks finished (atomic) */
   chunk_fn fn;
   const void* ctx;
@@ -502,7 +501,7 @@ static void take_chunks(uint32_t gen, int from_back) {
     const int64_t c = from_back ? back - 1 : front;
     const uint64_t want = from_back ? cur - 1 : cur + (1ull << 20);
     if (!__atomic_compare_exchange_n(&P.counter, &cur, want, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
-    const int64_t next = from_back ? (c - 1 > front ? c - 1 : -1) : (c + 1 < back ? c + 1 : -1);
+    const int64_t next = from_back ? (c - 1 >= front ? c - 1 : -1) : (c + 1 < back ? c + 1 : -1);
     P.fn(P.ctx, c, next); /* the call waits for this chunk: its fn and ctx stay valid */
     __atomic_fetch_add(&P.done, 1, __ATOMIC_RELEASE);
     cur = __atomic_load_n(&P.counter, __ATOMIC_ACQUIRE);
@@ -555,7 +554,6 @@ static void parallel_for(int64_t chunks, chunk_fn fn, const void* ctx, int nthre
   }
   P.fn = fn;
   P.ctx = ctx;
-  P.chunks = chunks;
   __atomic_store_n(&P.done, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&P.want, nthreads - 1, __ATOMIC_RELAXED);
   const uint32_t gen = P.gen + 1;
@@ -586,13 +584,18 @@ typedef struct {
 /* chunk c's rows: CHUNK each, the last also the rows past the last whole chunk */
 AI int64_t chunk_end(int64_t c, int64_t chunks, int64_t N, int64_t size) { return c == chunks - 1 ? N : (c + 1) * size; }
 
+/* the rows [*next0, *next1) of chunk `next` (-1, -1: none), where a chunk's last tiles prefetch */
+AI void next_rows(int64_t next, int64_t chunks, int64_t N, int64_t size, int64_t* next0, int64_t* next1) {
+  *next0 = next < 0 ? -1 : next * size;
+  *next1 = next < 0 ? -1 : chunk_end(next, chunks, N, size);
+}
+
 static void qmm_chunk(const void* a, int64_t c, int64_t next) {
   const qmm_ctx_t* p = a;
   job_t j = p->base;
   j.n0 = c * CHUNK;
   j.n1 = chunk_end(c, p->chunks, p->base.N, CHUNK);
-  j.next0 = next < 0 ? -1 : next * CHUNK;
-  j.next1 = next < 0 ? -1 : chunk_end(next, p->chunks, p->base.N, CHUNK);
+  next_rows(next, p->chunks, p->base.N, CHUNK, &j.next0, &j.next1);
   run_job(&j, p->bits);
 }
 
@@ -676,7 +679,7 @@ static void dq_chunk(const void* a, int64_t c, int64_t next) {
   (void)next;
   const dq_ctx_t* p = a;
   const int64_t KW = p->K * p->bits / 32, G = p->K / p->gs;
-  const int64_t n0 = c * CHUNK, n1 = c == p->chunks - 1 ? p->N : n0 + CHUNK;
+  const int64_t n0 = c * CHUNK, n1 = chunk_end(c, p->chunks, p->N, CHUNK);
   for (int64_t n = n0; n < n1; n++) {
     float* o = p->out + n * p->K;
     const uint32_t* w = p->w + n * KW;
@@ -826,7 +829,8 @@ static void dot_chunk(const void* a, int64_t c, int64_t next) {
   const dot_ctx_t* D = a;
   const int64_t N = D->base.N, M = D->base.M, KW = D->base.K / 4;
   const int64_t n0 = c * CHUNK, n1 = chunk_end(c, D->chunks, N, CHUNK);
-  const int64_t next0 = next < 0 ? -1 : next * CHUNK, next1 = next < 0 ? -1 : chunk_end(next, D->chunks, N, CHUNK);
+  int64_t next0, next1;
+  next_rows(next, D->chunks, N, CHUNK, &next0, &next1);
   for (int64_t m0 = 0; m0 < M; m0 += DOT_M_BLOCK) {
     const int64_t m1 = M - m0 < DOT_M_BLOCK ? M : m0 + DOT_M_BLOCK;
     int64_t n = n0;
@@ -900,9 +904,7 @@ int qmm_t_dot(float* y, const float* x, const uint32_t* w, const float* scales, 
   quantize_x(x, M, K, group_size, x16, xp, xf, xf + M * G);
   dot_ctx_t ctx = {{y, x, w, scales, biases, M, N, K, group_size, 0, N, -1, -1}, x16, xp, xf, xf + M * G,
                    N / CHUNK > 0 ? N / CHUNK : 1};
-  if (nthreads <= 1 || ctx.chunks == 1)
-    for (int64_t c = 0; c < ctx.chunks; c++) dot_chunk(&ctx, c, c + 1 < ctx.chunks ? c + 1 : -1);
-  else parallel_for(ctx.chunks, dot_chunk, &ctx, nthreads);
+  parallel_for(ctx.chunks, dot_chunk, &ctx, nthreads); /* one thread or one chunk: here, in order */
   free(x16);
   free(xp);
   free(xf);
@@ -1024,7 +1026,8 @@ static void fmm_chunk(const void* a, int64_t c, int64_t next) {
 #if HAVE_FMM
   const fmm_ctx_t* p = a;
   const int64_t n0 = c * FCHUNK, n1 = chunk_end(c, p->chunks, p->N, FCHUNK);
-  const int64_t next0 = next < 0 ? -1 : next * FCHUNK, next1 = next < 0 ? -1 : chunk_end(next, p->chunks, p->N, FCHUNK);
+  int64_t next0, next1;
+  next_rows(next, p->chunks, p->N, FCHUNK, &next0, &next1);
   for (int64_t m = 0; m < p->M; m += 8) {
     const int mr = p->M - m < 8 ? (int)(p->M - m) : 8;
     fmm_rows[mr](p->x + m * p->K, p->w, p->y + m * p->N, p->N, p->K, n0, n1, m == 0, next0, next1);
@@ -1040,9 +1043,7 @@ int fmm_t(float* y, const float* x, const float* w, int64_t M, int64_t N, int64_
   if (!HAVE_FMM || M < 0 || N < 0 || K <= 0) return -1;
   if (M == 0 || N == 0) return 0;
   fmm_ctx_t ctx = {y, x, w, M, N, K, N / FCHUNK > 0 ? N / FCHUNK : 1};
-  if (nthreads <= 1 || ctx.chunks == 1)
-    for (int64_t c = 0; c < ctx.chunks; c++) fmm_chunk(&ctx, c, c + 1 < ctx.chunks ? c + 1 : -1);
-  else parallel_for(ctx.chunks, fmm_chunk, &ctx, nthreads);
+  parallel_for(ctx.chunks, fmm_chunk, &ctx, nthreads); /* one thread or one chunk: here, in order */
   return 0;
 }
 
