@@ -35,7 +35,7 @@ from actors.spec_rounds import SpecRounds
 from actors.suffix_cores import REACH, SuffixDrafterCore
 from actors.verifier import Verifier, VerifierCore
 from engine.errors import InvalidRequest
-from engine.speculation.policy import WATCH_MATCH, GammaPolicy
+from engine.speculation.policy import ACCEPT_PRIOR, WATCH_MATCH, GammaPolicy
 from engine.types import SamplingParams
 
 log = logging.getLogger("ember.speculation")
@@ -198,7 +198,6 @@ AGREEMENT_TEXT = """def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 """
 AGREEMENT_SKIP = 4  # the first positions see almost no context: left out
-ACCEPT_PRIOR = 0.5  # GammaPolicy's own, where nothing is measured
 
 
 def accept_prior(config: Any, core: DrafterCore, backend: Any, device: Any) -> float | None:

@@ -89,19 +89,24 @@ def main(argv: list[str] | None = None) -> int:
     qmm_linear._matmul = timed_matmul
     qmm_linear._state["lib"] = TimedLib()
     qmm_linear.mx = TimedMx()  # type: ignore[assignment]
-    try:
-        cache = make_prompt_cache(model)
-        mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=cache))
-        tok = mx.array([[5]])
-        for _ in range(3):
-            mx.eval(model(tok, cache=cache))
-        for k in spent:
-            spent[k] = 0.0
+    cache = make_prompt_cache(model)
+    tok = [mx.array([[5]])]  # the latest token: each timed stretch continues the greedy decode
+
+    def steps() -> float:
+        """Seconds a step over ``--steps`` greedy decode steps."""
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            tok = mx.argmax(model(tok, cache=cache)[:, -1:], axis=-1)
-            mx.eval(tok)
-        step = (time.perf_counter() - t0) / args.steps
+            tok[0] = mx.argmax(model(tok[0], cache=cache)[:, -1:], axis=-1)
+            mx.eval(tok[0])
+        return (time.perf_counter() - t0) / args.steps
+
+    try:
+        mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=cache))
+        for _ in range(3):
+            mx.eval(model(tok[0], cache=cache))
+        for k in spent:
+            spent[k] = 0.0
+        step = steps()
     finally:
         qmm_linear._matmul = matmul
         qmm_linear._state["lib"] = lib
@@ -109,11 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         qmm_linear._state["ops"] = ops
     graph_step = None
     if ops is not None:  # the same steps with the kernels as MLX primitives (engine.mlx.mlx_ops)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            tok = mx.argmax(model(tok, cache=cache)[:, -1:], axis=-1)
-            mx.eval(tok)
-        graph_step = (time.perf_counter() - t0) / args.steps
+        graph_step = steps()
     bare_step = None
     if ops is not None:  # and with every quantized matmul a zero of its shape: what MLX's other ops cost
 
@@ -124,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
         qmm_linear._state["ops"] = NoMatmul()
         try:
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                tok = mx.argmax(model(tok, cache=cache)[:, -1:], axis=-1)
-                mx.eval(tok)
-            bare_step = (time.perf_counter() - t0) / args.steps
+            bare_step = steps()
         finally:
             qmm_linear._state["ops"] = ops
     n = args.steps

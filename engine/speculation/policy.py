@@ -112,6 +112,9 @@ WATCH_MATCH = 8
 # Namespaces whose learned seeds are kept (least recently seen dropped first): a
 # namespace dropped starts again from the priors, as a fresh engine does.
 MAX_NAMESPACES = 256
+# Acceptance per draft position before any round is judged, where nothing was
+# measured (a draft model's own agreement replaces it: ember.spec_build.accept_prior).
+ACCEPT_PRIOR = 0.5
 
 
 @dataclass(slots=True)
@@ -162,7 +165,7 @@ class GammaPolicy:
         *,
         fixed: int | None = None,
         gamma_max: int = ADAPTIVE_GAMMA_MAX,
-        accept_prior: float = 0.5,
+        accept_prior: float = ACCEPT_PRIOR,
         accept_alpha: float = 0.15,
         cost_window: int = 32,
         min_samples: int = 4,
