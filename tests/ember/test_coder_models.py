@@ -15,10 +15,12 @@ the 0.5B; the 1.5B runs where it is installed.
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -115,7 +117,13 @@ def test_greedy_tokens_equal_transformers_gguf_loader(name):
     model, tok = load(path)
     prompts = _prompts(tok)
     ours = [_mlx_greedy(model, tok, p) for p in prompts]
+    # Give MLX's 7 GB back before transformers loads its own float32 copy (and
+    # dequantizes the GGUF beside it): del alone leaves the buffers in MLX's
+    # cache, and with the other pytest worker's model that came to 22 GB, and
+    # the kernel's OOM killer took this worker (two full runs of 2026-12-05).
     del model
+    gc.collect()
+    mx.clear_cache()
 
     gguf = packaged_gguf(name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
