@@ -95,9 +95,25 @@ try {
   seen.asked_again = await page.locator("#key-form label").textContent();
   await page.click("#tab-playground");
   await page.fill("#prompt", "Hello?");
+  // a poll refused while the user types keeps the prompt's focus and text
+  // (it once moved focus to the key field, and the typing with it)
+  await page.evaluate(() => poll());
+  seen.typing_kept = await page.evaluate(() => [document.activeElement.id, document.getElementById("prompt").value]);
   await page.click("#send");
   const refused = page.locator("[data-testid=chat-error]");
-  await refused.waitFor(T);
+  try {
+    await refused.waitFor(T);
+  } catch (e) {  // say what the page showed instead: a CI log is all there is
+    const state = await page.evaluate(() => ({
+      chat: document.getElementById("chat").innerText.slice(-600),
+      prompt: document.getElementById("prompt").value,
+      send_disabled: document.getElementById("send").disabled,
+      key_form_hidden: document.getElementById("key-form").hidden,
+      focused: document.activeElement && document.activeElement.id,
+    }));
+    await page.screenshot({ path: join(out, "refused-timeout.png"), fullPage: true });
+    throw new Error(`no refusal shown: ${JSON.stringify(state)}\n${e.message}`);
+  }
   seen.refused = await refused.textContent();
 } finally {
   await browser.close();

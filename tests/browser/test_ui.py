@@ -89,6 +89,7 @@ def test_page_in_a_browser(tmp_path: Path) -> None:
     assert "25%" in seen["pull_text"], seen
     assert "401" in seen["asked_again"], seen  # the refused poll asked for the key again
     assert "401" in seen["refused"], seen
+    assert seen["typing_kept"] == ["prompt", "Hello?"], seen  # a refused poll does not take the user's typing
     # the page's figures are the server's: two requests in the ring, the replay mostly from RAM
     recent = stats["recent_requests"]["requests"]
     assert [r["ram_cached_tokens"] > 0 for r in recent[:2]] == [False, True], recent

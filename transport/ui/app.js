@@ -35,8 +35,11 @@ async function errorText(res) {
 
 function askForKey(why) {
   const form = $("key-form");
-  form.hidden = false;
   if (why) form.querySelector("label").textContent = why;
+  // focus only when the bar appears: each refused poll asks again, and taking
+  // focus then would move what the user is typing elsewhere into the key field
+  if (!form.hidden) return;
+  form.hidden = false;
   $("key-input").focus();
 }
 
@@ -486,7 +489,7 @@ function show() {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
-  $("key-button").addEventListener("click", () => askForKey());
+  $("key-button").addEventListener("click", () => { askForKey(); $("key-input").focus(); });
   $("key-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     const key = $("key-input").value.trim();
