@@ -25,10 +25,10 @@ from actors.runtime import ActorRef, inbox
 from actors.scheduler import Demote, Restored
 from engine.errors import EngineDead
 from engine.fake.disk import FaultyDisk
-from engine.fake.gpu import FakeBackend
+from engine.fake.gpu import FakeBackend, FakeGPUConfig
 from engine.fake.kv_cache import FakeKVCache
 from engine.kv import kvfile
-from engine.kv.cold_io import ungated
+from engine.kv.cold_io import layer_groups, ungated
 from engine.kv.cold_store import ColdEntry, ColdStore, entry_id, ns_folder
 from engine.kv.disk import RealDisk
 from engine.ports import InlineDevice, LoopClock, ModelInfo, run_inline
@@ -93,7 +93,9 @@ def _close_inboxes():
         t._inbox_recv.close()
 
 
-def tier(disk, root, *, backend=BE, max_bytes=1 << 30, verify=False, scheduler=None, demote_idle_s=None) -> ColdTier:
+def tier(
+    disk, root, *, backend=BE, max_bytes=1 << 30, verify=False, scheduler=None, demote_idle_s=None, device=None
+) -> ColdTier:
     info = backend.info
     store = ColdStore(
         disk,
@@ -108,7 +110,7 @@ def tier(disk, root, *, backend=BE, max_bytes=1 << 30, verify=False, scheduler=N
     t = ColdTier(
         store,
         backend,
-        InlineDevice(clock),
+        device or InlineDevice(clock),
         clock,
         io=run_inline,
         scheduler=scheduler,
@@ -434,6 +436,66 @@ async def test_restore_message_answers_restored_and_failures_are_misses(capture)
         (m,) = drain(inbox)
         assert (m.rid, m.cache, m.cached) == (4, None, 0) and t.stats()["corrupt_deleted"] == 1
         t.stop()
+
+
+class BusyDevice:
+    """A device thread busy with a decode step: each call waits until the step
+    ends (``free``), as a call queued behind ``MLXThread``'s step does."""
+
+    def __init__(self) -> None:
+        self.free = anyio.Event()
+        self.calls = 0
+
+    async def run(self, fn, *args, cost_s: float = 0.0):
+        self.calls += 1
+        await self.free.wait()
+        return fn(*args)
+
+
+@pytest.mark.anyio
+async def test_restores_queued_together_wait_for_one_device_step_not_one_per_layer_each(capture):
+    """Each hop onto the device waits for the step in progress there. A restore
+    that hopped once per layer, and restores taken one at a time, made eight warm
+    prompts wait ~30 steps each in turn (SmolLM2: 2.2 s a 48-token restore under
+    load, 8 streams at a third of the cold rate). Three restores of a
+    many-layer entry must all reach the device before any step ends, one hop each."""
+    be = FakeBackend(FakeGPUConfig(num_layers=8))
+
+    def fed(tokens):
+        cache = be.make_cache()
+        be._feed(cache, tokens)
+        return cache
+
+    disk = FaultyDisk()
+    sched, inbox = capture
+    dev = BusyDevice()
+    t = tier(disk, "/ssd", backend=be, scheduler=sched, device=dev)
+    async with anyio.create_task_group() as tg:
+        await tg.start(t.run)
+        dev.free.set()
+        assert await t.ref.ask(Store(tokens=A, ns="", cache=fed(A), wait_turn=ungated))
+        dev.free, dev.calls = anyio.Event(), 0
+        for rid in (1, 2, 3):
+            t.ref.tell_nowait(Restore(rid=rid, tokens=A[: 20 + rid], ns="", min_len=0))
+        await wait_all_tasks_blocked()
+        assert dev.calls == 3 and not drain(inbox)  # all three waiting on the one step: one hop each
+        dev.free.set()
+        await wait_all_tasks_blocked()
+        got = {m.rid: m for m in drain(inbox)}
+        for rid in (1, 2, 3):
+            n = 19 + rid  # all but the last token, which the row must feed
+            assert got[rid].cached == n and same_kv(got[rid].cache, fed(A[:n]))
+        t.stop()
+
+
+def test_layer_groups_bound_the_bytes_of_a_hop():
+    layers, _ = kvfile.encode_layers(feed(A))
+    per = [sum(s.bytes for s in lh.tensors) for lh in layers]
+    assert layer_groups(layers, 1 << 30) == [list(range(len(layers)))]
+    for cap in (1, per[0], 2 * per[0] + 1, 3 * per[0]):
+        groups = layer_groups(layers, cap)
+        assert [i for g in groups for i in g] == list(range(len(layers)))  # every layer once, in order
+        assert all(g and (len(g) == 1 or sum(per[i] for i in g) <= cap) for g in groups)
 
 
 @pytest.mark.anyio
