@@ -15,6 +15,12 @@
    is the case a tier could tax. Target: overhead < 2%. The paired median
    (on/off of the same repeat) cancels slow drift on a shared machine.
 
+3. A batch after a restart (``--batch N``): N requests at once whose prompts
+   a first engine served and flushed, against the same N on that first engine
+   with nothing on SSD (cold). Aggregate decode tok/s and median TTFT. A
+   restore must not slow the batch: restores that each waited for many decode
+   steps once ran 8 warm SmolLM2 streams at a third of the cold rate.
+
 Prints a table and ratios; ``--markdown`` prints the docs/bench/ssd.md rows.
 """
 
@@ -148,6 +154,64 @@ async def decode_overhead(args: argparse.Namespace) -> dict[str, Any]:
     return {"on_tps": on, "off_tps": off, "on_cpu_ms": on_cpu, "off_cpu_ms": off_cpu, "writes_during_decode": writes}
 
 
+async def _batch_run(engine: Engine, prompts: list[list[int]], n: int) -> tuple[float, float, int]:
+    """All ``prompts`` at once, ``n`` new tokens each: aggregate tok/s from the
+    first submit to the last token, the median TTFT, and the cached tokens."""
+    t0 = time.perf_counter()
+    ttft: list[float] = []
+    out = {"tokens": 0, "cached": 0}
+
+    async def one(p: list[int]) -> None:
+        first = True
+        async for d in engine.agenerate(p, SamplingParams(max_tokens=n, ignore_eos=True)):
+            if d.token_ids:
+                if first:
+                    ttft.append(time.perf_counter() - t0)
+                    first = False
+                out["tokens"] += len(d.token_ids)
+            if d.usage is not None:
+                out["cached"] += d.usage.cached_tokens
+
+    async with anyio.create_task_group() as tg:
+        for p in prompts:
+            tg.start_soon(one, p)
+    return out["tokens"] / (time.perf_counter() - t0), statistics.median(ttft), out["cached"]
+
+
+async def restart_batch(args: argparse.Namespace) -> dict[str, Any]:
+    res: dict[str, list[float]] = {"cold_tps": [], "warm_tps": [], "cold_ttft": [], "warm_ttft": [], "cached": []}
+    for r in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="ember-bench-ssd-") as d:
+            cfg = EngineConfig(
+                backend="mlx", model=args.model, ssd_cache_dir=d, prefill_chunk=args.prefill_chunk, max_batch=args.batch
+            )
+            async with Engine.open(cfg) as engine:
+                vocab = engine.info.vocab_size
+                prompts = [_prompt(args.batch_prompt_tokens, vocab, seed=5000 + 100 * r + i) for i in range(args.batch)]
+                await _decode_rate(
+                    engine, _prompt(16, vocab, seed=4000 + r), 8
+                )  # warm-up, as the restarted engine gets
+                tps, ttft, cached = await _batch_run(engine, prompts, args.batch_tokens)
+                assert cached == 0, f"cold batch hit a cache ({cached} tokens)"
+                await _wait_for_puts(engine, 1 + args.batch)
+                report = await engine.aflush()
+                assert report.durable, f"flush not durable: {report}"
+            res["cold_tps"].append(tps)
+            res["cold_ttft"].append(ttft)
+            async with Engine.open(cfg) as engine:  # the restart
+                await _decode_rate(engine, _prompt(16, vocab, seed=4000 + r), 8)
+                tps, ttft, cached = await _batch_run(engine, prompts, args.batch_tokens)
+            res["warm_tps"].append(tps)
+            res["warm_ttft"].append(ttft)
+            res["cached"].append(cached)
+        print(
+            f"  batch repeat {r}: cold {res['cold_tps'][-1]:.1f} tok/s, TTFT {res['cold_ttft'][-1] * 1000:.0f} ms; "
+            f"after restart {tps:.1f} tok/s, TTFT {ttft * 1000:.0f} ms, cached {cached}",
+            file=sys.stderr,
+        )
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
@@ -158,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-repeats", type=int, default=10)
     ap.add_argument("--writebehind-tokens", type=int, default=2048)
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--batch", type=int, default=0, help="requests of the batch-after-restart part (0: skip it)")
+    ap.add_argument("--batch-prompt-tokens", type=int, default=256)
+    ap.add_argument("--batch-tokens", type=int, default=64, help="new tokens of each request of the batch part")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
 
@@ -198,6 +265,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"{statistics.median(dec['on_cpu_ms']) / statistics.median(dec['off_cpu_ms']) - 1:+.1%} (target < 2%)",
             ),
             ("SSD entries written during decode runs", f"{sum(dec['writes_during_decode'])}"),
+        ]
+    if args.batch:
+        b = anyio.run(restart_batch, args)
+        paired = statistics.median(w / c for w, c in zip(b["warm_tps"], b["cold_tps"]))
+        rows += [
+            (f"{args.batch} at once, cold: aggregate tok/s (median)", f"{statistics.median(b['cold_tps']):.1f}"),
+            (f"{args.batch} at once after restart: aggregate tok/s", f"{statistics.median(b['warm_tps']):.1f}"),
+            ("after restart / cold, aggregate (median of paired)", f"{paired:.2f}x (target >= 0.95x)"),
+            (
+                "median TTFT cold / after restart",
+                f"{statistics.median(b['cold_ttft']) * 1000:.0f} / {statistics.median(b['warm_ttft']) * 1000:.0f} ms",
+            ),
+            (
+                "cached tokens after restart",
+                f"{min(b['cached']):.0f}..{max(b['cached']):.0f} of {args.batch * args.batch_prompt_tokens}",
+            ),
         ]
     width = max(len(k) for k, _ in rows)
     if args.markdown:
