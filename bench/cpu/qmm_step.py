@@ -18,8 +18,9 @@ steps again with the kernels as MLX primitives (``engine.mlx.mlx_ops``, the
 default where it builds), whole steps only: nothing is called per layer
 from Python there; and once more with every quantized matmul replaced by a
 zero of its shape, which leaves what MLX's other ops cost (norms, RoPE,
-attention, the cache, the embedding, argmax). Means over the steps; the
-load is printed.
+attention, the cache, the embedding, argmax); and with the k/v projections
+replaced by zeros (the smallest calls: what fusing q/k/v could save at most).
+Means over the steps; the load is printed.
 """
 
 from __future__ import annotations
@@ -128,6 +129,25 @@ def main(argv: list[str] | None = None) -> int:
             bare_step = steps()
         finally:
             qmm_linear._state["ops"] = ops
+    kv_step = None
+    if ops is not None:  # and with the k/v projections zeros (matmul and bias): what their small calls cost
+
+        class ZeroProj:
+            def __init__(self, proj: Any) -> None:
+                self.proj = proj
+
+            def __call__(self, x: Any) -> Any:
+                return mx.zeros((*x.shape[:-1], self.proj.weight.shape[0]), dtype=x.dtype) + 0 * x[..., :1]
+
+        attns = [layer.self_attn for layer in model.model.layers]
+        kept = [(a.k_proj, a.v_proj) for a in attns]
+        for a in attns:
+            a.k_proj, a.v_proj = ZeroProj(a.k_proj), ZeroProj(a.v_proj)
+        try:
+            kv_step = steps()
+        finally:
+            for a, (k, v) in zip(attns, kept):
+                a.k_proj, a.v_proj = k, v
     n = args.steps
     hook, kernel, ev = spent["hook"] / n, spent["kernel"] / n, spent["eval"] / n
     print(f"python -m bench.cpu.qmm_step --model {args.model} --format {args.format} --steps {n}")
@@ -150,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
               f"norms, RoPE, attention, the cache, the embedding, argmax): {bare_step * 1e3:.1f} ms, "
               f"{bare_step / graph_step:.0%} of the primitives' step; the matmuls' share "
               f"{(graph_step - bare_step) * 1e3:.1f} ms")  # fmt: skip
+    if graph_step is not None and kv_step is not None:
+        print(f"\nthe same step with the k/v projections replaced by zeros (the smallest "
+              f"calls, {2 * len(model.model.layers)} a step): {kv_step * 1e3:.1f} ms; their share "
+              f"{(graph_step - kv_step) * 1e3:.1f} ms")  # fmt: skip
     return 0
 
 
