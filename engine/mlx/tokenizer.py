@@ -19,6 +19,7 @@ class MLXTokenizer:
         self._bos: str | None = getattr(wrapper, "bos_token", None)
         self.tool_markup = _tool_markup(wrapper)
         self.reasoning_markup = _reasoning_markup(wrapper)
+        self._knows_developer: bool | None = None  # does the chat template render the developer role?
 
     def __len__(self) -> int:
         return len(self._tok)
@@ -54,12 +55,29 @@ class MLXTokenizer:
             raise InvalidRequest("this model's chat template does not support tools", "tools")
         kw: dict[str, Any] = {"tools": tools} if tools else {}
         kw.update(template_kwargs)
+        messages = self._template_roles(messages)
         try:
             return self._tok.apply_chat_template(
                 messages, add_generation_prompt=generation_prompt, tokenize=False, **kw
             )
         except Exception as exc:  # jinja errors on malformed messages: the caller's fault
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from exc
+
+    def _template_roles(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """OpenAI's ``developer`` role is its system role for its own models
+        (Codex sends its whole system prompt as developer messages). A template
+        that never names the role drops such a message without a word:
+        Qwen2.5's renders only user, system, assistant and tool, so Codex's
+        instructions never reached the model. There it becomes ``system``."""
+        if not any(m.get("role") == "developer" for m in messages):
+            return messages
+        if self._knows_developer is None:
+            source = self._tok.chat_template
+            text = source if isinstance(source, str) else " ".join(str(v) for v in (source or {}).values())
+            self._knows_developer = "developer" in text
+        if self._knows_developer:
+            return messages
+        return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
     def encode_rendered(self, text: str) -> list[int]:
         """Tokens of template output: its special tokens are spelled out, none are added."""
@@ -73,6 +91,7 @@ class MLXTokenizer:
         if tools and self.tool_markup is None:
             raise InvalidRequest("this model's chat template does not support tools", "tools")
         kw = {"tools": tools} if tools else {}
+        messages = self._template_roles(messages)
         try:
             out = self._tok.apply_chat_template(messages, add_generation_prompt=True, **kw)
         except Exception as exc:  # jinja errors on malformed messages: the caller's fault

@@ -247,3 +247,26 @@ async def test_the_05b_drafting_for_the_15b_equals_mlx_lm_speculative_generation
         for p, w in zip(prompts, want):
             got = await engine.acomplete(p, SamplingParams(max_tokens=n, temperature=0.0))
             assert got.token_ids == w, (tok.decode(got.token_ids), tok.decode(w))
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_a_developer_message_reaches_the_model_as_system(name):
+    """Codex sends its whole system prompt as developer messages; Qwen2.5's
+    template renders no developer role and dropped them (its default "You are
+    Qwen" took their place). Rendered by mlx-lm's own template, through Ember's
+    tokenizer: the developer's text is there, as a system turn, tools or not."""
+    from mlx_lm.utils import load_tokenizer
+
+    from engine.mlx.tokenizer import MLXTokenizer
+
+    wrapper = load_tokenizer(pathlib.Path(_converted(name)))
+    dev = [{"role": "developer", "content": "DEV-7731 rules"}, {"role": "user", "content": "hi"}]
+    raw = wrapper.apply_chat_template(dev, add_generation_prompt=True, tokenize=False)
+    assert "DEV-7731" not in raw  # what the template alone does: the reason for the mapping
+    tok = MLXTokenizer(wrapper)
+    for tools in (None, [WRITE_TOOL]):
+        text = tok.render_chat(dev, tools)
+        assert "<|im_start|>system\nDEV-7731 rules" in text and "You are Qwen" not in text
+        sys_ = [{"role": "system", "content": "DEV-7731 rules"}, dev[1]]
+        assert text == tok.render_chat(sys_, tools)  # exactly a system message
+        assert tok.apply_chat_template(dev, tools) == tok.encode_rendered(text)
