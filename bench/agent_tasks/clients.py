@@ -7,8 +7,8 @@ Only the clients' own flags and environment variables are used, the ones a user 
   (``--allowedTools``: a ``-p`` session cannot ask), and its reply budget
   (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``, which launch keeps).
 - **Codex CLI** ``codex exec``: ``-s workspace-write`` (exec is read-only unless told it may edit). Its
-  requests carry no output limit (``model_max_output_tokens``, which launch writes, does not reach the
-  wire: 0.171.0, seen through the proxy), so the harness serves with ``--default-max-tokens``.
+  requests carry no output limit (0.171.0 has no setting for it: seen through the proxy), so the
+  harness serves with ``--default-max-tokens``.
 - **OpenCode** ``opencode run --auto`` (permissions approved: a run cannot ask) and its reply budget as
   the model's ``limit.output`` in ``OPENCODE_CONFIG_CONTENT``, which OpenCode merges over the config
   file launch writes.

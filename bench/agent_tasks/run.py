@@ -56,8 +56,8 @@ def write_solving_script(path: pathlib.Path, sessions: Sequence[tuple[str, Task,
 @contextlib.contextmanager
 def ember_server(model: str, run_dir: pathlib.Path, max_output: int) -> Iterator[str]:
     """``ember serve --model MODEL`` on a free port (its SSD tier in the run's folder); its URL.
-    ``--default-max-tokens``: Codex sends no output limit (``model_max_output_tokens`` does not reach
-    the wire), so the reply budget of its turns is the server's default."""
+    ``--default-max-tokens``: Codex sends no output limit (0.171.0 has no setting for one), so
+    the reply budget of its turns is the server's default."""
     args = ["--model", model, "--ssd-cache", str(run_dir / "ssd"), "--log-level", "warning"]
     args += ["--default-max-tokens", str(max_output)]
     proc, url = start_server(args, 0)
