@@ -170,9 +170,7 @@ def client_env(
     elif client == "codex":
         codex_home = home / "codex"
         codex_home.mkdir(parents=True, exist_ok=True)
-        catalog = codex_home / "ember-models.json"
-        catalog.write_text(json.dumps(codex_catalog(model, context), indent=2))
-        (codex_home / "config.toml").write_text(codex_config(url, model, context, session, catalog=str(catalog)))
+        (codex_home / "config.toml").write_text(codex_config(url, model, context, session))
         env["CODEX_HOME"] = str(codex_home)
         env["EMBER_API_KEY"] = api_key(env) or DUMMY_KEY  # its provider's env_key
     elif client == "opencode":
@@ -190,55 +188,7 @@ def _toml_str(s: str) -> str:
     return json.dumps(s)  # a JSON string is a TOML basic string
 
 
-# What Codex is told the served model is (its ``model_catalog_json``). Without an
-# entry Codex 0.171 uses "fallback metadata" for an unknown model: a system prompt
-# that tells the model to edit files with ``apply_patch`` while the tools it
-# offers hold no ``apply_patch`` (Qwen2.5-Coder-1.5B then called tools nobody
-# offered, ``create_file``), plus sub-agent and goal tools a local model does
-# not need. The entry offers ``apply_patch`` (Codex's own freeform tool) beside
-# its shell, and a short system prompt that names the tools actually offered:
-# a catalog entry must carry one.
-CODEX_INSTRUCTIONS = """You are Codex, a coding agent running in a terminal on the user's computer.
-You work in the user's workspace (the current directory) and do the user's task yourself by calling tools
-(call only these; there are no others):
-- exec_command runs a shell command (`cmd`) and returns its output. To write a file from the
-  shell: {"cmd": "printf 'hello\\\\n' > notes.txt"}; to run a script: {"cmd": "python3 app.py"}.
-- write_stdin only types into a command that exec_command left running; it never writes a file.
-- apply_patch creates or edits files. Its input is a patch, not JSON:
-*** Begin Patch
-*** Add File: hello.txt
-+first line
-*** Update File: src/app.py
-@@ def main():
--    old line
-+    new line
-*** End Patch
-Read files before you change them, check your work (run the program or the tests), and finish with a short answer."""
-
-
-def codex_catalog(model: str, context: int) -> dict[str, Any]:
-    """Codex's model catalog (``model_catalog_json``) with the served model alone."""
-    entry = {
-        "slug": model,
-        "display_name": model,
-        "description": "served by Ember",
-        "context_window": context,
-        "shell_type": "unified_exec",  # what Codex 0.171 offers whatever the entry says (exec_command)
-        "apply_patch_tool_type": "freeform",
-        "supported_reasoning_levels": [],
-        "visibility": "list",
-        "supported_in_api": True,
-        "priority": 0,
-        "support_verbosity": False,
-        "supports_parallel_tool_calls": False,
-        "truncation_policy": {"mode": "tokens", "limit": 10000},
-        "experimental_supported_tools": [],
-        "base_instructions": CODEX_INSTRUCTIONS,
-    }
-    return {"models": [entry]}
-
-
-def codex_config(url: str, model: str, context: int, session: str | None = None, *, catalog: str | None = None) -> str:
+def codex_config(url: str, model: str, context: int, session: str | None = None) -> str:
     headers = f"http_headers = {{ {_toml_str(ROUTING_HEADER)} = {_toml_str(session)} }}\n" if session else ""
     # No model_max_output_tokens: Codex 0.171 ignores it and warns on every run.
     return (
@@ -246,12 +196,6 @@ def codex_config(url: str, model: str, context: int, session: str | None = None,
         'model_provider = "ember"\n'
         f"model_context_window = {context}\n"
         f"model_auto_compact_token_limit = {int(context * 0.9)}\n"
-        + (f"model_catalog_json = {_toml_str(catalog)}\n" if catalog else "")
-        # sub-agent and goal tools: prompt a local model pays for on every turn
-        + "\n[features]\n"
-        "goals = false\n"
-        "\n[agents]\n"
-        "enabled = false\n"
         "\n[model_providers.ember]\n"
         'name = "Ember"\n'
         f"base_url = {_toml_str(url + '/v1')}\n"
