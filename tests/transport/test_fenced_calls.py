@@ -42,6 +42,16 @@ PROSE_THEN_BARE = 'I will check.\n{"name": "get_weather", "arguments": {"city": 
 PROSE_THEN_JSON = 'Here is the data:\n{"city": "Paris", "name": "get_weather"}\n'
 FENCED_RUN = '```json\n{"name": "now", "arguments": {}},\n{"name": "now", "arguments": {}}\n```'
 MARKERS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+# Qwen2.5-Coder-1.5B's call to Codex (2026-12-05): OpenAI's tool-call wrapper, the values under
+# "parameters", the definition's other keys beside them, in <tools> tags
+WRAPPED = (
+    "<tools>\n"
+    '{"type": "function", "function": {"name": "get_weather", "description": "Weather.", '
+    '"parameters": {"city": "Paris"}, "required": ["city"], "additionalProperties": false}}\n'
+    "</tools>\n<output>\n"
+)
+# a tool's definition written back: a schema under "parameters" is not a call
+DEFINITION = '{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}'
 
 # not calls: text, byte for byte
 ASKED_JSON = 'Here it is:\n```json\n{"city": "Paris", "name": "x"}\n```\nDone.'
@@ -122,6 +132,8 @@ ALL = [
     BROKEN_ARGS,
     NO_ARGS,
     BROKEN_MARKERS,
+    WRAPPED,
+    DEFINITION,
     f"Checking.\n{MARKERS}\n```json\n{PARALLEL[8:]}",  # markers, then a fenced list
 ]
 
@@ -209,6 +221,14 @@ def test_a_bare_call_on_its_own_line_after_prose_is_a_call():
         ("text", "\nThen:\n"),
         ("call", 2, "get_weather"),
     ]
+
+
+def test_a_call_in_openai_s_wrapper_is_the_call_inside_it():
+    events, notes, s = whole(WRAPPED)
+    assert events == [("text", "<tools>\n"), call(0, "get_weather", WEATHER), ("text", "\n</tools>\n<output>\n")]
+    assert notes == [("bare", "calls")] and s.made_calls
+    events, notes, _ = whole(DEFINITION)  # a schema where the arguments go: the definition, text as written
+    assert events == [("text", DEFINITION)] and notes == []
 
 
 def test_json_after_prose_that_is_not_a_call_stays_text():
@@ -302,6 +322,12 @@ def test_read_calls_and_bare_head():
     assert bare_head('{"name": "now"', NAMES) is True
     assert bare_head('{"nam', NAMES) is None and bare_head('{"city"', NAMES) is False
     assert offered_names([{"name": "bare"}, {"function": {"name": "f"}}, "junk"]) == {"bare", "f"}
+    wrapped = '{"type": "function", "function": {"name": "now", "arguments": {}}}'
+    assert read_calls(wrapped, NAMES) == (ParsedCall(name="now", arguments="{}"),)
+    assert bare_head(wrapped[:30], NAMES) is None and bare_head(wrapped, NAMES) is True
+    assert bare_head('{"type": "object", "name": "now"', NAMES) is False
+    with pytest.raises(MalformedCall):  # wrapped, names an offered tool, not JSON: counted
+        read_calls('{"type": "function", "function": {"name": "now", "arguments": {x}}}', NAMES)
 
 
 def test_the_counter_in_prometheus_and_stats():

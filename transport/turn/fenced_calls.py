@@ -16,8 +16,10 @@ that did not parse: it stays text, and is counted).
 
 What is a call (``read_calls``): JSON that is an object with a string ``name``
 naming a tool the request offered and ``arguments`` (an object, or a string
-holding one; ``parameters`` is read the same way), or a non-empty list of such
-objects. Anything else stays text, byte for byte: JSON a user asked for, a name
+holding one; ``parameters`` is read the same way), the same inside OpenAI's
+tool-call wrapper ``{"type": "function", "function": {...}}`` (a schema under
+``parameters`` is a definition written back, not a call), or a non-empty list
+of such objects. Anything else stays text, byte for byte: JSON a user asked for, a name
 not offered, a fence in another language.
 
 Where: a fence opened at a line start by ```` ``` ```` or ```` ```json ```` and closed by a
@@ -49,7 +51,9 @@ log = logging.getLogger("ember.tools")
 
 Form = Literal["fence", "bare"]
 
-_HEAD = re.compile(r'^\s*\[?\s*\{\s*"name"\s*:\s*"([^"\\]*)"')  # a call's start, for text that is not JSON
+# a call's start, for text that is not JSON: name first, or inside OpenAI's tool-call wrapper
+_HEAD = re.compile(r'^\s*\[?\s*\{\s*(?:"type"\s*:\s*"function"\s*,\s*"function"\s*:\s*\{\s*)?"name"\s*:\s*"([^"\\]*)"')
+_WRAPPER = ("{", '"type"', ":", '"function"', ",", '"function"', ":", "{")  # what bare_head reads before "name"
 _CLOSE = re.compile(r"(?:^|\n)[ \t]*```")
 _LEAD = re.compile(r"\S")
 _FENCE = "```"
@@ -141,7 +145,24 @@ def read_call_run(text: str, names: frozenset[str]) -> tuple[tuple[ParsedCall, .
     return (tuple(calls), end) if calls else None
 
 
+def _unwrap(value: Any) -> Any:
+    """``{"type": "function", "function": {"name", "arguments"}}``, OpenAI's
+    tool-call shape, read as the call inside it: Qwen2.5-Coder-1.5B wrote its
+    calls to Codex so, in ``<tools>`` tags, the values under ``parameters``."""
+    if isinstance(value, dict) and "name" not in value and value.get("type", "function") == "function":
+        inner = value.get("function")
+        if isinstance(inner, dict):
+            return inner
+    return value
+
+
+def _schema(args: Any) -> bool:
+    """A tool's parameter schema (a definition echoed back), not arguments."""
+    return isinstance(args, dict) and args.get("type") == "object" and isinstance(args.get("properties"), dict)
+
+
 def _call(value: Any, names: frozenset[str]) -> ParsedCall | None:
+    value = _unwrap(value)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
         return None
     name = value["name"]
@@ -149,6 +170,8 @@ def _call(value: Any, names: frozenset[str]) -> ParsedCall | None:
     if key is None:
         raise MalformedCall(f"a call of {name!r} without arguments")
     args = value[key]
+    if _schema(args):
+        return None  # the tool's definition written back: text
     if isinstance(args, dict):
         # json.dumps's separators are how the template's tojson writes the call back
         return ParsedCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
@@ -168,6 +191,15 @@ def bare_head(text: str, names: frozenset[str]) -> bool | None:
     s = text.lstrip()
     if s.startswith("["):
         s = s[1:].lstrip()
+    wrapped = s
+    for token in _WRAPPER:  # OpenAI's wrapper first, if that is how it starts (_unwrap)
+        if not wrapped.startswith(token):
+            if token.startswith(wrapped):
+                return None
+            break
+        wrapped = wrapped[len(token) :].lstrip()
+    else:
+        s = "{" + wrapped
     for token in ("{", '"name"', ":"):
         if not s.startswith(token):
             return None if token.startswith(s) else False
