@@ -82,13 +82,13 @@ async def _wait_for_puts(engine: Engine, puts: int = 1) -> None:
         await anyio.sleep(0.005)
 
 
-def _config(args: argparse.Namespace, ssd_dir: str | None) -> EngineConfig:
+def _config(args: argparse.Namespace, ssd_dir: str | None, max_batch: int = 4) -> EngineConfig:
     return EngineConfig(
         backend="mlx",
         model=args.model,
         ssd_cache_dir=ssd_dir,
         prefill_chunk=args.prefill_chunk,
-        max_batch=4,
+        max_batch=max_batch,
     )
 
 
@@ -182,9 +182,7 @@ async def restart_batch(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, list[float]] = {"cold_tps": [], "warm_tps": [], "cold_ttft": [], "warm_ttft": [], "cached": []}
     for r in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="ember-bench-ssd-") as d:
-            cfg = EngineConfig(
-                backend="mlx", model=args.model, ssd_cache_dir=d, prefill_chunk=args.prefill_chunk, max_batch=args.batch
-            )
+            cfg = _config(args, d, max_batch=args.batch)
             async with Engine.open(cfg) as engine:
                 vocab = engine.info.vocab_size
                 prompts = [_prompt(args.batch_prompt_tokens, vocab, seed=5000 + 100 * r + i) for i in range(args.batch)]

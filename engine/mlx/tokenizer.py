@@ -19,7 +19,9 @@ class MLXTokenizer:
         self._bos: str | None = getattr(wrapper, "bos_token", None)
         self.tool_markup = _tool_markup(wrapper)
         self.reasoning_markup = _reasoning_markup(wrapper)
-        self._knows_developer: bool | None = None  # does the chat template render the developer role?
+        template = getattr(wrapper, "chat_template", None)
+        text = template if isinstance(template, str) else " ".join(str(v) for v in (template or {}).values())
+        self._knows_developer = "developer" in text  # does the chat template render the developer role?
 
     def __len__(self) -> int:
         return len(self._tok)
@@ -69,13 +71,7 @@ class MLXTokenizer:
         that never names the role drops such a message without a word:
         Qwen2.5's renders only user, system, assistant and tool, so Codex's
         instructions never reached the model. There it becomes ``system``."""
-        if not any(m.get("role") == "developer" for m in messages):
-            return messages
-        if self._knows_developer is None:
-            source = self._tok.chat_template
-            text = source if isinstance(source, str) else " ".join(str(v) for v in (source or {}).values())
-            self._knows_developer = "developer" in text
-        if self._knows_developer:
+        if self._knows_developer or not any(m.get("role") == "developer" for m in messages):
             return messages
         return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
