@@ -40,6 +40,7 @@ used (``SuffixDrafterCore``).
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass
 
 SEP = -1  # between documents: no context token equals it, so no match crosses it
@@ -56,6 +57,51 @@ class SuffixDraft:
 
 
 NO_DRAFT = SuffixDraft(tokens=[], score=0.0, match_len=0)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTree:
+    """A draft tree: node i holds ``tokens[i]`` and follows node
+    ``parents[i]`` (-1: the context's last token, the root). Parents come
+    before their children, so the nodes are already a verify window's order."""
+
+    tokens: list[int]
+    parents: list[int]
+    score: float  # the sum of the nodes' estimated probabilities: expected accepted tokens
+    match_len: int
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Each node's depth (the root's children: 1)."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+    def accept(self, greedy: list[int]) -> tuple[list[int], list[int]]:
+        """Walk the target's greedy tokens down the tree. ``greedy[0]`` is the
+        target's token after the root, ``greedy[i + 1]`` after node i.
+        Returns the accepted nodes (root to leaf) and the tokens emitted:
+        theirs and the target's own next token."""
+        children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens))}
+        path: list[int] = []
+        out = [greedy[0]]
+        at = -1
+        while (nxt := children.get((at, out[-1]))) is not None:
+            path.append(nxt)
+            at = nxt
+            out.append(greedy[nxt + 1])
+        return path, out
+
+    @staticmethod
+    def of_path(tokens: list[int], match_len: int = 0) -> DraftTree:
+        """A path as a tree (each node the previous one's child)."""
+        return DraftTree(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), score=0.0, match_len=match_len)
+
+
+NO_TREE = DraftTree(tokens=[], parents=[], score=0.0, match_len=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,31 +186,13 @@ class SuffixIndex:
         """The best-scored draft of at most ``limit`` tokens continuing
         ``context`` from this corpus; ``upto``: ignore positions from there on
         (a request's own index stops at its context's end)."""
-        prm = self.params
-        n = prm.anchor
-        if limit <= 0 or len(context) < n:
+        found = self._matches(context, limit, upto)
+        if found is None:
             return NO_DRAFT
-        occ = self._occ.get(tuple(context[-n:]))
-        if not occ:
-            return NO_DRAFT
-        base, toks = self.base, self.tokens
-        end = self.end if upto is None else min(upto, self.end)
-        lo = bisect.bisect_left(occ, base + n)
-        hi = bisect.bisect_left(occ, end, lo)  # a position at the end has nothing after it
-        if hi <= lo:
-            return NO_DRAFT
-        # The most recent candidates, each with how far back it agrees with the context.
-        depth = min(prm.max_depth, len(context))
-        matched: list[tuple[int, int]] = []
-        for p in reversed(occ[max(lo, hi - prm.candidates) : hi]):
-            m, i = n, p - base - n - 1
-            while m < depth and i >= 0 and toks[i] == context[-1 - m]:
-                m += 1
-                i -= 1
-            matched.append((m, p))
+        matched, end = found
         best = NO_DRAFT
         for ell in sorted({m for m, _ in matched}, reverse=True)[: self.lengths_tried]:
-            cap = min(limit, int(prm.alpha * ell))
+            cap = min(limit, int(self.params.alpha * ell))
             if best.score >= cap:
                 break  # a shorter match cannot score more than its cap
             alive = [p for m, p in matched if m >= ell]  # most recent first
@@ -173,29 +201,113 @@ class SuffixIndex:
                 best = draft
         return best
 
+    def propose_tree(self, context: list[int], budget: int, upto: int | None = None) -> DraftTree:
+        """The best-scored draft *tree* of at most ``budget`` nodes: the
+        suffix tree's most probable continuations, not only its most frequent
+        path (SuffixDecoding's tree: nodes added best first by estimated
+        probability). With ``budget`` at least the path's length it scores at
+        least what ``propose`` does."""
+        found = self._matches(context, budget, upto)
+        if found is None:
+            return NO_TREE
+        matched, end = found
+        best = NO_TREE
+        for ell in sorted({m for m, _ in matched}, reverse=True)[: self.lengths_tried]:
+            cap = min(budget, int(self.params.alpha * ell))
+            if best.score >= cap:
+                break
+            tree = self._grow([p for m, p in matched if m >= ell], cap, end, ell)
+            if tree.score > best.score:
+                best = tree
+        return best
+
+    def _matches(self, context: list[int], limit: int, upto: int | None) -> tuple[list[tuple[int, int]], int] | None:
+        """The most recent occurrences of the context's last ``anchor``
+        tokens, each with how far back it agrees with the context, and where
+        the corpus ends for this lookup; None where nothing can be proposed."""
+        prm = self.params
+        n = prm.anchor
+        if limit <= 0 or len(context) < n:
+            return None
+        occ = self._occ.get(tuple(context[-n:]))
+        if not occ:
+            return None
+        base, toks = self.base, self.tokens
+        end = self.end if upto is None else min(upto, self.end)
+        lo = bisect.bisect_left(occ, base + n)
+        hi = bisect.bisect_left(occ, end, lo)  # a position at the end has nothing after it
+        if hi <= lo:
+            return None
+        depth = min(prm.max_depth, len(context))
+        matched: list[tuple[int, int]] = []
+        for p in reversed(occ[max(lo, hi - prm.candidates) : hi]):
+            m, i = n, p - base - n - 1
+            while m < depth and i >= 0 and toks[i] == context[-1 - m]:
+                m += 1
+                i -= 1
+            matched.append((m, p))
+        return matched, end
+
+    def _next_tokens(self, alive: list[int], end: int) -> list[tuple[int, list[int]]]:
+        """The tokens after the ``alive`` positions, most frequent first (a
+        tie: the most recent occurrence's first), each with the positions
+        after it."""
+        base, toks = self.base, self.tokens
+        by_tok: dict[int, list[int]] = {}  # insertion order = recency (alive is most recent first)
+        for p in alive:
+            if p < end:
+                t = toks[p - base]
+                if t != SEP:
+                    by_tok.setdefault(t, []).append(p + 1)
+        return sorted(by_tok.items(), key=lambda kv: -len(kv[1]))  # stable: recency breaks ties
+
+    def _grow(self, alive: list[int], cap: int, end: int, ell: int) -> DraftTree:
+        """Best-first growth: the most probable candidate node joins next, its
+        probability the parent's times its share of the parent's suffixes
+        (the path's estimate, so a tree's first nodes are the path's while
+        the path is the likeliest)."""
+        min_prob = self.params.min_token_prob
+        tokens: list[int] = []
+        parents: list[int] = []
+        score = 0.0
+        heap: list[tuple[float, int, int, int, list[int]]] = []  # (-prob, order, parent, token, positions)
+        order = 0
+
+        def offer(parent: int, prob: float, positions: list[int]) -> None:
+            nonlocal order
+            for tok, after in self._next_tokens(positions, end):
+                q = prob * len(after) / len(positions)
+                if q >= min_prob:
+                    heapq.heappush(heap, (-q, order, parent, tok, after))
+                    order += 1
+
+        offer(-1, 1.0, alive)
+        while heap and len(tokens) < cap:
+            neg, _, parent, tok, after = heapq.heappop(heap)
+            tokens.append(tok)
+            parents.append(parent)
+            score -= neg
+            offer(len(tokens) - 1, -neg, after)
+        if not tokens:
+            return NO_TREE
+        return DraftTree(tokens=tokens, parents=parents, score=score, match_len=ell)
+
     def _walk(self, alive: list[int], cap: int, end: int, ell: int) -> SuffixDraft:
         """Follow the most frequent next token among the ``alive`` suffixes
         (a tie goes to the most recent occurrence's token)."""
-        base, toks, min_prob = self.base, self.tokens, self.params.min_token_prob
         out: list[int] = []
         prob, score = 1.0, 0.0
         while len(out) < cap and alive:
-            counts: dict[int, int] = {}
-            for p in alive:
-                if p < end:
-                    t = toks[p - base]
-                    if t != SEP:
-                        counts[t] = counts.get(t, 0) + 1
-            if not counts:
+            nxt = self._next_tokens(alive, end)
+            if not nxt:
                 break
-            top = max(counts.values())
-            tok = next(toks[p - base] for p in alive if p < end and counts.get(toks[p - base]) == top)
-            prob *= top / len(alive)  # suffixes that ended here count against it
-            if prob < min_prob:
+            tok, after = nxt[0]
+            prob *= len(after) / len(alive)  # suffixes that ended here count against it
+            if prob < self.params.min_token_prob:
                 break
             out.append(tok)
             score += prob
-            alive = [p + 1 for p in alive if p < end and toks[p - base] == tok]
+            alive = after
         return SuffixDraft(tokens=out, score=score, match_len=ell) if out else NO_DRAFT
 
 
@@ -250,3 +362,6 @@ class SuffixStore:
 
     def propose(self, context: list[int], limit: int) -> SuffixDraft:
         return self.index.propose(context, limit)
+
+    def propose_tree(self, context: list[int], budget: int) -> DraftTree:
+        return self.index.propose_tree(context, budget)

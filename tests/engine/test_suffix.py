@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from actors.drafter_cores import Draft, Finished, NgramDrafterCore
 from actors.suffix_cores import SuffixDrafterCore
-from engine.speculation.suffix import SuffixIndex, SuffixParams, SuffixStore
+from engine.speculation.suffix import DraftTree, SuffixIndex, SuffixParams, SuffixStore
 
 P = SuffixParams()
 
@@ -127,6 +127,59 @@ def test_the_store_proposes_what_a_scan_finds(docs, context, limit, prm):
     want = scan(kept, context, limit, prm)
     assert (got.tokens, got.match_len) == (want[0], want[2] if want[0] else 0)
     assert got.score == pytest.approx(want[1])
+
+
+def test_a_tree_holds_both_continuations_the_path_chooses_between():
+    # "1 2" went on with 3 4 twice and with 8 9 once: the path takes 3 4 only
+    store = SuffixStore(SuffixParams(alpha=2.0))  # a 2-token match may draft 4
+    for doc in ([5, 1, 2, 3, 4], [6, 1, 2, 3, 4], [7, 1, 2, 8, 9]):
+        store._add(doc)
+    context = [0, 1, 2]
+    assert store.propose(context, 4).tokens == [3, 4]
+    tree = store.propose_tree(context, 4)
+    assert tree.tokens == [3, 4, 8, 9] and tree.parents == [-1, 0, -1, 2]
+    assert tree.score == pytest.approx(2 / 3 + 2 / 3 + 1 / 3 + 1 / 3)
+    assert store.propose_tree(context, 3).tokens == [3, 4, 8]  # the budget takes the likeliest nodes
+    assert tree.depths() == [1, 2, 1, 2]
+
+
+def test_a_tree_without_branches_is_the_path():
+    tokens = [7, 1, 2, 3, 4, 5, 9, 6, 1, 2, 3]
+    tree = index(tokens).propose_tree(tokens, 6)
+    path = index(tokens).propose(tokens, 6)
+    assert tree.tokens == path.tokens and tree.parents == [-1, 0, 1]
+    assert tree.score == pytest.approx(path.score)
+
+
+def test_accept_walks_the_targets_tokens_down_the_tree():
+    tree = DraftTree(tokens=[3, 4, 8, 9], parents=[-1, 0, -1, 2], score=0.0, match_len=2)
+    # greedy[0]: after the root; greedy[i + 1]: after node i
+    assert tree.accept([8, 5, 6, 9, 7]) == ([2, 3], [8, 9, 7])
+    assert tree.accept([3, 4, 0, 0, 0]) == ([0, 1], [3, 4, 0])
+    assert tree.accept([3, 5, 0, 0, 0]) == ([0], [3, 5])
+    assert tree.accept([6, 0, 0, 0, 0]) == ([], [6])
+    assert DraftTree.of_path([1, 2]).accept([1, 2, 3]) == ([0, 1], [1, 2, 3])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=30), min_size=1, max_size=4),
+    st.lists(st.integers(0, 3), min_size=2, max_size=12),
+    st.integers(1, 8),
+)
+def test_a_tree_is_well_formed_and_scores_at_least_the_path(docs, context, budget):
+    store = SuffixStore(P, cap_tokens=10_000)
+    for d in docs:
+        if d:
+            store._add(d)
+    path = store.propose(context, budget)
+    tree = store.propose_tree(context, budget)
+    assert len(tree) <= budget
+    assert all(p < i for i, p in enumerate(tree.parents))  # a verify window's order
+    assert len({(p, t) for p, t in zip(tree.parents, tree.tokens)}) == len(tree)  # no twin siblings
+    # best first takes the likeliest nodes, and a node is never likelier than its parent
+    assert tree.score >= path.score - 1e-9
+    assert bool(tree.tokens) == bool(path.tokens)
 
 
 def test_the_store_keeps_its_cap_dropping_the_oldest():
