@@ -1,7 +1,7 @@
 """Suffix decoding's drafts as paths against trees, verified on the real model.
 
     python -m bench.spec.tree --model smollm2-135m
-    python -m bench.spec.tree --model qwen2.5-coder-1.5b --arms path:8,tree:8,tree:16 --rounds 2 --out docs.md
+    python -m bench.spec.tree --model qwen2.5-coder-1.5b --arms path:8,tree:8,path:16,tree:16 --rounds 2
 
 Issue #42 asks to verify a draft *tree* in one forward if it pays, and to
 measure paths against trees. This runs the same requests, greedy, at batch
@@ -93,12 +93,20 @@ def _argmax(logits: mx.array) -> list[int]:
     return mx.argmax(logits[0], axis=-1).tolist()
 
 
-def _prefill(model: Any, prompt: list[int]) -> list[Any]:
+def _prefill(model: Any, prompt: list[int], cache: list[Any] | None = None) -> list[Any]:
+    """The prompt but its last token in a fresh cache; with ``cache`` (one
+    already prefilled with it), a copy of that: every arm decodes from the
+    same prefill, computed once a request."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.mlx.blas import blas_threads
 
-    cache = make_prompt_cache(model)
+    fresh = make_prompt_cache(model)
+    if cache is not None:
+        for mine, theirs in zip(fresh, cache):
+            mine.keys, mine.values, mine.offset = mx.array(theirs.keys), mx.array(theirs.values), theirs.offset
+        return fresh
+    cache = fresh
     body = prompt[:-1]
     blas_threads().use(0)  # prefill is a real GEMM: every thread
     for i in range(0, len(body), PREFILL_CHUNK):
@@ -116,8 +124,8 @@ def _finish(out: list[int], n: int, eos: set[int]) -> list[int]:
     return out
 
 
-def plain(model: Any, prompt: list[int], n: int, eos: set[int]) -> Run:
-    cache = _prefill(model, prompt)
+def plain(model: Any, prompt: list[int], n: int, eos: set[int], prefilled: list[Any] | None = None) -> Run:
+    cache = _prefill(model, prompt, prefilled)
     y, out = prompt[-1], []
     t0 = time.perf_counter()
     while len(out) < n and not (out and out[-1] in eos):
@@ -129,11 +137,19 @@ def plain(model: Any, prompt: list[int], n: int, eos: set[int]) -> Run:
 Proposer = Callable[[list[int], int], DraftTree]
 
 
-def speculative(model: Any, prompt: list[int], n: int, eos: set[int], propose: Proposer, budget: int) -> Run:
+def speculative(
+    model: Any,
+    prompt: list[int],
+    n: int,
+    eos: set[int],
+    propose: Proposer,
+    budget: int,
+    prefilled: list[Any] | None = None,
+) -> Run:
     """Greedy decode verifying ``propose``'s tree (a path is a tree) each forward."""
     from engine.mlx.tree_verify import keep_path, tree_forward
 
-    cache = _prefill(model, prompt)
+    cache = _prefill(model, prompt, prefilled)
     y, out = prompt[-1], []
     run = Run(tokens=out, seconds=0.0, calls=0)
     t0 = time.perf_counter()
@@ -218,10 +234,11 @@ def measure(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, d
         for i, (workload, prompt, session) in enumerate(requests):
             if session is not None:
                 prompt = session.next_prompt(tokenizer)
-            base = plain(model, prompt, args.tokens, eos)
+            prefilled = _prefill(model, prompt)
+            base = plain(model, prompt, args.tokens, eos, prefilled)
             for name, _, k in order:
                 d = drafting[workload][name]
-                run = speculative(model, prompt, args.tokens, eos, d.proposer(prompt), k)
+                run = speculative(model, prompt, args.tokens, eos, d.proposer(prompt), k, prefilled)
                 stats[workload].setdefault(name, ArmStats()).add(run, base)
                 d.store.learn(prompt, run.tokens)
             stats[workload].setdefault("plain", ArmStats()).add(base, base)
@@ -275,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     maybe_reexec_with_openblas()
     ap = argparse.ArgumentParser(prog="python -m bench.spec.tree", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--arms", default="path:8,tree:8,tree:16", help="path:K / tree:K, comma-separated")
+    ap.add_argument("--arms", default="path:8,tree:8,path:16,tree:16", help="path:K / tree:K, comma-separated")
     ap.add_argument("--sessions", type=int, default=2, help="agent sessions (3 turns each)")
     ap.add_argument("--chat", type=int, default=2, help="chat prompts")
     ap.add_argument("--tokens", type=int, default=128)
