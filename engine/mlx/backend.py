@@ -248,6 +248,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         backend.counters["softmax_kernel"] = int(backend.softmax_kernel is not None)
         backend.counters["qmm_kernel_layers"] = loaded.qmm_layers  # engine.mlx.qmm_kernel, installed by read_model
         backend.counters["qmm_in_graph"] = int(bool(loaded.qmm_layers) and qmm_in_graph)
+        backend.counters["qmm_dot_gemm_rows"] = qmm_linear.dot_rows() if loaded.qmm_layers else 0
         backend.counters["fmm_kernel_layers"] = loaded.fmm_layers  # engine.mlx.fmm_linear, installed by read_model
         if loaded.cpu_choice is not None:
             backend.cpu_threads = loaded.cpu_choice

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engine.config import EngineConfig
-from engine.mlx import fmm_linear, qmm_linear
+from engine.mlx import dot_crossover, fmm_linear, qmm_linear
 from engine.mlx.blas import blas_threads
 from engine.mlx.calibration_cache import cached_calibration, calibration_key
 from engine.mlx.cpu_layout import CpuChoice, PretransposedLinear, apply_choice, calibrate, wants_pretranspose
@@ -48,6 +48,8 @@ def read_model(path: pathlib.Path, config: EngineConfig) -> LoadedModel:
     if wants_pretranspose():  # MLX's CPU backend: layout and thread counts measured on this model, cached
         if config.qmm_kernel:
             qmm_layers = qmm_linear.install(model, prefill=config.qmm_prefill, dot=config.qmm_dot)
+            if qmm_layers:  # where this CPU's GEMM beats the dot path for prefill (measured once, kept)
+                dot_crossover.apply(model)
         if config.fmm_kernel:  # before the layout: a hooked layer is not pretransposed
             fmm_layers = fmm_linear.install(model)
         blas, allow = blas_threads(), config.cpu_pretranspose

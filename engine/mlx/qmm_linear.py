@@ -77,6 +77,7 @@ _state: dict[str, Any] = {
     "prefill_rows": PREFILL_ROWS,
     "scratch": None,
     "dot": False,
+    "dot_rows": 0,  # calls of this many rows or more take dequantize + GEMM, not the dot path (0: none; engine.mlx.dot_crossover)
     "ops": None,  # engine.mlx.mlx_ops: the kernels as MLX primitives, where built
 }
 
@@ -154,8 +155,13 @@ def _matmul(q: _Weights, x: mx.array) -> mx.array | None:
     xs = np.ascontiguousarray(np.asarray(x).reshape(-1, K))
     y = np.empty((rows, N), np.float32)
     # the library directly: the weight was checked once (_Weights), x here (~10 us a call saved, ~200 calls a step)
-    # the dot path is faster than dequantize + GEMM at every row count measured too
-    if dot and lib.qmm_t_dot(y.ctypes.data, xs.ctypes.data, *q.ptrs, rows, N, K, 8, q.group_size, threads) == 0:
+    # the dot path or dequantize + GEMM, whichever this CPU runs faster at this size (engine.mlx.dot_crossover)
+    gemm = 0 < _state["prefill_rows"] <= rows and 0 < _state["dot_rows"] <= rows
+    if (
+        dot
+        and not gemm
+        and lib.qmm_t_dot(y.ctypes.data, xs.ctypes.data, *q.ptrs, rows, N, K, 8, q.group_size, threads) == 0
+    ):
         calls["dot"] += 1
         return mx.array(y).reshape(*x.shape[:-1], N)
     if 0 < _state["prefill_rows"] <= rows:
@@ -282,6 +288,16 @@ def in_graph() -> bool:
 def dot() -> bool:
     """Whether 8-bit decode calls take the integer dot path."""
     return bool(_state["dot"])
+
+
+def set_dot_rows(rows: int) -> None:
+    """Calls of ``rows`` rows or more take dequantize + GEMM rather than the
+    dot path (0: the dot path at every size); measured by ``engine.mlx.dot_crossover``."""
+    _state["dot_rows"] = max(0, int(rows))
+
+
+def dot_rows() -> int:
+    return int(_state["dot_rows"])
 
 
 def prefill_rows() -> int:
