@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from engine.speculation.suffix import NO_TREE, DraftTree, SuffixIndex, SuffixParams, SuffixStore
 
@@ -90,7 +91,7 @@ class ArmStats:
 
 
 def _argmax(logits: mx.array) -> list[int]:
-    return mx.argmax(logits[0], axis=-1).tolist()
+    return [int(t) for t in np.asarray(mx.argmax(logits[0], axis=-1))]
 
 
 def _prefill(model: Any, prompt: list[int], cache: list[Any] | None = None) -> list[Any]:
@@ -126,7 +127,7 @@ def _finish(out: list[int], n: int, eos: set[int]) -> list[int]:
 
 def plain(model: Any, prompt: list[int], n: int, eos: set[int], prefilled: list[Any] | None = None) -> Run:
     cache = _prefill(model, prompt, prefilled)
-    y, out = prompt[-1], []
+    y, out = prompt[-1], list[int]()
     t0 = time.perf_counter()
     while len(out) < n and not (out and out[-1] in eos):
         y = _argmax(model(mx.array([[y]]), cache=cache)[:, -1:])[0]
@@ -150,7 +151,7 @@ def speculative(
     from engine.mlx.tree_verify import keep_path, tree_forward
 
     cache = _prefill(model, prompt, prefilled)
-    y, out = prompt[-1], []
+    y, out = prompt[-1], list[int]()
     run = Run(tokens=out, seconds=0.0, calls=0)
     t0 = time.perf_counter()
     while len(out) < n and not (out and out[-1] in eos):
@@ -244,7 +245,10 @@ def measure(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, d
             stats[workload].setdefault("plain", ArmStats()).add(base, base)
             if session is not None:
                 session.answered(tokenizer.decode(base.tokens))
-            print(f"round {r + 1} request {i + 1}/{len(requests)} ({workload}, {len(prompt)} prompt tokens) done", flush=True)
+            print(
+                f"round {r + 1} request {i + 1}/{len(requests)} ({workload}, {len(prompt)} prompt tokens) done",
+                flush=True,
+            )
     return stats
 
 

@@ -45,7 +45,7 @@ class _PositionedRope(nn.Module):
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         B, H, L, D = x.shape
-        if B != 1 or L != self.positions.shape[0]:
+        if B != 1 or self.positions.shape[0] != L:
             raise ValueError(f"a tree window of {self.positions.shape[0]} rows at batch 1, got {x.shape}")
         # (1, H, L, D) -> (L, H, 1, D): every row its own sequence of one, at its own offset
         out = self.inner(x.transpose(2, 1, 0, 3), offset=self.positions)
