@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 SEP = -1  # between documents: no context token equals it, so no match crosses it
 
@@ -102,6 +104,7 @@ class DraftTree:
 
 
 NO_TREE = DraftTree(tokens=[], parents=[], score=0.0, match_len=0)
+_D = TypeVar("_D", SuffixDraft, DraftTree)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,20 +189,7 @@ class SuffixIndex:
         """The best-scored draft of at most ``limit`` tokens continuing
         ``context`` from this corpus; ``upto``: ignore positions from there on
         (a request's own index stops at its context's end)."""
-        found = self._matches(context, limit, upto)
-        if found is None:
-            return NO_DRAFT
-        matched, end = found
-        best = NO_DRAFT
-        for ell in sorted({m for m, _ in matched}, reverse=True)[: self.lengths_tried]:
-            cap = min(limit, int(self.params.alpha * ell))
-            if best.score >= cap:
-                break  # a shorter match cannot score more than its cap
-            alive = [p for m, p in matched if m >= ell]  # most recent first
-            draft = self._walk(alive, cap, end, ell)
-            if draft.score > best.score:
-                best = draft
-        return best
+        return self._best(context, limit, upto, self._walk, NO_DRAFT)
 
     def propose_tree(self, context: list[int], budget: int, upto: int | None = None) -> DraftTree:
         """The best-scored draft *tree* of at most ``budget`` nodes: the
@@ -207,18 +197,23 @@ class SuffixIndex:
         path (SuffixDecoding's tree: nodes added best first by estimated
         probability). With ``budget`` at least the path's length it scores at
         least what ``propose`` does."""
-        found = self._matches(context, budget, upto)
+        return self._best(context, budget, upto, self._grow, NO_TREE)
+
+    def _best(self, context: list[int], limit: int, upto: int | None, build: Callable[..., _D], none: _D) -> _D:
+        """``build``'s best-scored proposal over the few longest distinct match
+        lengths, each capped at ``alpha`` times its length."""
+        found = self._matches(context, limit, upto)
         if found is None:
-            return NO_TREE
+            return none
         matched, end = found
-        best = NO_TREE
+        best = none
         for ell in sorted({m for m, _ in matched}, reverse=True)[: self.lengths_tried]:
-            cap = min(budget, int(self.params.alpha * ell))
+            cap = min(limit, int(self.params.alpha * ell))
             if best.score >= cap:
-                break
-            tree = self._grow([p for m, p in matched if m >= ell], cap, end, ell)
-            if tree.score > best.score:
-                best = tree
+                break  # a shorter match cannot score more than its cap
+            got = build([p for m, p in matched if m >= ell], cap, end, ell)  # alive: most recent first
+            if got.score > best.score:
+                best = got
         return best
 
     def _matches(self, context: list[int], limit: int, upto: int | None) -> tuple[list[tuple[int, int]], int] | None:
