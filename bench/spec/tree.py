@@ -38,7 +38,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -105,14 +104,15 @@ def _prefill(model: Any, prompt: list[int], cache: list[Any] | None = None) -> l
     fresh = make_prompt_cache(model)
     if cache is not None:
         for mine, theirs in zip(fresh, cache):
-            mine.keys, mine.values, mine.offset = mx.array(theirs.keys), mx.array(theirs.values), theirs.offset
+            keys, values, offset = theirs.state  # the same arrays: copies, so one arm's writes stay its own
+            mine.state = (mx.array(keys), mx.array(values), offset)
         return fresh
     cache = fresh
     body = prompt[:-1]
     blas_threads().use(0)  # prefill is a real GEMM: every thread
     for i in range(0, len(body), PREFILL_CHUNK):
         model(mx.array([body[i : i + PREFILL_CHUNK]]), cache=cache)
-        mx.eval([c.state for c in cache])
+        mx.eval([(c.keys, c.values) for c in cache])
     blas_threads().use(1)  # a batch-1 step, as the engine runs it
     return cache
 
@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="also write the report here")
     args = ap.parse_args(argv)
 
+    from bench import docs as bench_docs
     from engine.config import EngineConfig
     from engine.mlx.loading import read_model
     from engine.models import resolve_model
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     loaded = read_model(resolve_model(args.model), EngineConfig(model=args.model))
     t0 = time.time()
     stats = measure(loaded.model, loaded.tokenizer, args)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = bench_docs.commit()  # +dirty where the tree has uncommitted changes
     cmd = "python -m bench.spec.tree " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (
         f"Command: `{cmd}`, commit `{commit}`\n\n"
