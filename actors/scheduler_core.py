@@ -537,7 +537,7 @@ class SchedulerCore:
         for rid, targets in result.verified.items():
             row = self.rows.get(rid)
             if row is not None and row.state is RowState.DECODE and self.spec is not None:
-                self.spec.collect(row, targets)
+                self.spec.collect(row, targets, stopped=rid in result.stopped)
 
     # ---- speculative rounds (actors.spec_rounds) ------------------------------
     def draft_requests(self) -> list[Any]:

@@ -50,6 +50,7 @@ class RowSpec:
     proposer: str = ""  # who drafted ``drafts`` (Drafted.proposer)
     empty: int = 0  # rounds at γ > 0 whose drafter proposed nothing, since the last verdict
     off: bool = False  # the backend refused a window: plain decode from now on
+    stopped: bool = False  # this step's window stopped at its rejected first draft (StepResult.stopped)
     targets: list[int] | None = None  # this step's target tokens, until the verdict
     fed: int = 0  # tokens this step fed into the row's cache
     left: int = 0  # tokens the request may still generate, as of this step (Window.left)
@@ -82,6 +83,7 @@ class SpecRounds:
         self.costs: dict[tuple[int, int], deque[StepCost]] = {}
         self._open_step: tuple[int, int, int, float, float] | None = None  # costed at the next start
         self._ended = False  # a row finished since the last note_step: that step is not costed
+        self._unfed = 0  # draft tokens of the step being applied that the backend did not feed (note_step)
         # Draft-cache catch-up since the last Verify (seconds, tokens): priced by
         # the policy per token, since a held row pays it before its next probe.
         self.catch_up_s = 0.0
@@ -213,9 +215,10 @@ class SpecRounds:
             return None
         return [row.next_input, *spec.drafts]
 
-    def collect(self, row: Any, targets: list[int]) -> bool:
+    def collect(self, row: Any, targets: list[int], stopped: bool = False) -> bool:
         """Hold a row's target tokens for the Verifier (True), or leave a row
-        that needs no verdict this round to the Scheduler (False)."""
+        that needs no verdict this round to the Scheduler (False). ``stopped``:
+        the backend stopped the row's window at its rejected first draft."""
         spec = self.rows.get(row.rid)
         if spec is None:
             return False
@@ -229,6 +232,9 @@ class SpecRounds:
             return False
         spec.targets = list(targets)
         spec.fed = len(targets)  # the window, or 1 if the backend decoded only `last`
+        spec.stopped = stopped
+        if spec.drafts:
+            self._unfed += len(spec.drafts) + 1 - len(targets)  # drafts the backend did not feed
         spec.left = max(0, row.params.max_tokens - len(row.generated))
         spec.behind = max(0, len(row.prompt) + len(row.generated) - spec.synced)
         return True
@@ -260,9 +266,12 @@ class SpecRounds:
             if shape is None:
                 shape = self.costs[(rows, drafted)] = deque(maxlen=self.costs_kept)
             shape.append(StepCost(gamma=gamma, step_s=started - t, rows=rows, drafted=drafted, draft_s=d_s))
+        unfed, self._unfed = self._unfed, 0
         if not ok or not more or ended or plan.prefill or not (plan.decode or plan.verify):
             return
-        drafted = sum(len(v.tokens) - 1 for v in plan.verify)
+        # The drafts the forward carried, not the plan's: a window stopped at its
+        # first draft (or cut for a cache that cannot take it) cost a plain step.
+        drafted = max(0, sum(len(v.tokens) - 1 for v in plan.verify) - unfed)
         gamma = max((len(v.tokens) - 1 for v in plan.verify), default=0)
         self._open_step = (gamma, len(plan.decode) + len(plan.verify), drafted, draft_s, started + catch_up_s)
 
@@ -279,6 +288,7 @@ class SpecRounds:
                 proposer=spec.proposer if spec.drafts else "",
                 left=spec.left,
                 behind=spec.behind,
+                stopped=spec.stopped,
             )
             for rid, spec in self.rows.items()
             if spec.targets is not None

@@ -67,6 +67,9 @@ class Window(msgspec.Struct, frozen=True, kw_only=True):
     # its drafter was not sent (a draft model feeds them all before drafting).
     left: int | None = None
     behind: int = 0
+    # The backend stopped the window at its first draft, which the target
+    # rejected (StepResult.stopped): ``targets`` is the one token after ``last``.
+    stopped: bool = False
 
 
 class StepCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,13 +134,15 @@ class Verified(Wire, frozen=True):
 def accept_window(drafts: list[int], targets: list[int]) -> tuple[int, list[int]]:
     """Sample-and-match on one window: ``(accepted, tokens to emit)``.
 
-    ``targets[i]`` is the target's token after feeding ``[last, d1..di]``.
+    ``targets[i]`` is the target's token after feeding ``[last, d1..di]``. A
+    window the backend stopped early holds targets up to the first rejected
+    draft only (``StepResult.stopped``); anything else short is an error.
     """
-    if len(targets) != len(drafts) + 1:
-        raise ValueError(f"a window of {len(drafts)} drafts needs {len(drafts) + 1} target tokens, got {len(targets)}")
     k = 0
-    while k < len(drafts) and drafts[k] == targets[k]:
+    while k < len(drafts) and k < len(targets) and drafts[k] == targets[k]:
         k += 1
+    if k == len(targets) or (len(targets) != len(drafts) + 1 and k != len(targets) - 1):
+        raise ValueError(f"a window of {len(drafts)} drafts needs {len(drafts) + 1} target tokens, got {len(targets)}")
     return k, drafts[:k] + [targets[k]]
 
 
@@ -175,7 +180,9 @@ class VerifierCore:
         if row is None:
             row = self.rows[w.rid] = self.policy.new_row(w.fixed_gamma, w.ns)
         row.left, row.behind = w.left, w.behind
-        if w.drafts and len(w.targets) == 1:
+        row.after_plain = len(w.targets) <= 1  # the step fed no drafts: the backend ran the next one ahead
+        self.policy.stops = self.policy.stops or w.stopped
+        if w.drafts and len(w.targets) == 1 and not w.stopped:
             # The backend decoded only `last`: this row's cache cannot take a window.
             row.off = True
             self.counters.fallbacks += 1

@@ -155,7 +155,9 @@ class DecodeRow:
 @dataclass(slots=True)
 class VerifyRow:
     """Feed the window ``[last, d1..dk]`` in one forward and return the target's
-    token at each of the k+1 positions (argmax, or sampled with the row's sampler)."""
+    token at each of the k+1 positions (argmax, or sampled with the row's sampler).
+    A backend may stop the window at its first draft when the target's token
+    after ``last`` is not ``d1`` (``StepResult.stopped``)."""
 
     rid: int
     tokens: list[int]
@@ -195,6 +197,11 @@ class StepResult:
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # rid -> its token's, when asked for
     checkpoints: dict[int, Any] = field(default_factory=dict)  # rid -> a private copy of its cache (plan.checkpoint)
     cache_faults: dict[int, str] = field(default_factory=dict)  # rid -> why its prefix cache could not open (a miss)
+    # Verify rows whose window stopped at its first draft, which the target
+    # rejected: only ``last`` was fed (``verified`` holds one token) and the
+    # drafts cost no forward. The MLX backend does this where the window's
+    # first position is a decode step it ran ahead (``RunAhead._verify_rest``).
+    stopped: set[int] = field(default_factory=set)
 
 
 class GrammarCompiler(Protocol):

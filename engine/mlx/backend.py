@@ -62,7 +62,7 @@ Design:
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -188,6 +188,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
             "pipelined": 0,
             "undone": 0,
             "ahead_heads_windows": 0,
+            "windows_stopped": 0,  # verify rows stopped at a rejected first draft (StepResult.stopped)
             "prefill_together": 0,
             "cache_faults": 0,
         }
@@ -347,10 +348,12 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         # 7. the decode batch's forward (or the step run ahead's tokens), then rows joining it
         outputs: list[tuple[list[int], list[int] | None, Any, dict]] = []  # (rids, widths, tokens, logprobs)
         step_tokens: list[mx.array] = []  # [B] per group, for the next queued step
+        head_tokens = None
         if queued:
             for rid in batch.rids:
                 self._rows[rid].fed += 1
-            outputs.append((list(batch.rids), None, queued_tokens[0], queued.pop(0).logprobs or {}))
+            head_tokens = queued_tokens[0]
+            outputs.append((list(batch.rids), None, head_tokens, queued.pop(0).logprobs or {}))
             step_tokens.append(queued_tokens[0])
             queued_tokens = queued_tokens[1:]
             self.counters["pipelined"] += 1
@@ -366,8 +369,15 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
                 self._rows[rid].fed += len(toks)  # else a later trim is clipped to a stale `fed`
         rest = None
         if heads:  # before joiners enter the batch
-            rest = self._verify_rest(work, verify_rids)
+            assert head_tokens is not None  # heads only with a step run ahead
+            rest, stopped = self._verify_rest(work, verify_rids, cast(list[int], head_tokens.tolist()))
+            res.stopped |= stopped
             self.counters["ahead_heads_windows"] += 1
+            self.counters["windows_stopped"] += len(stopped)
+            # Every batch row's window stopped at its first draft: the batch was
+            # fed one token a row, a plain decode step, and the next may run
+            # ahead (unless a row joining now verifies a window).
+            verifying = rest is not None or bool(verify_rids - set(batch.rids))
         merged = None
         if joiners:
             for rid in joiners:
@@ -430,12 +440,12 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
         )
         for rids, widths, toks, lps in outputs:
             self._collect(rids, widths, toks, lps, verify_rids, res)
+        if ahead is not None:  # before the heads' tokens move to ``verified``
+            self._queued_inputs = {rid: res.tokens[rid] for rid in batch.rids}
         if heads:
             self._join_heads(rest, verify_rids, res)
         if plan.prefill or self.steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        if ahead is not None:
-            self._queued_inputs = {rid: res.tokens[rid] for rid in batch.rids}
         return res
 
     # ---- introspection (tests, stats) ------------------------------------------

@@ -114,13 +114,29 @@ class RunAhead(StepSampling):
         want = self._queued_inputs
         return len(first) == len(stay) and all(first.get(rid) == want.get(rid) for rid in stay)
 
-    def _verify_rest(self, work: dict[int, list[int]], verify_rids: set[int]) -> tuple[list[int], Any] | None:
+    def _verify_rest(
+        self, work: dict[int, list[int]], verify_rids: set[int], heads: list[int]
+    ) -> tuple[tuple[list[int], Any] | None, set[int]]:
         """Feed the verify rows' drafts (their windows past the first token, which
-        the step run ahead fed) in one batched forward; the other rows feed nothing."""
+        the step run ahead fed) in one batched forward; the other rows feed nothing.
+
+        ``heads``: the run-ahead step's token per batch row, the target's token
+        after ``last``. A row whose first draft is not that token is rejected
+        there whatever its drafts would give, so its drafts are not fed (it is
+        ``stopped``): on text the drafter does not predict, a window costs
+        what a plain decode step costs, and where no row feeds anything there
+        is no second forward at all. Returns the forward's rows and tokens (or
+        None) and the stopped rows."""
         batch = self._batch
-        inputs = [work.get(rid, [])[1:] if rid in verify_rids else [] for rid in batch.rids]
+        inputs, stopped = [], set()
+        for rid, head in zip(batch.rids, heads):
+            window = work.get(rid, []) if rid in verify_rids else []
+            if len(window) > 1 and window[1] != head:
+                stopped.add(rid)
+                window = []
+            inputs.append(window[1:])
         if not any(inputs):
-            return None
+            return None, stopped
         with self._lora(self._rows[rid] for rid in batch.rids):
             logits = batch.forward(self.model, inputs)
         rids = list(batch.rids)
@@ -128,7 +144,7 @@ class RunAhead(StepSampling):
         for rid, x in zip(rids, inputs):
             self._rows[rid].fed += len(x)
         mx.eval(toks)
-        return rids, (widths, toks)
+        return (rids, (widths, toks)), stopped
 
     @staticmethod
     def _join_heads(rest: tuple[list[int], Any] | None, verify_rids: set[int], res: StepResult) -> None:

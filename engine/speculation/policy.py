@@ -157,6 +157,10 @@ class RowPolicy:
     left: int | None = None  # tokens the request may still generate (None: not told, no catch-up gate)
     behind: int = 0  # context tokens its drafter was not sent: a draft model catches up on them first
     held: int = 0  # plain rounds of its current hold (choose): after_hold checks them against the batch now
+    # Its latest round fed no drafts (a plain step, or a window stopped at its
+    # first draft): the backend ran the next step ahead, and a window there is
+    # fed past its first draft only if the target accepts that (GammaPolicy.stops).
+    after_plain: bool = False
 
 
 class GammaPolicy:
@@ -239,6 +243,11 @@ class GammaPolicy:
         self.rows_now = 1  # rows in the latest step
         self.together = False  # the latest choice counts on every row of the batch drafting
         self.live: dict[int, RowPolicy] = {}  # every speculating row (the Verifier's table)
+        # The backend stops a window at its rejected first draft where a step
+        # it ran ahead is the window's first position (StepResult.stopped; the
+        # MLX backend): seen once, a lone row's window after a plain round is
+        # priced as a plain round unless its first draft is accepted.
+        self.stops = False
 
     # ---- what requests taught, per namespace --------------------------------
     def learned(self, ns: str = "") -> Learned:
@@ -480,9 +489,16 @@ class GammaPolicy:
         shape = [0]  # draft tokens in all, per γ, of the option that won
         jointly = [False]  # whether that option was every row drafting
         self.together = False
+        # A lone row's window after a plain round costs its drafts' forward only
+        # when its first draft is accepted (``stops``): on text the drafter
+        # does not predict, the round is the plain step the backend ran ahead.
+        # Deeper windows then pay from the second draft on (γ = 1 gives at best
+        # two tokens for two forwards, as plain decode does).
+        first = accept[0] if b == 1 and self.stops and row.after_plain else 1.0
         for g in range(1, min(self.gamma_max, deepest) + 1):
             mine = row.hit * self.expected_tokens(accept, g) + (1.0 - row.hit)
-            cost = row.hit * self._cost(b, drafts + g) + (1.0 - row.hit) * base
+            window = first * self._cost(b, drafts + g) + (1.0 - first) * base
+            cost = row.hit * window + (1.0 - row.hit) * base
             alone = (tokens + mine) / cost
             # Together: every speculating row drafts g. In a batch the verify
             # round's jump is paid once for all rows, so no row alone may pay

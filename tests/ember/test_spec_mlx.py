@@ -292,11 +292,17 @@ async def test_sampled_speculation_is_reproducible_per_seed(drafter):
     assert a.usage.speculation.drafted > 0
 
 
-def test_rejections_across_the_cache_step_roll_back_per_row():
+@pytest.mark.parametrize("ahead", [False, True], ids=["window-whole", "after-run-ahead"])
+def test_rejections_across_the_cache_step_roll_back_per_row(ahead):
     """Two rows in one batch: row A's window crosses offset 256 and is rejected
     whole (trim 4 back across the step), row B accepts 2 of 3 (trim 1) — the
     per-row rollback (common trim + right-padding roll). Both then decode
-    exactly like mlx-lm's generate_step, and A's KV equals a fresh prefill."""
+    exactly like mlx-lm's generate_step, and A's KV equals a fresh prefill.
+
+    ``ahead``: the windows follow the decode step the backend ran ahead, which
+    serves as their first position; A's first draft is rejected there, so A's
+    window stops (``StepResult.stopped``: its drafts are never fed, nothing to
+    trim) while B's drafts are fed on top."""
     from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
@@ -306,6 +312,7 @@ def test_rejections_across_the_cache_step_roll_back_per_row():
 
     cfg = _base()
     backend, device = load_mlx_backend(cfg)
+    backend.max_ahead = 1 if ahead else 0  # 0: nothing runs ahead, every window is fed whole
     try:
         with open(os.__file__, encoding="utf-8") as f:
             ids = backend.tokenizer.encode(f.read())
@@ -337,8 +344,13 @@ def test_rejections_across_the_cache_step_roll_back_per_row():
         )
         assert res.verified[1][0] == ref_a[1]  # the correction at the first position
         assert res.verified[2][:3] == ref_b[1:4]  # two accepted, then the correction
+        assert res.stopped == ({1} if ahead else set())
+        assert len(res.verified[1]) == (1 if ahead else 5) and len(res.verified[2]) == 4
+        assert device.call(backend.stats)["ahead_heads_windows"] == (1 if ahead else 0)
         out_a, out_b = [ref_a[0], ref_a[1]], [ref_b[0], *ref_b[1:4]]
-        plan = StepPlan(trim=[(1, 4), (2, 1)], decode=[DecodeRow(1, out_a[-1]), DecodeRow(2, out_b[-1])])
+        # What the Scheduler trims: the targets returned past the row's new length
+        trim = [(1, len(res.verified[1]) - 1), (2, 1)]
+        plan = StepPlan(trim=trim, decode=[DecodeRow(1, out_a[-1]), DecodeRow(2, out_b[-1])])
         for _ in range(4):
             toks = device.call(backend.step, plan).tokens
             out_a.append(toks[1])

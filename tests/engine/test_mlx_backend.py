@@ -310,6 +310,39 @@ def test_verify_windows_batched_with_decode_and_per_row_trim(rig):
     rig.step(close=[a, b, c])
 
 
+def test_a_window_rejected_at_its_first_draft_after_a_run_ahead_costs_a_plain_step(rig):
+    """The step run ahead fed the window's first token; its first draft is
+    wrong, so the drafts are never fed (``stopped``), no trim is owed, and the
+    batch keeps running ahead as after any plain step: the next decode takes
+    the step computed ahead, and the tokens and KV stay mlx-lm's."""
+    p = rig.ids(PROMPTS[2])
+    ref = rig.reference(p, 8)
+    r = rig.open_prefilled(p)
+    assert rig.step(decode=[DecodeRow(r, p[-1])]).tokens[r] == ref[0]
+    wrong = [(t + 1) % rig.b.info.vocab_size for t in ref[1:4]]
+    heads, stopped = rig.b.counters["ahead_heads_windows"], rig.b.counters["windows_stopped"]
+    res = rig.step(verify=[VerifyRow(r, [ref[0], *wrong])])
+    owed = []
+    if rig.deep:  # several steps ran ahead: they are undone and the window is fed whole
+        assert res.verified[r][0] == ref[1] and len(res.verified[r]) == 4 and not res.stopped
+        owed = [(r, 3)]
+    else:
+        assert res.verified[r] == [ref[1]] and res.stopped == {r}
+        assert (rig.b.counters["ahead_heads_windows"], rig.b.counters["windows_stopped"]) == (heads + 1, stopped + 1)
+        assert rig.kv_error(r, p + ref[:1]) < KV_TOL  # only the window's first token was fed
+    pipelined = rig.b.counters["pipelined"]
+    out = [ref[0], ref[1]]
+    for i in range(4):
+        out.append(rig.step(trim=owed if i == 0 else [], decode=[DecodeRow(r, out[-1])]).tokens[r])
+    if not rig.deep:
+        assert rig.b.counters["pipelined"] >= pipelined + 4  # every one of them was computed ahead
+    # A window whose first draft is right is fed on top of the step run ahead.
+    res = rig.step(verify=[VerifyRow(r, [out[-1], ref[6], wrong[0]])])
+    assert res.verified[r][:2] == ref[6:8] and not res.stopped
+    rig.step(close=[r])
+    assert out == ref[:6]
+
+
 def test_trim_back_to_the_prompt_after_two_verify_rounds(rig):
     """The second window goes through the batch's own forward: both must count."""
     p = rig.ids(PROMPTS[1])
