@@ -63,7 +63,14 @@ class RowSpec:
 
 class SpecRounds:
     def __init__(
-        self, *, context_length: int, gamma_cap: int = 16, costs_kept: int = 16, reach: int = 0, learns: bool = False
+        self,
+        *,
+        context_length: int,
+        gamma_cap: int = 16,
+        costs_kept: int = 16,
+        reach: int = 0,
+        learns: bool = False,
+        free_drafts: bool = False,
     ):
         self.context_length = context_length
         self.gamma_cap = gamma_cap
@@ -73,6 +80,10 @@ class SpecRounds:
         # Send finished requests' text to the Drafter (a drafter that learns
         # across requests: suffix decoding); prompt lookup and a draft model need none.
         self.learns = learns
+        # Drafting costs nothing (prompt lookup, suffix decoding): a round whose
+        # windows the backend stopped at their first draft is costed as the
+        # plain round it was. A draft model ran its steps for those drafts.
+        self.free_drafts = free_drafts
         self._finished: list[Finished] = []
         self.rows: dict[int, RowSpec] = {}
         self.owed: dict[int, int] = {}  # rid -> tokens the backend must still trim
@@ -266,7 +277,7 @@ class SpecRounds:
             if shape is None:
                 shape = self.costs[(rows, drafted)] = deque(maxlen=self.costs_kept)
             shape.append(StepCost(gamma=gamma, step_s=started - t, rows=rows, drafted=drafted, draft_s=d_s))
-        unfed, self._unfed = self._unfed, 0
+        unfed, self._unfed = (self._unfed if self.free_drafts else 0), 0
         if not ok or not more or ended or plan.prefill or not (plan.decode or plan.verify):
             return
         # The drafts the forward carried, not the plan's: a window stopped at its

@@ -260,6 +260,7 @@ def build_speculation(config: Any, backend: Any, device: Any, clock: Any) -> Spe
             draft_prior=step,
             catch_up_prior=feed,
             accept_prior=ACCEPT_PRIOR if agree is None else agree,
+            free_drafts=free,
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc), "num_draft_tokens") from None
@@ -269,6 +270,7 @@ def build_speculation(config: Any, backend: Any, device: Any, clock: Any) -> Spe
             context_length=backend.info.context_length,
             reach=REACH if isinstance(core, SuffixDrafterCore) else 0,
             learns=isinstance(core, SuffixDrafterCore),
+            free_drafts=free,
         ),
         drafter=Drafter(core, device, clock),
         verifier=Verifier(VerifierCore(policy)),

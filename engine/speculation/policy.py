@@ -184,6 +184,7 @@ class GammaPolicy:
         watch_match: int | None = None,
         draft_prior: float = 0.0,
         catch_up_prior: float = 0.0,
+        free_drafts: bool = False,
     ):
         if fixed is not None and not 0 <= fixed <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {fixed}")
@@ -248,6 +249,11 @@ class GammaPolicy:
         # MLX backend): seen once, a lone row's window after a plain round is
         # priced as a plain round unless its first draft is accepted.
         self.stops = False
+        # Drafting costs nothing a round (prompt lookup, suffix decoding): a
+        # stopped window's round is then a plain one. A draft model has run its
+        # γ steps whether or not the first draft is accepted, so for it a
+        # window is priced whole.
+        self.free_drafts = free_drafts
 
     # ---- what requests taught, per namespace --------------------------------
     def learned(self, ns: str = "") -> Learned:
@@ -494,7 +500,7 @@ class GammaPolicy:
         # does not predict, the round is the plain step the backend ran ahead.
         # Deeper windows then pay from the second draft on (γ = 1 gives at best
         # two tokens for two forwards, as plain decode does).
-        first = accept[0] if b == 1 and self.stops and row.after_plain else 1.0
+        first = accept[0] if b == 1 and self.stops and self.free_drafts and row.after_plain else 1.0
         for g in range(1, min(self.gamma_max, deepest) + 1):
             mine = row.hit * self.expected_tokens(accept, g) + (1.0 - row.hit)
             window = first * self._cost(b, drafts + g) + (1.0 - first) * base

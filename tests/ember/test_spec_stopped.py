@@ -53,8 +53,11 @@ class _Row:
         self.next_input = 4
 
 
-def test_a_stopped_window_owes_no_trim_and_is_costed_as_a_plain_round():
-    spec = SpecRounds(context_length=4096)
+@pytest.mark.parametrize("free", [True, False], ids=["free-drafter", "draft-model"])
+def test_a_stopped_window_owes_no_trim_and_is_costed_as_a_plain_round(free):
+    """... when drafting is free; a draft model ran its steps for the drafts,
+    so its round keeps the planned drafts' shape."""
+    spec = SpecRounds(context_length=4096, free_drafts=free)
     spec.admit(1, SamplingParams(max_tokens=100))
     row = _Row(1)
     spec.rows[1].drafts = [5, 6, 7]
@@ -69,14 +72,15 @@ def test_a_stopped_window_owes_no_trim_and_is_costed_as_a_plain_round():
     assert spec.owed == {} and row.generated == [4, 9] and row.in_cache == 5
     spec.note_step(StepPlan(), 10.5, 0.0, ok=True, more=False)  # closes the round: costed now
     (cost,) = [c for shape in spec.costs.values() for c in shape]
-    assert (cost.gamma, cost.drafted) == (3, 0)  # planned three drafts, fed none
+    assert (cost.gamma, cost.drafted) == (3, 0 if free else 3)  # planned three drafts, fed none
 
 
-def _priced(stops: bool, first: float) -> int:
+def _priced(stops: bool, first: float, free: bool = True) -> int:
     """The γ a lone row chooses where a verify round that fed its drafts costs
     2.5 plain rounds at any depth, and drafts after the first are accepted
-    60% of the time. ``stops``: the backend was seen to stop windows."""
-    p = GammaPolicy(gamma_max=6)
+    60% of the time. ``stops``: the backend was seen to stop windows;
+    ``free``: the drafter costs nothing a round (not a draft model)."""
+    p = GammaPolicy(gamma_max=6, free_drafts=free)
     for d in range(1, 7):
         p.observe_costs([(0, 0.010, 1, 0, 0.0)] * 8 + [(d, 0.025, 1, d, 0.0)] * 4 + [(0, 0.010, 1, 0, 0.0)] * 8)
     p.stops = stops
@@ -96,3 +100,5 @@ def test_a_lone_rows_window_after_a_plain_round_costs_its_drafts_only_if_the_fir
     assert _priced(stops=True, first=0.3) >= 2
     # γ = 1 there gives two tokens for two forwards at best: never a gain on its own.
     assert _priced(stops=True, first=0.05) == 0
+    # A draft model ran its steps whether or not its first draft is accepted.
+    assert _priced(stops=True, first=0.3, free=False) == 0
