@@ -182,6 +182,7 @@ class VerifierCore:
         row.left, row.behind = w.left, w.behind
         row.after_plain = len(w.targets) <= 1  # the step fed no drafts: the backend ran the next one ahead
         self.policy.stops = self.policy.stops or w.stopped
+        self.counters.stopped += w.stopped
         if w.drafts and len(w.targets) == 1 and not w.stopped:
             # The backend decoded only `last`: this row's cache cannot take a window.
             row.off = True

@@ -806,6 +806,7 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
     plain_rounds: int = 0  # speculating rows that decoded without drafts this round
     fallbacks: int = 0  # rows switched to plain decode because their cache cannot be trimmed
+    stopped: int = 0  # windows the backend stopped at a rejected first draft: their drafts cost no forward
     gamma_chosen: dict[int, int] = field(default_factory=dict)
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -846,5 +847,6 @@ class SpecCounters:
             "mean_accept_len": round(mean_len, 6),
             "plain_rounds": self.plain_rounds,
             "fallbacks": self.fallbacks,
+            "windows_stopped": self.stopped,
             "gamma_chosen": {str(g): n for g, n in sorted(self.gamma_chosen.items())},
         }

@@ -38,6 +38,7 @@ def test_the_verifier_keeps_a_stopped_row_drafting_and_learns_that_the_backend_s
     v = stopped.verdicts[0]
     assert (v.accepted, v.tokens, v.fallback, v.gamma_next) == (0, [9], False, 3)
     assert core.policy.stops and core.rows[1].after_plain and not core.rows[1].off
+    assert core.stats()["windows_stopped"] == 1  # /stats speculation
     # The same one target without the flag is a window the backend cut (a cache
     # that cannot be trimmed): plain decode from then on.
     cut = core.verify(Verify(windows=[Window(rid=2, drafts=[5, 6, 7], targets=[9], fixed_gamma=3)]))
