@@ -77,9 +77,11 @@ async def run_all(cfg: EngineConfig, crossings: list | None = None) -> tuple[lis
 
         def watched(plan):
             # (tokens in the cache before the window, window length) for windows
-            # that cross the boundary, and the rollbacks that cross it back
+            # that cross the boundary, and the rollbacks that cross it back; a
+            # plan applies its trims before its windows
+            trims = dict(plan.trim)
             for v in plan.verify:
-                fed = backend._rows[v.rid].fed
+                fed = backend._rows[v.rid].fed - trims.get(v.rid, 0)
                 if fed < BOUNDARY < fed + len(v.tokens) and crossings is not None:
                     crossings.append(("window", v.rid, fed, len(v.tokens)))
             for rid, n in plan.trim:
