@@ -139,9 +139,11 @@ def accept_window(drafts: list[int], targets: list[int]) -> tuple[int, list[int]
     draft only (``StepResult.stopped``); anything else short is an error.
     """
     k = 0
-    while k < len(drafts) and k < len(targets) and drafts[k] == targets[k]:
+    while k < min(len(drafts), len(targets)) and drafts[k] == targets[k]:
         k += 1
-    if k == len(targets) or (len(targets) != len(drafts) + 1 and k != len(targets) - 1):
+    whole = len(targets) == len(drafts) + 1
+    stopped = 0 < len(targets) <= len(drafts) and k == len(targets) - 1  # its last target rejects a draft
+    if not (whole or stopped):
         raise ValueError(f"a window of {len(drafts)} drafts needs {len(drafts) + 1} target tokens, got {len(targets)}")
     return k, drafts[:k] + [targets[k]]
 

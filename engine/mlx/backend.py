@@ -354,7 +354,7 @@ class MLXBackend(RunAhead, Prefill, RowPhases):
                 self._rows[rid].fed += 1
             head_tokens = queued_tokens[0]
             outputs.append((list(batch.rids), None, head_tokens, queued.pop(0).logprobs or {}))
-            step_tokens.append(queued_tokens[0])
+            step_tokens.append(head_tokens)
             queued_tokens = queued_tokens[1:]
             self.counters["pipelined"] += 1
             if joiners and queued:
