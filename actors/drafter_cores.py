@@ -45,6 +45,10 @@ class Draft(msgspec.Struct, frozen=True, kw_only=True):
     # this many tokens when its match earns it (0: at most ``gamma``); set only
     # for a lone row the policy already drafts at its deepest.
     reach: int = 0
+    # With ``reach``: what the row's verify window costs, in plain rounds (a
+    # one-draft window, and each further row: ``Verdict.price``), so a proposer
+    # that knows its tokens' chances drafts the length that pays most (empty: unpriced).
+    price: list[float] = []
 
 
 class Drafted(msgspec.Struct, frozen=True, kw_only=True):

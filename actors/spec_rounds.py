@@ -44,6 +44,7 @@ class RowSpec:
     hold: int = 0  # with gamma 0: plain rounds left before the Verifier is asked again
     min_match: int = 0  # the Verifier's gate on prompt lookup's agreement (Verdict.min_match)
     quorum: int = 0  # in a batch: feed drafts only beside this many rows' (Verdict.quorum)
+    price: list[float] = field(default_factory=list)  # a lone row's window in plain rounds (Verdict.price)
     consult: bool = True  # send the next round to the Verifier even without drafts
     synced: int = 0  # context tokens the Drafter has
     drafts: list[int] = field(default_factory=list)
@@ -171,6 +172,7 @@ class SpecRounds:
                     min_match=spec.min_match,
                     ns=row.ns,
                     reach=reach,
+                    price=spec.price if reach else [],
                 )
             )
             spec.synced = len(context)
@@ -332,6 +334,7 @@ class SpecRounds:
             spec.accepted += v.accepted
             spec.draft_rounds += 1 if drafted else 0
             spec.gamma, spec.hold, spec.min_match, spec.quorum = v.gamma_next, v.hold, v.min_match, v.quorum
+            spec.price = v.price
             spec.consult, spec.empty = False, 0
             spec.off = spec.off or v.fallback
             if row is None:

@@ -12,6 +12,13 @@ lookups, no device time) and the better proposal wins: prompt lookup's scored
 as the tokens it proposes up to ``alpha ×`` its agreement with the context
 (what suffix decoding would allow a match that long), suffix decoding's as the
 sum of its tokens' estimated probabilities; a tie goes to suffix decoding.
+
+A lone row's draft (``Draft.price`` set) is cut to the length with the most
+expected tokens per unit of the window's measured cost, its tokens' chances
+calibrated by what drafts of the same support were really accepted at in the
+namespace (``engine.speculation.draft_length``). The answer comes with the
+next context tail, so every proposal is judged to its first wrong token,
+whatever part of it the window fed.
 Prompt lookup keeps its copy pointer either way (it tracks a copy while it
 loses), and its agreement gate applies to it; suffix decoding is gated on its
 match length.
@@ -20,9 +27,10 @@ match length.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from actors.drafter_cores import Draft, Drafted, Finished, NgramDrafterCore, check_start
+from engine.speculation.draft_length import AcceptCalibration, best_length
 from engine.speculation.suffix import NO_DRAFT, SuffixIndex, SuffixParams, SuffixStore
 
 # A namespace's store holds at most this many tokens (oldest documents
@@ -34,12 +42,27 @@ CAP_TOKENS = 65536
 MAX_NAMESPACES = 16
 # The most a lone row's draft may reach when its match earns it (``Draft.reach``).
 REACH = 24
+# Proposals per row still waiting for the tokens that judge them (the oldest dropped).
+PENDING = 8
+
+
+@dataclass(slots=True)
+class _Proposal:
+    """A suffix draft made when the row's context was ``at`` tokens long,
+    judged token by token as the context grows (``judged``: tokens so far)."""
+
+    at: int
+    source: str
+    tokens: list[int]
+    support: tuple[tuple[int, int], ...]
+    judged: int = 0
 
 
 @dataclass(slots=True)
 class _Row:
     ns: str
     index: SuffixIndex
+    pending: list[_Proposal] = field(default_factory=list)
 
 
 class SuffixDrafterCore:
@@ -55,6 +78,7 @@ class SuffixDrafterCore:
         cap_tokens: int = CAP_TOKENS,
         max_namespaces: int = MAX_NAMESPACES,
         ngram: NgramDrafterCore | None = None,
+        priced: bool = True,
     ):
         if cap_tokens < 1 or max_namespaces < 1:
             raise ValueError(f"need cap_tokens >= 1 and max_namespaces >= 1, got {cap_tokens}, {max_namespaces}")
@@ -62,12 +86,15 @@ class SuffixDrafterCore:
         self.cap_tokens = cap_tokens
         self.max_namespaces = max_namespaces
         self.ngram = ngram  # composed with prompt lookup (``suffix+ngram``)
+        self.priced = priced  # cut a priced draft to the length that pays best (``suffix:uncut``: never)
         self.rows: dict[int, _Row] = {}
         self.stores: OrderedDict[str, SuffixStore] = OrderedDict()
         self.gated = 0  # proposals withheld: a match shorter than the Verifier's min_match
         self.learned_docs = 0  # finished requests stored
         self.namespaces_evicted = 0
         self.wins: dict[str, int] = {}  # proposals made, by where they came from (local, store, ngram)
+        self.calibrations: OrderedDict[str, AcceptCalibration] = OrderedDict()
+        self.cut_tokens = 0  # draft tokens left out because they cost more than they promised
 
     # ---- the DrafterCore protocol -------------------------------------------
     def extend(self, drafts: list[Draft]) -> None:
@@ -77,6 +104,8 @@ class SuffixDrafterCore:
                 row = self.rows[d.rid] = _Row(ns=d.ns, index=SuffixIndex(self.params))
             check_start(d.rid, len(row.index), d.start)
             row.index.extend(d.tail)
+            if row.pending:
+                self._judge(row)
         if self.ngram is not None:
             self.ngram.extend(drafts)
 
@@ -117,6 +146,32 @@ class SuffixDrafterCore:
             self.learned_docs += 1
 
     # ---- the rest -------------------------------------------------------------
+    def calibration(self, ns: str) -> AcceptCalibration:
+        """The namespace's acceptance calibration, made on first use (the least
+        recently used dropped beyond ``max_namespaces``, as the stores are)."""
+        cal = self.calibrations.get(ns)
+        if cal is None:
+            cal = self.calibrations[ns] = AcceptCalibration()
+            while len(self.calibrations) > self.max_namespaces:
+                self.calibrations.popitem(last=False)
+        else:
+            self.calibrations.move_to_end(ns)
+        return cal
+
+    def _judge(self, row: _Row) -> None:
+        """Score each pending proposal's tokens against the tokens that came,
+        up to its first wrong one."""
+        toks, cal, keep = row.index.tokens, self.calibration(row.ns), []
+        for p in row.pending:
+            while p.judged < len(p.tokens) and p.at + p.judged < len(toks):
+                follow, alive = p.support[p.judged]
+                hit = toks[p.at + p.judged] == p.tokens[p.judged]
+                cal.observe(p.source, p.judged + 1, follow, alive, hit)
+                p.judged = p.judged + 1 if hit else len(p.tokens)
+            if p.judged < len(p.tokens):
+                keep.append(p)
+        row.pending = keep
+
     def store(self, ns: str) -> SuffixStore:
         """The namespace's store, made on first use; the least recently used
         namespace's is dropped beyond ``max_namespaces``."""
@@ -143,6 +198,12 @@ class SuffixDrafterCore:
         if best.tokens and d.min_match and best.match_len < d.min_match:
             self.gated += 1
             best = NO_DRAFT
+        if best.support:
+            row.pending = [*row.pending, _Proposal(len(ctx), source, best.tokens, best.support)][-PENDING:]
+            if self.priced and len(d.price) == 2:
+                keep = best_length(self.calibration(row.ns).rates(source, best.support), *d.price)
+                self.cut_tokens += len(best.tokens) - keep
+                best = replace(best, tokens=best.tokens[:keep], support=best.support[:keep])
         if looked and self.ngram is not None:
             idx = self.ngram.rows[d.rid]
             agreed = idx.agreement(idx.source) if idx.source is not None else 0
@@ -163,4 +224,6 @@ class SuffixDrafterCore:
             "suffix_stored_tokens": sum(len(s) for s in self.stores.values()),
             "suffix_cap_tokens": self.cap_tokens,
             "suffix_proposals": dict(self.wins),
+            "suffix_cut_tokens": self.cut_tokens,
+            "suffix_judged_tokens": sum(c.observed for c in self.calibrations.values()),
         }

@@ -117,6 +117,9 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     # with a quorum propose, or where a fixed-γ row drafts anyway (GammaPolicy.quorum).
     quorum: int = 0
     fallback: bool = False  # the backend refused the window: plain decode from now on
+    # A lone row's verify window in plain rounds as the policy measured it:
+    # [one-draft window, each further row] (GammaPolicy.window_price).
+    price: list[float] = []
 
 
 class Verified(Wire, frozen=True):
@@ -214,6 +217,7 @@ class VerifierCore:
             hold=hold,
             min_match=self.policy.min_match(row),
             quorum=self.policy.quorum(row, gamma),
+            price=self.policy.window_price() if gamma > 0 else [],
         )
 
     def forget(self, rids: list[int]) -> None:

@@ -404,6 +404,12 @@ class GammaPolicy:
         b = self.rows_now if rows is None else rows
         return self._cost(b, b * gamma)
 
+    def window_price(self) -> list[float]:
+        """A lone row's verify window over a plain round: one draft, and each
+        draft after it (the measured line at one row; the prior before it)."""
+        first = self.costs.ratio(1, 1)
+        return [round(first, 4), round(max(0.0, self.costs.ratio(1, 2) - first), 4)]
+
     def measured(self, drafts: int) -> bool:
         """Enough rounds at this batch size with this many draft tokens in all
         that one unlucky round cannot rule it out for good; for plain rounds

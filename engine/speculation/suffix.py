@@ -51,11 +51,15 @@ SEP = -1  # between documents: no context token equals it, so no match crosses i
 @dataclass(frozen=True, slots=True)
 class SuffixDraft:
     """A proposal: its tokens, its score (the sum of the estimated
-    probabilities of its tokens) and the match length it came from."""
+    probabilities of its tokens) and the match length it came from.
+    ``support[i]``: (suffixes that continue with ``tokens[i]``, suffixes
+    alive before it), what token i's estimate was made of
+    (``engine.speculation.draft_length`` learns what it is really worth)."""
 
     tokens: list[int]
     score: float
     match_len: int
+    support: tuple[tuple[int, int], ...] = ()
 
 
 NO_DRAFT = SuffixDraft(tokens=[], score=0.0, match_len=0)
@@ -291,6 +295,7 @@ class SuffixIndex:
         """Follow the most frequent next token among the ``alive`` suffixes
         (a tie goes to the most recent occurrence's token)."""
         out: list[int] = []
+        support: list[tuple[int, int]] = []
         prob, score = 1.0, 0.0
         while len(out) < cap and alive:
             nxt = self._next_tokens(alive, end)
@@ -301,9 +306,10 @@ class SuffixIndex:
             if prob < self.params.min_token_prob:
                 break
             out.append(tok)
+            support.append((len(after), len(alive)))
             score += prob
             alive = after
-        return SuffixDraft(tokens=out, score=score, match_len=ell) if out else NO_DRAFT
+        return SuffixDraft(tokens=out, score=score, match_len=ell, support=tuple(support)) if out else NO_DRAFT
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -119,7 +119,8 @@ async def test_metrics_label_the_counters_by_proposer(tmp_path):
 
 def test_reach_is_offered_only_to_a_lone_adaptive_row_at_the_deepest_gamma():
     """``Draft.reach`` (a long match may draft past γ) goes only to a lone
-    adaptive row the policy drafts at γ_max, within the row's room; the
+    adaptive row the policy drafts at γ_max, within the row's room, with the
+    window's price from the verdict (the proposer cuts its draft by it); the
     Scheduler keeps up to that many drafts; a finished row's text goes to the
     Drafter with its namespace."""
     from actors.drafter import DraftedRound
@@ -146,19 +147,20 @@ def test_reach_is_offered_only_to_a_lone_adaptive_row_at_the_deepest_gamma():
         plan = core.plan()
         core.apply(plan, StepResult(tokens={rid: 10 for rid, _ in rids_ns}))
         core.spec.take_verify(len(rids_ns))
-        verdicts = [Verdict(rid=rid, accepted=0, tokens=[10], gamma_next=gamma) for rid, _ in rids_ns]
+        verdicts = [Verdict(rid=rid, accepted=0, tokens=[10], gamma_next=gamma, price=[1.4, 0.1]) for rid, _ in rids_ns]
         core.apply_verified(Verified(verdicts=verdicts))
         return core
 
     core = core_with(ADAPTIVE_GAMMA_MAX, (1, "team"))
     (asked,) = core.draft_requests()
-    assert (asked.gamma, asked.reach, asked.ns) == (ADAPTIVE_GAMMA_MAX, 24, "team")
+    assert (asked.gamma, asked.reach, asked.ns, asked.price) == (ADAPTIVE_GAMMA_MAX, 24, "team", [1.4, 0.1])
     core.spec.set_drafts(DraftedRound(drafted=[Drafted(rid=1, tokens=list(range(30)), proposer="suffix")]), [asked])
     assert core.spec.rows[1].drafts == list(range(24)) and core.spec.rows[1].proposer == "suffix"
     assert core_with(ADAPTIVE_GAMMA_MAX, (1, ""), max_tokens=12).draft_requests()[0].reach == 10  # its room
     assert core_with(ADAPTIVE_GAMMA_MAX - 1, (1, "")).draft_requests()[0].reach == 0  # not at the deepest
     assert core_with(ADAPTIVE_GAMMA_MAX, (1, ""), fixed=6).draft_requests()[0].reach == 0  # a fixed γ
-    assert [d.reach for d in core_with(ADAPTIVE_GAMMA_MAX, (1, ""), (2, "")).draft_requests()] == [0, 0]  # a batch
+    batch = core_with(ADAPTIVE_GAMMA_MAX, (1, ""), (2, "")).draft_requests()
+    assert [(d.reach, d.price) for d in batch] == [(0, []), (0, [])]  # a batch: γ caps the drafts, unpriced
     # a finished row's text (prompt + output) goes to the Drafter, the part it has not seen
     core.abort(1)
     (f,) = core.spec.take_finished()
