@@ -12,16 +12,17 @@ lookups, no device time) and the better proposal wins: prompt lookup's scored
 as the tokens it proposes up to ``alpha ×`` its agreement with the context
 (what suffix decoding would allow a match that long), suffix decoding's as the
 sum of its tokens' estimated probabilities; a tie goes to suffix decoding.
+Prompt lookup keeps its copy pointer either way (it tracks a copy while it
+loses), and its agreement gate applies to it; suffix decoding is gated on its
+match length.
 
-A lone row's draft (``Draft.price`` set) is cut to the length with the most
-expected tokens per unit of the window's measured cost, its tokens' chances
+With ``priced`` (``suffix:cut``), a lone row's draft (``Draft.price`` set)
+is cut to the length with the most expected tokens per unit of the window's
+measured cost, its tokens' chances
 calibrated by what drafts of the same support were really accepted at in the
 namespace (``engine.speculation.draft_length``). The answer comes with the
 next context tail, so every proposal is judged to its first wrong token,
 whatever part of it the window fed.
-Prompt lookup keeps its copy pointer either way (it tracks a copy while it
-loses), and its agreement gate applies to it; suffix decoding is gated on its
-match length.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class SuffixDrafterCore:
         cap_tokens: int = CAP_TOKENS,
         max_namespaces: int = MAX_NAMESPACES,
         ngram: NgramDrafterCore | None = None,
-        priced: bool = True,
+        priced: bool = False,
     ):
         if cap_tokens < 1 or max_namespaces < 1:
             raise ValueError(f"need cap_tokens >= 1 and max_namespaces >= 1, got {cap_tokens}, {max_namespaces}")
@@ -86,7 +87,9 @@ class SuffixDrafterCore:
         self.cap_tokens = cap_tokens
         self.max_namespaces = max_namespaces
         self.ngram = ngram  # composed with prompt lookup (``suffix+ngram``)
-        self.priced = priced  # cut a priced draft to the length that pays best (``suffix:uncut``: never)
+        # Cut a priced draft to the length that pays best (``suffix:cut``):
+        # measured even with drafting to the match's end, so not the default.
+        self.priced = priced
         self.rows: dict[int, _Row] = {}
         self.stores: OrderedDict[str, SuffixStore] = OrderedDict()
         self.gated = 0  # proposals withheld: a match shorter than the Verifier's min_match
@@ -198,9 +201,9 @@ class SuffixDrafterCore:
         if best.tokens and d.min_match and best.match_len < d.min_match:
             self.gated += 1
             best = NO_DRAFT
-        if best.support:
+        if best.support and self.priced:
             row.pending = [*row.pending, _Proposal(len(ctx), source, best.tokens, best.support)][-PENDING:]
-            if self.priced and len(d.price) == 2:
+            if len(d.price) == 2:
                 keep = best_length(self.calibration(row.ns).rates(source, best.support), *d.price)
                 self.cut_tokens += len(best.tokens) - keep
                 best = replace(best, tokens=best.tokens[:keep], support=best.support[:keep])

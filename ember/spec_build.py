@@ -8,9 +8,10 @@
 * ``"suffix"`` — suffix decoding over the request's own text and every
   earlier prompt and response of its cache namespace, any backend;
   ``"suffix+ngram"`` composes it with prompt lookup (the better proposal
-  wins each round; ``actors.suffix_cores``); ``"suffix:uncut"`` drafts a
-  lone row to its match's estimated end, not cut to the length its measured
-  cost and acceptance pay best (the earlier rule, kept for comparison);
+  wins each round; ``actors.suffix_cores``); ``"suffix:cut"`` cuts a lone
+  row's draft to the length its measured cost and calibrated acceptance pay
+  best (measured even with the default's on the 1.5B and SmolLM2, so an
+  option: docs/speculation.md, "Draft length against cost");
 * ``"tiny-draft"`` or a directory — an mlx-lm draft model (``backend="mlx"``),
   loaded on the engine's MLX thread from its own directory; it must share the
   target's tokenizer and must not be the target itself;
@@ -103,9 +104,9 @@ def _suffix_core(name: str) -> DrafterCore:
         return SuffixDrafterCore()
     if name == "suffix+ngram":
         return SuffixDrafterCore(ngram=NgramDrafterCore())
-    if name == "suffix:uncut":
-        return SuffixDrafterCore(priced=False)
-    raise InvalidRequest(f"bad suffix drafter {name!r}: use suffix, suffix+ngram or suffix:uncut", "draft_model")
+    if name == "suffix:cut":
+        return SuffixDrafterCore(priced=True)
+    raise InvalidRequest(f"bad suffix drafter {name!r}: use suffix, suffix+ngram or suffix:cut", "draft_model")
 
 
 def _fake_core(name: str, fake_cfg: Any) -> DrafterCore:

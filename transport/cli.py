@@ -42,7 +42,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-model",
         help="speculative decoding drafter: ngram (prompt lookup; serve's default), suffix (suffix decoding "
-        "across a namespace's requests), suffix+ngram, a model directory, tiny-draft, or none",
+        "across a namespace's requests), suffix+ngram, suffix:cut (drafts cut to what their cost pays), "
+        "a model directory, tiny-draft, or none",
     )
     p.add_argument("--num-draft-tokens", type=int, help="draft tokens per round (default: adaptive)")
     p.add_argument("--fake-gpu", action="store_true", help="serve the deterministic fake GPU instead of a model")

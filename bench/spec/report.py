@@ -315,4 +315,12 @@ def paired_report(args, drafters, workloads, batches, arms, off_tps, stats, widt
     lines += ["Adaptive γ: rounds per γ chosen, and the policy's fitted round costs (s):", ""]
     for d, st in stats.items():
         lines.append(f"- `{Path(d).name}`: {st.get('gamma_chosen')}; fit {st.get('policy', {}).get('round_s_fit')}")
+    cuts = {d: st for d, st in stats.items() if "suffix_cut_tokens" in st}
+    if cuts:
+        lines += ["", "Suffix drafts judged against the tokens that came, and draft tokens cut for their cost:", ""]
+        for d, st in cuts.items():
+            lines.append(
+                f"- `{Path(d).name}`: judged {st.get('suffix_judged_tokens')}, cut {st.get('suffix_cut_tokens')}, "
+                f"proposals {st.get('suffix_proposals')}"
+            )
     return "\n".join(lines + [""] + anat)

@@ -71,7 +71,7 @@ def test_the_core_cuts_a_unique_match_its_namespace_showed_to_be_wrong():
     first tokens and then say something else. The core judges its own drafts
     by the tokens that came (sent with the next tail), so its drafts from
     that store shrink in "a" once priced, and not unpriced, nor in "b"."""
-    core = SuffixDrafterCore()
+    core = SuffixDrafterCore(priced=True)  # ``suffix:cut``
     for ns in ("a", "b"):
         core.learn([finished(1, [1, 2, 3], RESPONSE, ns=ns)])
     ctx = [9] + RESPONSE[:20]  # a 20-token match: up to 20 tokens drafted
@@ -98,7 +98,7 @@ def test_the_core_cuts_a_unique_match_its_namespace_showed_to_be_wrong():
     assert core.stats()["suffix_cut_tokens"] >= 20 - len(cut)
     assert draft(101, "a", []) == RESPONSE[20:40]  # unpriced (a batch): as before
     assert draft(102, "b", PRICE_15B) == RESPONSE[20:40]  # another namespace learned nothing of "a"
-    core.priced = False  # ``suffix:uncut``
+    core.priced = False  # plain ``suffix``: drafts to the match's end
     assert draft(103, "a", PRICE_15B) == RESPONSE[20:40]
 
 
@@ -122,3 +122,12 @@ def test_a_verdict_carries_the_price_and_a_plain_verdict_none():
     off = VerifierCore(GammaPolicy(fixed=0))
     w = off.verify(Verify(windows=[Window(rid=1, drafts=[], targets=[8], fixed_gamma=0)])).verdicts[0]
     assert w.gamma_next == 0 and w.price == []
+
+
+def test_the_drafter_names_pick_the_length_rule():
+    from ember.errors import InvalidRequest
+    from ember.spec_build import _suffix_core
+
+    assert _suffix_core("suffix:cut").priced and not _suffix_core("suffix").priced
+    with pytest.raises(InvalidRequest, match="suffix:cut"):
+        _suffix_core("suffix:uncut")
