@@ -485,7 +485,7 @@ async def test_request_overrides_gamma_or_turns_speculation_off():
 def test_bad_drafter_names_are_refused():
     with pytest.raises(InvalidRequest, match="is .ngram., .suffix. or .fake-draft"):
         Engine.start(EngineConfig(backend="fake", draft_model="tiny-draft"))
-    with pytest.raises(InvalidRequest, match="use suffix or suffix.ngram"):
+    with pytest.raises(InvalidRequest, match="use suffix, suffix.ngram or suffix:cut"):
         Engine.start(EngineConfig(backend="fake", draft_model="suffix:3"))
     with pytest.raises(InvalidRequest, match="needs a draft_model"):
         Engine.start(EngineConfig(backend="fake", num_draft_tokens=2))
