@@ -4,9 +4,11 @@ against what one more verify-window row costs.
 Suffix decoding estimates a token's probability as the share of the matched
 suffixes that go on with it (``engine.speculation.suffix``). On one matching
 occurrence that share is 1 to the occurrence's end, so a unique long match
-drafted up to ``REACH`` (24) tokens "at certainty", while each row of a verify
+drafts up to ``REACH`` (24) tokens "at certainty", while each row of a verify
 window costs ~0.14 of a plain round on the 1.5B (docs/bench/spec-real.md):
-a long window's tail was paid for and rejected. Two measured corrections:
+a long window's rejected tail is paid for. ``suffix:cut`` corrects for it
+in two steps (measured even with drafting to the match's end on the 1.5B and
+SmolLM2, so it is an option, not the default: docs/bench/spec-real.md):
 
 * ``AcceptCalibration`` learns, per namespace, how often a draft token of a
   given support was the token the request went on to produce, given that the
