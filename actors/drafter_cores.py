@@ -46,7 +46,7 @@ class Draft(msgspec.Struct, frozen=True, kw_only=True):
     # for a lone row the policy already drafts at its deepest.
     reach: int = 0
     # With ``reach``: what the row's verify window costs, in plain rounds (a
-    # one-draft window, and each further row: ``Verdict.price``), so a proposer
+    # one-draft window, and each further row: ``Verified.price``), so a proposer
     # that knows its tokens' chances drafts the length that pays most (empty: unpriced).
     price: list[float] = []
 

@@ -44,7 +44,6 @@ class RowSpec:
     hold: int = 0  # with gamma 0: plain rounds left before the Verifier is asked again
     min_match: int = 0  # the Verifier's gate on prompt lookup's agreement (Verdict.min_match)
     quorum: int = 0  # in a batch: feed drafts only beside this many rows' (Verdict.quorum)
-    price: list[float] = field(default_factory=list)  # a lone row's window in plain rounds (Verdict.price)
     consult: bool = True  # send the next round to the Verifier even without drafts
     synced: int = 0  # context tokens the Drafter has
     drafts: list[int] = field(default_factory=list)
@@ -85,6 +84,7 @@ class SpecRounds:
         # windows the backend stopped at their first draft is costed as the
         # plain round it was. A draft model ran its steps for those drafts.
         self.free_drafts = free_drafts
+        self.price: list[float] = []  # a lone row's window in plain rounds, the latest Verified.price
         self._finished: list[Finished] = []
         self.rows: dict[int, RowSpec] = {}
         self.owed: dict[int, int] = {}  # rid -> tokens the backend must still trim
@@ -172,7 +172,7 @@ class SpecRounds:
                     min_match=spec.min_match,
                     ns=row.ns,
                     reach=reach,
-                    price=spec.price if reach else [],
+                    price=self.price if reach else [],
                 )
             )
             spec.synced = len(context)
@@ -322,6 +322,8 @@ class SpecRounds:
             held = self.rows.get(rid)
             if held is not None and not held.off:  # on a plain hold, or watching (GammaPolicy._watch)
                 held.hold, held.consult = 0, True
+        if verified.price:
+            self.price = verified.price
         for v in verified.verdicts:
             spec = self.rows.get(v.rid)
             row = rows.get(v.rid)
@@ -334,7 +336,6 @@ class SpecRounds:
             spec.accepted += v.accepted
             spec.draft_rounds += 1 if drafted else 0
             spec.gamma, spec.hold, spec.min_match, spec.quorum = v.gamma_next, v.hold, v.min_match, v.quorum
-            spec.price = v.price
             spec.consult, spec.empty = False, 0
             spec.off = spec.off or v.fallback
             if row is None:

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from actors.drafter_cores import Draft, Drafted, Finished, NgramDrafterCore, check_start
-from engine.speculation.draft_length import AcceptCalibration, best_length
+from engine.speculation.draft_length import LOCAL, STORE, AcceptCalibration, best_length
 from engine.speculation.suffix import NO_DRAFT, SuffixIndex, SuffixParams, SuffixStore
 
 # A namespace's store holds at most this many tokens (oldest documents
@@ -192,12 +192,12 @@ class SuffixDrafterCore:
         row = self.rows[d.rid]
         limit = max(d.gamma, d.reach)
         ctx = row.index.tokens
-        best, source = row.index.propose(ctx, limit), "local"
+        best, source = row.index.propose(ctx, limit), LOCAL
         st = self.stores.get(row.ns)
         if st is not None:
             shared = st.propose(ctx, limit)
             if shared.score > best.score:
-                best, source = shared, "store"
+                best, source = shared, STORE
         if best.tokens and d.min_match and best.match_len < d.min_match:
             self.gated += 1
             best = NO_DRAFT

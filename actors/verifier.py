@@ -117,9 +117,6 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     # with a quorum propose, or where a fixed-γ row drafts anyway (GammaPolicy.quorum).
     quorum: int = 0
     fallback: bool = False  # the backend refused the window: plain decode from now on
-    # A lone row's verify window in plain rounds as the policy measured it:
-    # [one-draft window, each further row] (GammaPolicy.window_price).
-    price: list[float] = []
 
 
 class Verified(Wire, frozen=True):
@@ -129,6 +126,10 @@ class Verified(Wire, frozen=True):
     # Rows on a plain hold to send to the Verifier next round: another row chose
     # a γ that pays only if every row of the batch drafts (GammaPolicy.best).
     wake: list[int] = []
+    # A lone row's verify window in plain rounds as the policy prices it now:
+    # [one-draft window, each further row] (GammaPolicy.window_price); empty
+    # when no row drafts next round. One price for every row: it is the policy's.
+    price: list[float] = []
 
 
 # ---------------------------------------------------------------------------
@@ -178,7 +179,8 @@ class VerifierCore:
                 if rid not in judged and held and row.fixed is None and not (row.off or row.retired):
                     row.woken = True
                     woken.append(rid)
-        return Verified(verdicts=verdicts, wake=woken)
+        drafting = any(v.gamma_next > 0 for v in verdicts)
+        return Verified(verdicts=verdicts, wake=woken, price=self.policy.window_price() if drafting else [])
 
     def _judge(self, w: Window) -> Verdict:
         row = self.rows.get(w.rid)
@@ -217,7 +219,6 @@ class VerifierCore:
             hold=hold,
             min_match=self.policy.min_match(row),
             quorum=self.policy.quorum(row, gamma),
-            price=self.policy.window_price() if gamma > 0 else [],
         )
 
     def forget(self, rids: list[int]) -> None:

@@ -20,7 +20,7 @@ SmolLM2, so it is an option, not the default: docs/bench/spec-real.md):
   (source, share) pool's rate, and a pool with none the raw share: a cold
   engine drafts as before.
 * ``best_length`` keeps the prefix with the most expected tokens per unit of
-  cost, a window priced as the policy measured it (``Verdict.price``: a
+  cost, a window priced as the policy measured it (``Verified.price``: a
   one-draft window over a plain round, and each further row).
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOCAL, STORE = "local", "store"
+LOCAL, STORE = "local", "store"  # where a suffix draft came from: the request's own text, its namespace's store
 
 
 def _bucket(value: int, edges: tuple[int, ...]) -> int:

@@ -147,8 +147,8 @@ def test_reach_is_offered_only_to_a_lone_adaptive_row_at_the_deepest_gamma():
         plan = core.plan()
         core.apply(plan, StepResult(tokens={rid: 10 for rid, _ in rids_ns}))
         core.spec.take_verify(len(rids_ns))
-        verdicts = [Verdict(rid=rid, accepted=0, tokens=[10], gamma_next=gamma, price=[1.4, 0.1]) for rid, _ in rids_ns]
-        core.apply_verified(Verified(verdicts=verdicts))
+        verdicts = [Verdict(rid=rid, accepted=0, tokens=[10], gamma_next=gamma) for rid, _ in rids_ns]
+        core.apply_verified(Verified(verdicts=verdicts, price=[1.4, 0.1]))
         return core
 
     core = core_with(ADAPTIVE_GAMMA_MAX, (1, "team"))

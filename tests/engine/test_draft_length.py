@@ -113,15 +113,15 @@ def test_the_policy_prices_a_lone_window_from_its_measured_line():
     assert policy.window_price() == [pytest.approx(1.4, abs=0.01), pytest.approx(0.1, abs=0.01)]
 
 
-def test_a_verdict_carries_the_price_and_a_plain_verdict_none():
+def test_a_verified_round_carries_the_price_and_a_plain_one_none():
     from actors.verifier import VerifierCore, Verify, Window
 
     core = VerifierCore(GammaPolicy(fixed=3))
-    v = core.verify(Verify(windows=[Window(rid=1, drafts=[5, 6, 7], targets=[5, 6, 7, 8], fixed_gamma=3)])).verdicts[0]
-    assert v.gamma_next == 3 and v.price == core.policy.window_price()
+    got = core.verify(Verify(windows=[Window(rid=1, drafts=[5, 6, 7], targets=[5, 6, 7, 8], fixed_gamma=3)]))
+    assert got.verdicts[0].gamma_next == 3 and got.price == core.policy.window_price()
     off = VerifierCore(GammaPolicy(fixed=0))
-    w = off.verify(Verify(windows=[Window(rid=1, drafts=[], targets=[8], fixed_gamma=0)])).verdicts[0]
-    assert w.gamma_next == 0 and w.price == []
+    plain = off.verify(Verify(windows=[Window(rid=1, drafts=[], targets=[8], fixed_gamma=0)]))
+    assert plain.verdicts[0].gamma_next == 0 and plain.price == []
 
 
 def test_the_drafter_names_pick_the_length_rule():
