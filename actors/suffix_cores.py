@@ -18,9 +18,9 @@ match length.
 
 With ``priced`` (``suffix:cut``), a lone row's draft (``Draft.price`` set)
 is cut to the length with the most expected tokens per unit of the window's
-measured cost, its tokens' chances
-calibrated by what drafts of the same support were really accepted at in the
-namespace (``engine.speculation.draft_length``). The answer comes with the
+measured cost, its tokens' chances calibrated by what drafts of the same
+support were really accepted at in the namespace
+(``engine.speculation.draft_length``). The answer comes with the
 next context tail, so every proposal is judged to its first wrong token,
 whatever part of it the window fed.
 """
